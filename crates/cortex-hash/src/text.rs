@@ -1,0 +1,376 @@
+//! Text → tokens for a model profile: the chat template rendered exactly as HuggingFace
+//! transformers renders it, and tokenization with the model's own `tokenizer.json`.
+//!
+//! Key decision: exact agreement with the worker beats speed and beats convenience. The template
+//! environment mirrors transformers' sandbox (`trim_blocks`, `lstrip_blocks`, loop controls,
+//! Python string methods, `raise_exception`, `strftime_now`) and replaces minijinja's `tojson`
+//! with a clone of Python's `json.dumps` (`", "`/`": "` separators, insertion order, no HTML
+//! escaping), without which real templates with tool schemas render differently. All 15
+//! transformers renderings and all 46 tokenizer vectors in `golden/` are checked by
+//! `cargo xtask golden`.
+
+use std::path::Path;
+
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, Error, ErrorKind};
+
+use crate::Token;
+use crate::profile::FileDigest;
+
+/// Why text could not become tokens.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    /// The template does not compile.
+    #[error("chat template does not compile: {0}")]
+    TemplateSyntax(#[source] minijinja::Error),
+    /// Rendering failed (including the template's own `raise_exception`).
+    #[error("chat template rendering failed: {0}")]
+    Render(#[source] minijinja::Error),
+    /// The tokenizer file could not be read.
+    #[error("cannot read tokenizer file: {0}")]
+    TokenizerIo(#[source] std::io::Error),
+    /// The tokenizer file is not a valid `tokenizer.json`.
+    #[error("cannot load tokenizer: {0}")]
+    TokenizerLoad(String),
+    /// Encoding failed.
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+    /// `tokenizer_config.json` is not JSON or has no usable `chat_template`.
+    #[error("tokenizer_config.json: {0}")]
+    Config(String),
+}
+
+/// A compiled chat template, rendered as transformers' `apply_chat_template(tokenize=False)`.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    digest: FileDigest,
+}
+
+impl std::fmt::Debug for ChatTemplate {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatTemplate").field("digest", &self.digest).finish_non_exhaustive()
+    }
+}
+
+const TEMPLATE_NAME: &str = "chat";
+
+impl ChatTemplate {
+    /// Compiles `source` (the `chat_template` string of `tokenizer_config.json`, or a `.jinja`
+    /// file).
+    ///
+    /// ```
+    /// use cortex_hash::text::ChatTemplate;
+    ///
+    /// let tpl = ChatTemplate::new(
+    ///     "{% for m in messages %}<|{{ m.role }}|>{{ m.content | tojson }}\n{% endfor %}",
+    /// ).unwrap();
+    /// let ctx = serde_json::json!({"messages": [{"role": "user", "content": "a<b & 'c'"}]});
+    /// assert_eq!(tpl.render(&ctx).unwrap(), "<|user|>\"a<b & 'c'\"\n");
+    /// ```
+    ///
+    /// # Errors
+    /// [`TextError::TemplateSyntax`] if the template does not compile.
+    pub fn new(source: &str) -> Result<Self, TextError> {
+        let mut env = Environment::new();
+        env.set_syntax(
+            minijinja::syntax::SyntaxConfig::builder()
+                .trim_blocks(true)
+                .lstrip_blocks(true)
+                .build()
+                .map_err(TextError::TemplateSyntax)?,
+        );
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", py_tojson);
+        env.add_function("raise_exception", |msg: String| -> Result<Value, Error> {
+            Err(Error::new(ErrorKind::InvalidOperation, msg))
+        });
+        env.add_function("strftime_now", |fmt: String| -> String { strftime_now(&fmt) });
+        env.add_template_owned(TEMPLATE_NAME, source.to_owned()).map_err(TextError::TemplateSyntax)?;
+        Ok(ChatTemplate { env, digest: FileDigest::of(source.as_bytes()) })
+    }
+
+    /// Digest of the template source (a [`ModelProfile`](crate::profile::ModelProfile) field).
+    #[must_use]
+    pub const fn digest(&self) -> FileDigest {
+        self.digest
+    }
+
+    /// Renders the template with `context`: a JSON object holding `messages` and whatever else the
+    /// template reads (`tools`, `add_generation_prompt`, `bos_token`, `eos_token`,
+    /// `enable_thinking`, …), exactly the keyword arguments transformers would pass.
+    ///
+    /// # Errors
+    /// [`TextError::Render`] on a rendering error or a `raise_exception` call.
+    pub fn render(&self, context: &serde_json::Value) -> Result<String, TextError> {
+        let tpl = self.env.get_template(TEMPLATE_NAME).map_err(TextError::Render)?;
+        tpl.render(Value::from(minijinja::value::Serde(context))).map_err(TextError::Render)
+    }
+}
+
+/// A model's tokenizer, loaded from its `tokenizer.json` with no network access.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    digest: FileDigest,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer").field("digest", &self.digest).finish_non_exhaustive()
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `tokenizer.json` from `path`.
+    ///
+    /// # Errors
+    /// [`TextError::TokenizerIo`] or [`TextError::TokenizerLoad`].
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, TextError> {
+        let bytes = std::fs::read(path).map_err(TextError::TokenizerIo)?;
+        Self::from_bytes(&bytes)
+    }
+
+    /// Loads a `tokenizer.json` held in memory.
+    ///
+    /// # Errors
+    /// [`TextError::TokenizerLoad`] if the bytes are not a valid tokenizer.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, TextError> {
+        let inner =
+            tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| TextError::TokenizerLoad(e.to_string()))?;
+        Ok(TextTokenizer { inner, digest: FileDigest::of(bytes) })
+    }
+
+    /// Digest of the tokenizer file (a [`ModelProfile`](crate::profile::ModelProfile) field).
+    #[must_use]
+    pub const fn digest(&self) -> FileDigest {
+        self.digest
+    }
+
+    /// Token ids of `text`. `add_special_tokens` is what the engine passes: `false` for a
+    /// rendered chat prompt (the template wrote the special tokens), the request's
+    /// `add_special_tokens` (default `true`) for a plain completion prompt.
+    ///
+    /// # Errors
+    /// [`TextError::Encode`].
+    pub fn encode(&self, text: &str, special: SpecialTokens) -> Result<Vec<Token>, TextError> {
+        let enc = self
+            .inner
+            .encode_fast(text, matches!(special, SpecialTokens::Add))
+            .map_err(|e| TextError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The id of a token string (special tokens included), if the vocabulary has it.
+    #[must_use]
+    pub fn token_to_id(&self, token: &str) -> Option<Token> {
+        self.inner.token_to_id(token)
+    }
+
+    /// The text of `ids` (special tokens kept).
+    ///
+    /// # Errors
+    /// [`TextError::Encode`] if an id is not in the vocabulary.
+    pub fn decode(&self, ids: &[Token]) -> Result<String, TextError> {
+        self.inner.decode(ids, false).map_err(|e| TextError::Encode(e.to_string()))
+    }
+}
+
+/// Whether the tokenizer adds its post-processor's special tokens (BOS and the like).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SpecialTokens {
+    /// Add them (`add_special_tokens=True`).
+    Add,
+    /// Do not (`add_special_tokens=False`), as for a rendered chat prompt.
+    Omit,
+}
+
+/// The template and special-token strings of a `tokenizer_config.json`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenizerConfig {
+    /// The `chat_template` source.
+    pub chat_template: String,
+    /// `bos_token`, if any.
+    pub bos_token: Option<String>,
+    /// `eos_token`, if any.
+    pub eos_token: Option<String>,
+}
+
+impl TokenizerConfig {
+    /// Reads the fields Cortex needs from `tokenizer_config.json` bytes.
+    ///
+    /// # Errors
+    /// [`TextError::Config`] if the file is not JSON or has no string `chat_template`.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, TextError> {
+        let v: serde_json::Value =
+            serde_json::from_slice(bytes).map_err(|e| TextError::Config(format!("not JSON: {e}")))?;
+        let chat_template = v
+            .get("chat_template")
+            .and_then(serde_json::Value::as_str)
+            .ok_or_else(|| TextError::Config("no string `chat_template`".to_owned()))?
+            .to_owned();
+        // A special token is either a string or an AddedToken object with a `content`.
+        let special = |key: &str| match v.get(key) {
+            Some(serde_json::Value::String(s)) => Some(s.clone()),
+            Some(serde_json::Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).map(str::to_owned),
+            _ => None,
+        };
+        Ok(TokenizerConfig { chat_template, bos_token: special("bos_token"), eos_token: special("eos_token") })
+    }
+}
+
+/// Python's `json.dumps(value, ensure_ascii=False, indent=indent)`, as transformers' `tojson`.
+fn py_tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    // Accepted and ignored: transformers' filter always behaves as ensure_ascii=False.
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    let _: Option<bool> = kwargs.get("sort_keys")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let mut out = String::new();
+    py_json(&json, indent, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+fn py_json(v: &serde_json::Value, indent: Option<usize>, level: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, lvl: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.extend(std::iter::repeat_n(' ', n * lvl));
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        J::Array(a) if a.is_empty() => out.push_str("[]"),
+        J::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, level + 1);
+                py_json(x, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push(']');
+        }
+        J::Object(m) if m.is_empty() => out.push_str("{}"),
+        J::Object(m) => {
+            out.push('{');
+            for (i, (k, x)) in m.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, level + 1);
+                out.push_str(&serde_json::Value::String(k.clone()).to_string());
+                out.push_str(": ");
+                py_json(x, indent, level + 1, out);
+            }
+            newline(out, level);
+            out.push('}');
+        }
+        J::Number(n) if n.is_f64() => match n.as_f64() {
+            // Python prints integral floats with a trailing ".0".
+            Some(f) if f.fract() == 0.0 && f.abs() < 1e16 => out.push_str(&format!("{f:.1}")),
+            _ => out.push_str(&n.to_string()),
+        },
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// `strftime_now(format)` for the directives chat templates use (`%d %b %Y` and friends), in UTC.
+fn strftime_now(fmt: &str) -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    strftime(fmt, secs)
+}
+
+fn strftime(fmt: &str, unix_secs: u64) -> String {
+    const MONTHS: [&str; 12] =
+        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const DAYS: [&str; 7] = ["Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday"];
+    let days = (unix_secs / 86_400) as i64;
+    let rem = unix_secs % 86_400;
+    // Civil-from-days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let month_name = MONTHS[(month - 1) as usize];
+    let weekday = DAYS[days.rem_euclid(7) as usize];
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('a') => out.push_str(&weekday[..3]),
+            Some('A') => out.push_str(weekday),
+            Some('H') => out.push_str(&format!("{:02}", rem / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", rem / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", rem % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_matches_python() {
+        // datetime.utcfromtimestamp(1_785_000_000).strftime(...) -> '25 Jul 2026', 'Saturday'
+        assert_eq!(strftime("%d %b %Y", 1_785_000_000), "25 Jul 2026");
+        assert_eq!(strftime("%A %H:%M:%S %%", 1_785_000_000), "Saturday 17:20:00 %");
+        assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
+    }
+
+    #[test]
+    fn tojson_is_python_json_dumps() {
+        let v = serde_json::json!({"b": [1, 2.0, "x<y>&'z'"], "a": {}, "c": []});
+        let mut out = String::new();
+        py_json(&v, None, 0, &mut out);
+        assert_eq!(out, r#"{"b": [1, 2.0, "x<y>&'z'"], "a": {}, "c": []}"#);
+        let mut out = String::new();
+        py_json(&serde_json::json!({"a": [1]}), Some(2), 0, &mut out);
+        assert_eq!(out, "{\n  \"a\": [\n    1\n  ]\n}");
+    }
+
+    #[test]
+    fn raise_exception_is_a_render_error() {
+        let t = ChatTemplate::new("{{ raise_exception('no system role') }}").unwrap();
+        let err = t.render(&serde_json::json!({})).unwrap_err();
+        assert!(err.to_string().contains("no system role"), "{err}");
+    }
+
+    #[test]
+    fn config_reads_template_and_specials() {
+        let c = TokenizerConfig::from_json(
+            br#"{"chat_template": "x", "bos_token": null, "eos_token": {"content": "<e>"}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.eos_token.as_deref(), Some("<e>"));
+        assert_eq!(c.bos_token, None);
+        assert!(TokenizerConfig::from_json(b"{}").is_err());
+    }
+}
