@@ -6,3 +6,7 @@
 //! reclaimed with crossbeam-epoch), reference-count vLLM's duplicate physical blocks, keep
 //! orphaned chains until their parent appears, and bound and measure its memory. It knows nothing
 //! about sockets or async.
+
+pub mod overlap;
+
+pub use overlap::{Overlap, OverlapScores};
