@@ -1,0 +1,351 @@
+//! The vocabulary of a decision: the request as the scheduler sees it, the degradation chain
+//! ([`MatchMode`]) with the reason for each fallback, and the ranked result ([`Ranking`]).
+//!
+//! Key decisions:
+//! - One [`MatchMode`] enum is the degradation chain everywhere (headers, metrics, debug), with
+//!   the seed's spellings: `exact_kv_events` → `load_aware` → `fallback_p2c` →
+//!   `fallback_round_robin`. It names the information the choice rested on; the
+//!   [`FallbackReason`] says why it is not the level above.
+//! - The caller states what it could not trust ([`Untrusted`]: tokenizer failure, template
+//!   mismatch, ledger not READY, exact routing off). The scheduler then never looks at an overlap
+//!   for that request, so no guessed hit can arise.
+//! - The result is a ranked list written into a buffer the caller lends ([`Ranking`], Pingora's
+//!   `BackendSelection::iter`): admissible candidates in order (the proxy books the first and the
+//!   next on retry), then the excluded ones with why, for the debug endpoint. Each candidate is a
+//!   holder — (worker, DP rank) — with its score breakdown.
+
+use std::fmt;
+
+use cortex_hash::SeqHash;
+use cortex_hash::kv::HolderId;
+use cortex_radix::OverlapScores;
+
+use crate::cluster::{Capacity, Role};
+use crate::config::PolicyKind;
+use crate::failure::FailureClass;
+use crate::state::LedgerState;
+use crate::time::Timestamp;
+
+/// The degradation chain, best first. The `as_str` spellings are the `x-cortex-match-mode`
+/// header values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MatchMode {
+    /// The ledger is READY and the chosen holder has a hit that the score counted.
+    ExactKvEvents,
+    /// Chosen by the load terms: the ledger was usable but had no hit, the hit was overruled
+    /// (load, watermark, bound), the caller could not trust the cache for this request, or the
+    /// pool's policy is load-based.
+    LoadAware,
+    /// Power of two choices: load signals were partly missing (or the policy is `power_of_two`).
+    FallbackP2c,
+    /// Only liveness was used: no load signal at all, or a liveness-only policy (`round_robin`,
+    /// `random`, `consistent_hashing`, `manual`).
+    FallbackRoundRobin,
+}
+
+impl MatchMode {
+    /// The header spelling.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            MatchMode::ExactKvEvents => "exact_kv_events",
+            MatchMode::LoadAware => "load_aware",
+            MatchMode::FallbackP2c => "fallback_p2c",
+            MatchMode::FallbackRoundRobin => "fallback_round_robin",
+        }
+    }
+}
+
+impl fmt::Display for MatchMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why the caller cannot give an exact overlap for this request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Untrusted {
+    /// Rendering or tokenizing the prompt failed.
+    TokenizerFailed,
+    /// The gateway's chat template does not match the worker's.
+    TemplateMismatch,
+    /// The model's ledger is not READY (syncing, stale, no events).
+    LedgerNotReady,
+    /// Exact routing is off for this model (misaligned profile, proxy-only mode).
+    ExactRoutingOff,
+}
+
+/// What the caller knows of the cache for this request.
+#[derive(Clone, Copy, Debug)]
+pub enum CacheView<'a> {
+    /// The ledger's answer (which counts only READY holders) and the block size in tokens.
+    Overlap {
+        /// Per-holder leading-block matches.
+        scores: &'a OverlapScores,
+        /// Tokens per block.
+        block_tokens: u32,
+    },
+    /// No trustworthy answer.
+    Untrusted(Untrusted),
+}
+
+/// Why the decision is not at the level above in the chain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FallbackReason {
+    /// See [`Untrusted::TokenizerFailed`].
+    TokenizerFailed,
+    /// See [`Untrusted::TemplateMismatch`].
+    TemplateMismatch,
+    /// See [`Untrusted::LedgerNotReady`]; also when no holder of the pool is READY.
+    LedgerNotReady,
+    /// See [`Untrusted::ExactRoutingOff`].
+    ExactRoutingOff,
+    /// The ledger was usable but no admissible holder has a block of the prompt.
+    NoHit,
+    /// Some holder had a hit, but load (score or bound) put another holder first.
+    HitOverruled,
+    /// The best cache holder is above the high watermark: affinity given up for this request.
+    Watermark,
+    /// Some admissible holders have no fresh load report.
+    LoadSignalsPartial,
+    /// No admissible holder has a fresh load report.
+    LoadSignalsMissing,
+    /// The pool's policy does not use the ledger (or, for `power_of_two`, the load terms).
+    Policy,
+    /// `consistent_hashing` or `manual` without a routing key.
+    NoRoutingKey,
+    /// `prefix_hash` without a full block of prompt.
+    NoPrefix,
+}
+
+impl FallbackReason {
+    /// Snake-case name for metrics labels and debug output.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            FallbackReason::TokenizerFailed => "tokenizer_failed",
+            FallbackReason::TemplateMismatch => "template_mismatch",
+            FallbackReason::LedgerNotReady => "ledger_not_ready",
+            FallbackReason::ExactRoutingOff => "exact_routing_off",
+            FallbackReason::NoHit => "no_hit",
+            FallbackReason::HitOverruled => "hit_overruled",
+            FallbackReason::Watermark => "watermark",
+            FallbackReason::LoadSignalsPartial => "load_signals_partial",
+            FallbackReason::LoadSignalsMissing => "load_signals_missing",
+            FallbackReason::Policy => "policy",
+            FallbackReason::NoRoutingKey => "no_routing_key",
+            FallbackReason::NoPrefix => "no_prefix",
+        }
+    }
+}
+
+impl From<Untrusted> for FallbackReason {
+    fn from(u: Untrusted) -> Self {
+        match u {
+            Untrusted::TokenizerFailed => FallbackReason::TokenizerFailed,
+            Untrusted::TemplateMismatch => FallbackReason::TemplateMismatch,
+            Untrusted::LedgerNotReady => FallbackReason::LedgerNotReady,
+            Untrusted::ExactRoutingOff => FallbackReason::ExactRoutingOff,
+        }
+    }
+}
+
+/// A request as the scheduler sees it. No HTTP types: the proxy extracts these facts.
+#[derive(Clone, Copy, Debug)]
+pub struct Request<'a> {
+    /// The model name (matched against [`crate::WorkerSpec::model`]).
+    pub model: &'a str,
+    /// Which pool: regular, or the prefill / decode leg of a disaggregated request.
+    pub role: Role,
+    /// The caller's clock.
+    pub now: Timestamp,
+    /// Prompt length in tokens (an estimate when tokenization failed): what a booking reserves
+    /// as prefill work, less the chosen holder's cached tokens.
+    pub prompt_tokens: u32,
+    /// The cache as far as it can be trusted.
+    pub cache: CacheView<'a>,
+    /// The routing key (a header value) for `consistent_hashing` and `manual`.
+    pub routing_key: Option<&'a [u8]>,
+    /// The prompt's chained block hashes, for `prefix_hash` (empty when unknown).
+    pub prefix: &'a [SeqHash],
+}
+
+impl<'a> Request<'a> {
+    /// A request with no routing key and no prefix hashes.
+    #[must_use]
+    pub fn new(model: &'a str, role: Role, now: Timestamp, prompt_tokens: u32, cache: CacheView<'a>) -> Self {
+        Request { model, role, now, prompt_tokens, cache, routing_key: None, prefix: &[] }
+    }
+}
+
+/// The terms of a candidate's score. `total` orders the candidates; the others explain it.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct Score {
+    /// The affinity term (α·matched tokens for the default scorer).
+    pub affinity: f64,
+    /// The active-request term (−β·active requests).
+    pub load: f64,
+    /// The queue term (−γ·expected queue latency in ms).
+    pub queue: f64,
+    /// The sum the ranking used.
+    pub total: f64,
+}
+
+/// Why a holder of the pool may not take this request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Exclusion {
+    /// Health probes fail.
+    Unhealthy,
+    /// Being drained.
+    Draining,
+    /// Cooling down after a failure of this class.
+    CoolingDown(FailureClass),
+    /// Its circuit breaker is open.
+    BreakerOpen,
+    /// Its ledger is not READY and unready holders are excluded from exact routing.
+    LedgerNotReady,
+    /// It already has `cap` = ⌈(1+ε)·mean⌉ requests in flight.
+    BoundedLoad {
+        /// The bound in force for this decision.
+        cap: u32,
+    },
+}
+
+impl Exclusion {
+    /// Snake-case name for metrics labels and debug output.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Exclusion::Unhealthy => "unhealthy",
+            Exclusion::Draining => "draining",
+            Exclusion::CoolingDown(_) => "cooling_down",
+            Exclusion::BreakerOpen => "breaker_open",
+            Exclusion::LedgerNotReady => "ledger_not_ready",
+            Exclusion::BoundedLoad { .. } => "bounded_load",
+        }
+    }
+}
+
+/// One holder with everything the decision knew about it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    /// The (worker, DP rank) to send the request to.
+    pub holder: HolderId,
+    /// Prompt tokens this holder has in GPU KV cache per the ledger (0 when the request's cache
+    /// view is untrusted or this holder's ledger is not READY).
+    pub matched_tokens: u32,
+    /// The part of `matched_tokens` the score counted (0 when affinity was given up or the
+    /// policy ignores the cache).
+    pub affinity_tokens: u32,
+    /// Prefill tokens a booking on this holder reserves: prompt tokens less `matched_tokens`.
+    pub prefill_tokens: u32,
+    /// Requests in flight: this gateway's bookings, or the engine's running + waiting when it
+    /// reports more.
+    pub active_requests: u32,
+    /// This gateway's bookings alone (what the load bound counts).
+    pub booked_requests: u32,
+    /// Expected queue latency in milliseconds: pending prefill tokens over prefill throughput.
+    pub queue_latency_ms: f64,
+    /// Whether the holder's load signal counted as present (always under booked-only signals).
+    pub load_reported: bool,
+    /// KV usage fraction from a fresh engine report.
+    pub kv_usage: Option<f32>,
+    /// The holder's capacity (from its worker's registration).
+    pub capacity: Capacity,
+    /// The holder's ledger state.
+    pub ledger: LedgerState,
+    /// The score breakdown (zero for excluded candidates and liveness-only policies).
+    pub score: Score,
+    /// Why it may not take the request; `None` for admissible candidates.
+    pub excluded: Option<Exclusion>,
+    /// Sort key (ascending) built by the policy.
+    pub(crate) key: (u64, u64),
+}
+
+/// The result of a decision, in a buffer the caller lends and reuses.
+#[derive(Clone, Debug)]
+pub struct Ranking {
+    pub(crate) candidates: Vec<Candidate>,
+    pub(crate) admissible: usize,
+    pub(crate) mode: MatchMode,
+    pub(crate) reason: Option<FallbackReason>,
+    pub(crate) policy: PolicyKind,
+}
+
+impl Default for Ranking {
+    fn default() -> Self {
+        Self::with_capacity(0)
+    }
+}
+
+impl Ranking {
+    /// An empty ranking with room for `holders` candidates (the pool size, to allocate nothing
+    /// per decision).
+    #[must_use]
+    pub fn with_capacity(holders: usize) -> Self {
+        Ranking {
+            candidates: Vec::with_capacity(holders),
+            admissible: 0,
+            mode: MatchMode::FallbackRoundRobin,
+            reason: None,
+            policy: PolicyKind::CacheAware,
+        }
+    }
+
+    pub(crate) fn reset(&mut self, policy: PolicyKind) {
+        self.candidates.clear();
+        self.admissible = 0;
+        self.mode = MatchMode::FallbackRoundRobin;
+        self.reason = None;
+        self.policy = policy;
+    }
+
+    /// Admissible candidates, best first: book the first, the next on retry.
+    #[must_use]
+    pub fn admissible(&self) -> &[Candidate] {
+        &self.candidates[..self.admissible]
+    }
+
+    /// The best candidate.
+    #[must_use]
+    pub fn first(&self) -> Option<&Candidate> {
+        self.admissible().first()
+    }
+
+    /// Excluded holders of the pool, with why.
+    #[must_use]
+    pub fn excluded(&self) -> &[Candidate] {
+        &self.candidates[self.admissible..]
+    }
+
+    /// Every holder of the pool: admissible ones in rank order, then excluded ones.
+    #[must_use]
+    pub fn all(&self) -> &[Candidate] {
+        &self.candidates
+    }
+
+    /// The chain level of the decision.
+    #[must_use]
+    pub fn mode(&self) -> MatchMode {
+        self.mode
+    }
+
+    /// Why it is not `exact_kv_events` (`None` exactly when it is).
+    #[must_use]
+    pub fn reason(&self) -> Option<FallbackReason> {
+        self.reason
+    }
+
+    /// The policy that decided.
+    #[must_use]
+    pub fn policy(&self) -> PolicyKind {
+        self.policy
+    }
+
+    /// The predicted cache hit on the first candidate, in tokens (the `x-cortex-cache-hit-tokens`
+    /// header).
+    #[must_use]
+    pub fn cache_hit_tokens(&self) -> u32 {
+        self.first().map_or(0, |c| c.matched_tokens)
+    }
+}

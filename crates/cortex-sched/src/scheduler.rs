@@ -1,0 +1,539 @@
+//! The decision: candidate filter, then the pool's policy, written into a lent [`Ranking`].
+//!
+//! Key decisions:
+//! - Filter before choosing (Pixiu RFC, option C1): health, cooldown and breaker are checked once
+//!   per holder here, so no policy re-implements them; every policy then only orders admissible
+//!   candidates.
+//! - The chain is decided from what is known, in one place: with load signals missing everywhere
+//!   the decision is round-robin, partly missing power-of-two; otherwise the cache is used when the
+//!   caller trusts it, the holder's ledger is READY, the best holder is under the high watermark
+//!   and the holder is under the load bound.
+//! - The load bound (consistent hashing with bounded loads) counts this gateway's own bookings, so
+//!   its guarantee — no holder above ⌈(1+ε)·mean⌉, mean including the request being placed — holds
+//!   for the traffic the gateway controls; at least one holder is always under it.
+//! - Nothing on the path allocates: the candidates go into the caller's buffer, sorting is in
+//!   place, randomness is a splitmix64 counter. Only `manual` touches a map (and a mutex).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use cortex_hash::kv::HolderId;
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::cluster::{Health, HolderSlot, Snapshot};
+use crate::config::{
+    Assignment, BoundedLoad, ConfigError, LoadSignals, ManualConfig, PolicyConfig, PrefixHashConfig,
+    SchedConfig, UnreadyHolders,
+};
+use crate::decision::{CacheView, Candidate, Exclusion, FallbackReason, MatchMode, Ranking, Request, Score};
+use crate::failure::BreakerState;
+use crate::scorer::{ScoreInput, Scorer, WeightedScorer};
+use crate::state::LedgerState;
+use crate::time::Timestamp;
+
+/// Why no candidate could be ranked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SchedError {
+    /// No worker of the snapshot serves the request's model in the request's role.
+    #[error("no worker serves this model in this role")]
+    NoPool,
+    /// The pool exists but every holder is excluded; the ranking lists why.
+    #[error("every worker of the pool is excluded (unhealthy, cooling down or breaker open)")]
+    NoneAdmissible,
+}
+
+struct Sticky {
+    holder: HolderId,
+    last_used: Timestamp,
+}
+
+struct PoolRuntime {
+    policy: PolicyConfig,
+    next: AtomicU64,
+    sticky: Mutex<HashMap<u64, Sticky>>,
+}
+
+/// How complete the load signals of the admissible candidates are.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Signals {
+    Complete,
+    Partial,
+    Missing,
+}
+
+/// The scheduler: configuration, the scorer and the policies' small state (round-robin counters,
+/// random state, sticky assignments). Shared by all request tasks (`&self` everywhere).
+pub struct Scheduler<S = WeightedScorer> {
+    config: SchedConfig,
+    scorer: S,
+    pools: [PoolRuntime; 3],
+    rng: AtomicU64,
+}
+
+impl<S> std::fmt::Debug for Scheduler<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl Scheduler<WeightedScorer> {
+    /// A scheduler with the default scorer and `config`'s weights.
+    ///
+    /// # Errors
+    /// If `config` does not validate.
+    pub fn new(config: SchedConfig) -> Result<Self, ConfigError> {
+        Self::with_scorer(config, WeightedScorer { weights: config.weights })
+    }
+}
+
+const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn holder_bits(h: HolderId) -> u64 {
+    (u64::from(h.worker.0) << 16) | u64::from(h.rank.0)
+}
+
+/// Maps `x` to a u64 that sorts ascending as `x` sorts *descending* (NaN last).
+fn desc_key(x: f64) -> u64 {
+    let x = if x.is_nan() { f64::NEG_INFINITY } else { x };
+    let b = x.to_bits();
+    let asc = if b >> 63 == 1 { !b } else { b | (1 << 63) };
+    !asc
+}
+
+impl<S: Scorer> Scheduler<S> {
+    /// A scheduler with a custom scorer (the weights in `config` are then unused by scoring).
+    ///
+    /// # Errors
+    /// If `config` does not validate.
+    pub fn with_scorer(config: SchedConfig, scorer: S) -> Result<Self, ConfigError> {
+        config.validate()?;
+        let pool =
+            |policy| PoolRuntime { policy, next: AtomicU64::new(0), sticky: Mutex::new(HashMap::new()) };
+        Ok(Scheduler {
+            config,
+            scorer,
+            pools: [pool(config.pools.regular), pool(config.pools.prefill), pool(config.pools.decode)],
+            rng: AtomicU64::new(config.seed),
+        })
+    }
+
+    /// The configuration.
+    #[must_use]
+    pub fn config(&self) -> &SchedConfig {
+        &self.config
+    }
+
+    /// Forgets `manual` assignments idle for longer than their `max_idle` at `now`; returns how
+    /// many. The proxy calls it now and then (SGLang: every 60 s).
+    pub fn sweep_sticky(&self, now: Timestamp) -> usize {
+        let mut n = 0;
+        for p in &self.pools {
+            if let PolicyConfig::Manual(m) = p.policy {
+                let mut map = p.sticky.lock().unwrap_or_else(PoisonError::into_inner);
+                let before = map.len();
+                map.retain(|_, s| now.saturating_since(s.last_used) <= m.max_idle);
+                n += before - map.len();
+            }
+        }
+        n
+    }
+
+    fn random(&self) -> u64 {
+        // Relaxed: a counter whose only job is to differ between calls.
+        mix(self.rng.fetch_add(GOLDEN, Ordering::Relaxed).wrapping_add(GOLDEN))
+    }
+
+    /// Ranks the holders of `req`'s pool in `snap` into `out` (cleared first).
+    ///
+    /// On success `out.admissible()` is non-empty. On [`SchedError::NoneAdmissible`], `out` still
+    /// lists every holder with why it was excluded.
+    ///
+    /// # Errors
+    /// [`SchedError::NoPool`] if no worker serves the model in the role;
+    /// [`SchedError::NoneAdmissible`] if all are excluded.
+    pub fn decide(&self, snap: &Snapshot, req: &Request<'_>, out: &mut Ranking) -> Result<(), SchedError> {
+        let rt = &self.pools[req.role.index()];
+        out.reset(rt.policy.kind());
+        let pool = snap.pool(req.model, req.role).ok_or(SchedError::NoPool)?;
+        let (admissible, reported) = self.gather(snap, pool, req, out);
+        if admissible == 0 {
+            Self::order(out);
+            return Err(SchedError::NoneAdmissible);
+        }
+        let signals = match self.config.load_signals {
+            LoadSignals::Booked => Signals::Complete,
+            LoadSignals::EngineReports { .. } if reported == admissible => Signals::Complete,
+            LoadSignals::EngineReports { .. } if reported == 0 => Signals::Missing,
+            LoadSignals::EngineReports { .. } => Signals::Partial,
+        };
+        match rt.policy {
+            PolicyConfig::CacheAware => self.cache_aware(pool, req, signals, out),
+            PolicyConfig::LeastLoad => {
+                self.least_load(req, signals, self.config.bounded_load, FallbackReason::Policy, out)
+            }
+            PolicyConfig::PowerOfTwo => match signals {
+                Signals::Missing => self.rotate(rt, FallbackReason::LoadSignalsMissing, out),
+                _ => self.p2c(req, FallbackReason::Policy, out),
+            },
+            PolicyConfig::RoundRobin => self.rotate(rt, FallbackReason::Policy, out),
+            PolicyConfig::Random => {
+                let start = self.random();
+                self.rotate_from(start, out);
+                out.mode = MatchMode::FallbackRoundRobin;
+                out.reason = Some(FallbackReason::Policy);
+            }
+            PolicyConfig::ConsistentHashing => match req.routing_key {
+                Some(key) => {
+                    self.rendezvous(xxh3_64(key), out);
+                    out.mode = MatchMode::FallbackRoundRobin;
+                    out.reason = Some(FallbackReason::Policy);
+                }
+                None => self.rotate(rt, FallbackReason::NoRoutingKey, out),
+            },
+            PolicyConfig::Manual(m) => match req.routing_key {
+                Some(key) => self.manual(rt, m, xxh3_64(key), req, out),
+                None => self.rotate(rt, FallbackReason::NoRoutingKey, out),
+            },
+            PolicyConfig::PrefixHash(ph) => self.prefix_hash(ph, req, signals, out),
+        }
+        Self::order(out);
+        Ok(())
+    }
+
+    /// The candidate filter and the load facts: one candidate per holder of the pool, in pool
+    /// order. Returns (admissible, admissible with a load signal).
+    fn gather(
+        &self,
+        snap: &Snapshot,
+        pool: &[HolderSlot],
+        req: &Request<'_>,
+        out: &mut Ranking,
+    ) -> (usize, usize) {
+        let now = req.now;
+        let max_age = match self.config.load_signals {
+            LoadSignals::Booked => None,
+            LoadSignals::EngineReports { max_age } => Some(max_age),
+        };
+        let (mut admissible, mut reported) = (0, 0);
+        for (i, slot) in pool.iter().enumerate() {
+            let entry = snap.entry(slot);
+            let st = entry.state();
+            let Some(rs) = st.rank_state(slot.holder.rank) else { continue };
+            let excluded = match entry.health() {
+                Health::Unhealthy => Some(Exclusion::Unhealthy),
+                Health::Draining => Some(Exclusion::Draining),
+                Health::Healthy => match st.cooldown(now) {
+                    Some((class, _)) => Some(Exclusion::CoolingDown(class)),
+                    None if st.breaker(now) == BreakerState::Open => Some(Exclusion::BreakerOpen),
+                    None => None,
+                },
+            };
+            let booked = rs.booked_requests();
+            let mut active = booked;
+            let mut pending = rs.booked_prefill_tokens();
+            let mut kv_usage = None;
+            let load_reported = match max_age {
+                None => true,
+                Some(age) => match rs.engine(now, Some(age)) {
+                    Some((e, _)) => {
+                        active = active.max(e.running.saturating_add(e.waiting));
+                        pending = pending.max(e.waiting_prefill_tokens);
+                        kv_usage = Some(e.kv_usage);
+                        true
+                    }
+                    None => false,
+                },
+            };
+            let capacity = entry.spec().capacity;
+            let rate = f64::from(capacity.prefill_tokens_per_sec.max(1)) / 1000.0;
+            if excluded.is_none() {
+                admissible += 1;
+                reported += usize::from(load_reported);
+            }
+            out.candidates.push(Candidate {
+                holder: slot.holder,
+                matched_tokens: 0,
+                affinity_tokens: 0,
+                prefill_tokens: req.prompt_tokens,
+                active_requests: active,
+                booked_requests: booked,
+                queue_latency_ms: pending as f64 / rate,
+                load_reported,
+                kv_usage,
+                capacity,
+                ledger: rs.ledger(),
+                score: Score::default(),
+                excluded,
+                key: (0, i as u64),
+            });
+        }
+        (admissible, reported)
+    }
+
+    /// Admissible first in key order, excluded after in pool order; sets `out.admissible`.
+    fn order(out: &mut Ranking) {
+        for c in &mut out.candidates {
+            if c.excluded.is_some() {
+                c.key.0 = u64::MAX;
+            }
+        }
+        out.candidates.sort_unstable_by_key(|c| c.key);
+        out.admissible = out.candidates.iter().take_while(|c| c.excluded.is_none()).count();
+    }
+
+    /// Scores every admissible candidate (counting its `affinity_tokens`) and keys it by score;
+    /// ties are broken by a random rotation so that equal holders share a burst.
+    fn score_all(&self, req: &Request<'_>, out: &mut Ranking) {
+        let n = out.candidates.len() as u64;
+        let offset = self.random() % n.max(1);
+        for (i, c) in out.candidates.iter_mut().enumerate() {
+            if c.excluded.is_some() {
+                continue;
+            }
+            c.score = self.scorer.score(&ScoreInput {
+                holder: c.holder,
+                matched_tokens: c.affinity_tokens,
+                prompt_tokens: req.prompt_tokens,
+                active_requests: c.active_requests,
+                queue_latency_ms: c.queue_latency_ms,
+                kv_usage: c.kv_usage,
+                capacity: c.capacity,
+            });
+            c.key = (desc_key(c.score.total), (i as u64 + n - offset) % n);
+        }
+    }
+
+    fn over_watermark(&self, c: &Candidate) -> bool {
+        let w = self.config.watermark;
+        let limit = (w.inflight_fraction * f64::from(c.capacity.max_running_requests)).ceil().max(1.0);
+        f64::from(c.active_requests) >= limit || c.queue_latency_ms >= w.queue_latency.as_secs_f64() * 1000.0
+    }
+
+    /// Excludes admissible holders with `booked ≥ ⌈(1+ε)·(Σbooked + 1)/n⌉`. At least one holder
+    /// stays: the least booked has at most the mean, which is below the cap.
+    fn bound(b: BoundedLoad, out: &mut Ranking) {
+        let (mut n, mut total) = (0u64, 0u64);
+        for c in out.candidates.iter().filter(|c| c.excluded.is_none()) {
+            n += 1;
+            total += u64::from(c.booked_requests);
+        }
+        if n == 0 {
+            return;
+        }
+        let cap = ((1.0 + b.epsilon) * (total + 1) as f64 / n as f64).ceil() as u64;
+        let cap32 = u32::try_from(cap).unwrap_or(u32::MAX);
+        for c in out.candidates.iter_mut().filter(|c| c.excluded.is_none()) {
+            if u64::from(c.booked_requests) >= cap {
+                c.excluded = Some(Exclusion::BoundedLoad { cap: cap32 });
+            }
+        }
+    }
+
+    fn cache_aware(&self, pool: &[HolderSlot], req: &Request<'_>, signals: Signals, out: &mut Ranking) {
+        match signals {
+            Signals::Missing => {
+                let rt = &self.pools[req.role.index()];
+                return self.rotate(rt, FallbackReason::LoadSignalsMissing, out);
+            }
+            Signals::Partial => return self.p2c(req, FallbackReason::LoadSignalsPartial, out),
+            Signals::Complete => {}
+        }
+        let mut distrust = match req.cache {
+            CacheView::Overlap { scores, block_tokens } => {
+                for o in scores.iter() {
+                    let Ok(i) = pool.binary_search_by_key(&o.holder, |s| s.holder) else { continue };
+                    let c = &mut out.candidates[i];
+                    // Never a guessed hit: a holder whose ledger is not READY gets no credit even
+                    // if the ledger answered for it.
+                    if c.ledger == LedgerState::Ready {
+                        let tokens = u64::from(o.gpu_blocks) * u64::from(block_tokens);
+                        c.matched_tokens = tokens.min(u64::from(req.prompt_tokens)) as u32;
+                        c.prefill_tokens = req.prompt_tokens - c.matched_tokens;
+                    }
+                }
+                None
+            }
+            CacheView::Untrusted(u) => Some(FallbackReason::from(u)),
+        };
+        if distrust.is_none() && self.config.unready_holders == UnreadyHolders::Excluded {
+            let any_ready =
+                out.candidates.iter().any(|c| c.excluded.is_none() && c.ledger == LedgerState::Ready);
+            if any_ready {
+                for c in out
+                    .candidates
+                    .iter_mut()
+                    .filter(|c| c.excluded.is_none() && c.ledger != LedgerState::Ready)
+                {
+                    c.excluded = Some(Exclusion::LedgerNotReady);
+                }
+            } else {
+                distrust = Some(FallbackReason::LedgerNotReady);
+            }
+        }
+        if let Some(b) = self.config.bounded_load {
+            Self::bound(b, out);
+        }
+        let any_hit = out.candidates.iter().any(|c| c.matched_tokens > 0);
+        // The best cache holder among the admissible: most matched tokens, then fewest active.
+        let over_watermark = out
+            .candidates
+            .iter()
+            .filter(|c| c.excluded.is_none() && c.matched_tokens > 0)
+            .max_by_key(|c| (c.matched_tokens, std::cmp::Reverse(c.active_requests)))
+            .is_some_and(|c| self.over_watermark(c));
+        let counted = distrust.is_none() && !over_watermark;
+        if counted {
+            for c in &mut out.candidates {
+                c.affinity_tokens = c.matched_tokens;
+            }
+        }
+        self.score_all(req, out);
+        let top = out.candidates.iter().filter(|c| c.excluded.is_none()).min_by_key(|c| c.key);
+        let top_hit = top.is_some_and(|c| c.affinity_tokens > 0);
+        (out.mode, out.reason) = match distrust {
+            Some(r) => (MatchMode::LoadAware, Some(r)),
+            None if over_watermark => (MatchMode::LoadAware, Some(FallbackReason::Watermark)),
+            None if top_hit => (MatchMode::ExactKvEvents, None),
+            None if any_hit => (MatchMode::LoadAware, Some(FallbackReason::HitOverruled)),
+            None => (MatchMode::LoadAware, Some(FallbackReason::NoHit)),
+        };
+    }
+
+    fn least_load(
+        &self,
+        req: &Request<'_>,
+        signals: Signals,
+        bound: Option<BoundedLoad>,
+        reason: FallbackReason,
+        out: &mut Ranking,
+    ) {
+        match signals {
+            Signals::Missing => {
+                let rt = &self.pools[req.role.index()];
+                self.rotate(rt, FallbackReason::LoadSignalsMissing, out);
+            }
+            Signals::Partial => self.p2c(req, FallbackReason::LoadSignalsPartial, out),
+            Signals::Complete => {
+                if let Some(b) = bound {
+                    Self::bound(b, out);
+                }
+                self.score_all(req, out);
+                out.mode = MatchMode::LoadAware;
+                out.reason = Some(reason);
+            }
+        }
+    }
+
+    /// Power of two choices over the load score; the rest follow by score for retries.
+    fn p2c(&self, req: &Request<'_>, reason: FallbackReason, out: &mut Ranking) {
+        self.score_all(req, out);
+        let n = out.candidates.iter().filter(|c| c.excluded.is_none()).count() as u64;
+        let r = self.random();
+        let a = r % n;
+        let b = if n > 1 { (a + 1 + (r >> 32) % (n - 1)) % n } else { a };
+        let (ia, ib) = (self.nth_admissible(out, a), self.nth_admissible(out, b));
+        let (win, lose) =
+            if out.candidates[ib].key.0 < out.candidates[ia].key.0 { (ib, ia) } else { (ia, ib) };
+        for (i, c) in out.candidates.iter_mut().enumerate() {
+            if c.excluded.is_none() {
+                c.key = if i == win {
+                    (0, 0)
+                } else if i == lose {
+                    (1, 0)
+                } else {
+                    (2, c.key.0)
+                };
+            }
+        }
+        out.mode = MatchMode::FallbackP2c;
+        out.reason = Some(reason);
+    }
+
+    fn nth_admissible(&self, out: &Ranking, n: u64) -> usize {
+        out.candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.excluded.is_none())
+            .nth(n as usize)
+            .map_or(0, |(i, _)| i)
+    }
+
+    /// Admissible candidates in pool order rotated to start at `start % n`.
+    fn rotate_from(&self, start: u64, out: &mut Ranking) {
+        let n = out.candidates.iter().filter(|c| c.excluded.is_none()).count() as u64;
+        let start = start % n.max(1);
+        for (j, c) in out.candidates.iter_mut().filter(|c| c.excluded.is_none()).enumerate() {
+            c.key = ((j as u64 + n - start) % n, 0);
+        }
+    }
+
+    /// Round robin over the admissible candidates (the pool's counter).
+    fn rotate(&self, rt: &PoolRuntime, reason: FallbackReason, out: &mut Ranking) {
+        // Relaxed: a ticket counter; only its distinctness matters.
+        let start = rt.next.fetch_add(1, Ordering::Relaxed);
+        self.rotate_from(start, out);
+        out.mode = MatchMode::FallbackRoundRobin;
+        out.reason = Some(reason);
+    }
+
+    /// Rendezvous (highest-random-weight) hashing of `key` over the admissible candidates: a
+    /// consistent hash without a ring (a holder leaving moves only its own keys), and a full
+    /// ranking for retries.
+    fn rendezvous(&self, key: u64, out: &mut Ranking) {
+        for c in out.candidates.iter_mut().filter(|c| c.excluded.is_none()) {
+            let w = mix(key ^ mix(holder_bits(c.holder)));
+            c.key = (!w, holder_bits(c.holder));
+        }
+    }
+
+    fn manual(&self, rt: &PoolRuntime, m: ManualConfig, key: u64, req: &Request<'_>, out: &mut Ranking) {
+        // Load scores order the rest (and pick new assignments under `MinLoad`).
+        self.score_all(req, out);
+        let mut map = rt.sticky.lock().unwrap_or_else(PoisonError::into_inner);
+        let current = map
+            .get(&key)
+            .filter(|s| req.now.saturating_since(s.last_used) <= m.max_idle)
+            .and_then(|s| out.candidates.iter().position(|c| c.excluded.is_none() && c.holder == s.holder));
+        let chosen = match current {
+            Some(i) => i,
+            None => match m.assignment {
+                Assignment::MinLoad => out
+                    .candidates
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, c)| c.excluded.is_none())
+                    .min_by_key(|(_, c)| c.key)
+                    .map_or(0, |(i, _)| i),
+                Assignment::Random => {
+                    let n = out.candidates.iter().filter(|c| c.excluded.is_none()).count() as u64;
+                    self.nth_admissible(out, self.random() % n.max(1))
+                }
+            },
+        };
+        map.insert(key, Sticky { holder: out.candidates[chosen].holder, last_used: req.now });
+        drop(map);
+        for (i, c) in out.candidates.iter_mut().enumerate().filter(|(_, c)| c.excluded.is_none()) {
+            c.key = if i == chosen { (0, 0) } else { (1, c.key.0) };
+        }
+        out.mode = MatchMode::FallbackRoundRobin;
+        out.reason = Some(FallbackReason::Policy);
+    }
+
+    fn prefix_hash(&self, ph: PrefixHashConfig, req: &Request<'_>, signals: Signals, out: &mut Ranking) {
+        let Some(last) = req.prefix.len().checked_sub(1) else {
+            return self.least_load(req, signals, Some(ph.bound), FallbackReason::NoPrefix, out);
+        };
+        let idx = last.min(ph.prefix_blocks as usize - 1);
+        Self::bound(ph.bound, out);
+        self.rendezvous(req.prefix[idx].to_bits(), out);
+        out.mode = MatchMode::LoadAware;
+        out.reason = Some(FallbackReason::Policy);
+    }
+}

@@ -1,0 +1,650 @@
+//! Per-worker fast state: atomics the proxy and the ingest side update on every request, event or
+//! report, and the scheduler reads on every decision — plus the [`Booking`] guard.
+//!
+//! Key decision (Pixiu cluster-runtime RFC): fast-changing state never lives in the immutable
+//! snapshot. Each worker's [`WorkerState`] sits behind an `Arc` that the snapshot points to and
+//! that a rebuild hands to the next snapshot when the worker id survives, so updating it is a few
+//! atomic stores and never rebuilds anything; a removed worker's state dies when the last
+//! snapshot or booking that references it does. Reads are `Relaxed` and may be torn across fields
+//! (running from one report, waiting from the next): the scheduler uses them as estimates, as
+//! Dynamo's load tracking does on purpose.
+//!
+//! Bookings are what this gateway itself put on a holder: a request and its prefill tokens are
+//! booked at dispatch, the prefill tokens are released at the first token, the request at
+//! completion. [`Booking`] is an RAII guard so the proxy cannot leak either: dropping it releases
+//! whatever is still booked.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use cortex_hash::kv::{DpRank, HolderId};
+
+use crate::config::HealthPolicy;
+use crate::failure::{BreakerState, FailureClass};
+use crate::time::{Timestamp, duration_nanos};
+
+/// What an engine last reported for one data-parallel rank (SGLang `/v1/loads` or its load PUB
+/// socket, vLLM `/metrics`).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct EngineLoad {
+    /// Requests running in the engine's batch.
+    pub running: u32,
+    /// Requests waiting in the engine's queue.
+    pub waiting: u32,
+    /// Uncached prompt tokens waiting for prefill (SGLang `num_waiting_uncached_tokens`; 0 when
+    /// the engine does not report it).
+    pub waiting_prefill_tokens: u64,
+    /// Fraction of the KV cache in use, in [0, 1].
+    pub kv_usage: f32,
+}
+
+/// The ledger state of one holder, as the ingest side last set it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LedgerState {
+    /// The event stream is complete and applied: the ledger's overlap for this holder is exact.
+    Ready,
+    /// The holder is (re)building its ledger: it must not get cache credit.
+    Syncing,
+    /// A gap or a silent publisher: the holder's ledger cannot be trusted.
+    Stale,
+    /// Exact routing is off for this holder (misaligned profile, or no event stream).
+    Disabled,
+}
+
+impl LedgerState {
+    /// Snake-case name for metrics labels and debug output.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            LedgerState::Ready => "ready",
+            LedgerState::Syncing => "syncing",
+            LedgerState::Stale => "stale",
+            LedgerState::Disabled => "disabled",
+        }
+    }
+
+    const fn code(self) -> u8 {
+        match self {
+            LedgerState::Ready => 0,
+            LedgerState::Syncing => 1,
+            LedgerState::Stale => 2,
+            LedgerState::Disabled => 3,
+        }
+    }
+
+    const fn from_code(c: u8) -> Self {
+        match c {
+            0 => LedgerState::Ready,
+            1 => LedgerState::Syncing,
+            2 => LedgerState::Stale,
+            _ => LedgerState::Disabled,
+        }
+    }
+}
+
+/// A point-in-time read of one holder's load.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RankLoad {
+    /// Requests this gateway booked and has not completed.
+    pub booked_requests: u32,
+    /// Prompt tokens this gateway booked whose first token has not arrived.
+    pub booked_prefill_tokens: u64,
+    /// The engine's last report and its age, if it ever reported.
+    pub engine: Option<(EngineLoad, Duration)>,
+}
+
+/// One data-parallel rank's atomics.
+#[derive(Debug)]
+pub(crate) struct RankState {
+    booked_requests: AtomicU32,
+    booked_prefill_tokens: AtomicU64,
+    running: AtomicU32,
+    waiting: AtomicU32,
+    waiting_prefill_tokens: AtomicU64,
+    kv_usage_ppm: AtomicU32,
+    /// Nanoseconds of the last report plus one; 0 = never reported.
+    reported_at: AtomicU64,
+    ledger: AtomicU8,
+}
+
+impl RankState {
+    fn new() -> Self {
+        RankState {
+            booked_requests: AtomicU32::new(0),
+            booked_prefill_tokens: AtomicU64::new(0),
+            running: AtomicU32::new(0),
+            waiting: AtomicU32::new(0),
+            waiting_prefill_tokens: AtomicU64::new(0),
+            kv_usage_ppm: AtomicU32::new(0),
+            reported_at: AtomicU64::new(0),
+            ledger: AtomicU8::new(LedgerState::Syncing.code()),
+        }
+    }
+
+    // Relaxed: an independent counter read as an estimate; nothing else is published through it.
+    #[inline]
+    pub(crate) fn booked_requests(&self) -> u32 {
+        self.booked_requests.load(Ordering::Relaxed)
+    }
+
+    // Relaxed: as above.
+    #[inline]
+    pub(crate) fn booked_prefill_tokens(&self) -> u64 {
+        self.booked_prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    // Relaxed: a state flag read as a hint; the ledger's own query is the authority on data.
+    #[inline]
+    pub(crate) fn ledger(&self) -> LedgerState {
+        LedgerState::from_code(self.ledger.load(Ordering::Relaxed))
+    }
+
+    /// The engine's last report if it is at most `max_age` old at `now` (any age for `None`).
+    #[inline]
+    pub(crate) fn engine(&self, now: Timestamp, max_age: Option<Duration>) -> Option<(EngineLoad, Duration)> {
+        // Acquire: pairs with the Release store in `report`, so the fields read below are at
+        // least as new as the timestamp.
+        let at = self.reported_at.load(Ordering::Acquire);
+        if at == 0 {
+            return None;
+        }
+        let age = now.saturating_since(Timestamp::from_nanos(at - 1));
+        if max_age.is_some_and(|m| age > m) {
+            return None;
+        }
+        // Relaxed (all four): ordered after the Acquire load above; torn across fields is fine.
+        let load = EngineLoad {
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            waiting_prefill_tokens: self.waiting_prefill_tokens.load(Ordering::Relaxed),
+            kv_usage: self.kv_usage_ppm.load(Ordering::Relaxed) as f32 / 1e6,
+        };
+        Some((load, age))
+    }
+
+    fn report(&self, load: EngineLoad, now: Timestamp) {
+        // Relaxed (four fields): published by the Release store of `reported_at` below.
+        self.running.store(load.running, Ordering::Relaxed);
+        self.waiting.store(load.waiting, Ordering::Relaxed);
+        self.waiting_prefill_tokens.store(load.waiting_prefill_tokens, Ordering::Relaxed);
+        let ppm = (f64::from(load.kv_usage.clamp(0.0, 1.0)) * 1e6) as u32;
+        self.kv_usage_ppm.store(ppm, Ordering::Relaxed);
+        // Release: makes the fields above visible to a reader that Acquires the timestamp.
+        self.reported_at.store(now.as_nanos().saturating_add(1), Ordering::Release);
+    }
+}
+
+/// Breaker word layout: bits 0–1 state, bits 2–31 consecutive worker faults, bits 32–63
+/// consecutive half-open successes. One word so that a transition is one compare-and-swap.
+const BREAKER_CLOSED: u64 = 0;
+const BREAKER_OPEN: u64 = 1;
+const BREAKER_HALF_OPEN: u64 = 2;
+const FAULTS_MAX: u64 = (1 << 30) - 1;
+
+fn breaker_word(state: u64, faults: u64, successes: u64) -> u64 {
+    state | (faults.min(FAULTS_MAX) << 2) | (successes.min(u64::from(u32::MAX)) << 32)
+}
+
+fn breaker_parts(w: u64) -> (u64, u64, u64) {
+    (w & 3, (w >> 2) & FAULTS_MAX, w >> 32)
+}
+
+/// No EWMA sample yet (a NaN bit pattern no arithmetic produces from finite samples).
+const EWMA_NONE: u64 = u64::MAX;
+
+/// One worker's fast state, shared by every snapshot that contains the worker id.
+#[derive(Debug)]
+pub struct WorkerState {
+    ranks: Box<[RankState]>,
+    /// Nanoseconds; the worker is skipped while `now < cooldown_until`.
+    cooldown_until: AtomicU64,
+    /// The class of the failure that set the current cooldown (0: none).
+    cooldown_class: AtomicU8,
+    /// The class of the last failure of any kind (0: none).
+    last_failure: AtomicU8,
+    breaker: AtomicU64,
+    breaker_opened_at: AtomicU64,
+    ewma_ttft_us: AtomicU64,
+    ewma_itl_us: AtomicU64,
+    policy: HealthPolicy,
+}
+
+impl WorkerState {
+    pub(crate) fn new(dp_size: u16, policy: HealthPolicy) -> Self {
+        WorkerState {
+            ranks: (0..dp_size.max(1)).map(|_| RankState::new()).collect(),
+            cooldown_until: AtomicU64::new(0),
+            cooldown_class: AtomicU8::new(0),
+            last_failure: AtomicU8::new(0),
+            breaker: AtomicU64::new(BREAKER_CLOSED),
+            breaker_opened_at: AtomicU64::new(0),
+            ewma_ttft_us: AtomicU64::new(EWMA_NONE),
+            ewma_itl_us: AtomicU64::new(EWMA_NONE),
+            policy,
+        }
+    }
+
+    /// Number of data-parallel ranks.
+    #[must_use]
+    pub fn dp_size(&self) -> u16 {
+        self.ranks.len() as u16
+    }
+
+    #[inline]
+    pub(crate) fn rank_state(&self, rank: DpRank) -> Option<&RankState> {
+        self.ranks.get(usize::from(rank.0))
+    }
+
+    /// Records an engine load report for `rank` (false: no such rank).
+    pub fn report_load(&self, rank: DpRank, load: EngineLoad, now: Timestamp) -> bool {
+        self.rank_state(rank).map(|r| r.report(load, now)).is_some()
+    }
+
+    /// Sets the ledger state of holder `rank` (false: no such rank). Called by the ingest side.
+    pub fn set_ledger(&self, rank: DpRank, state: LedgerState) -> bool {
+        // Relaxed: a hint read per decision; see `RankState::ledger`.
+        self.rank_state(rank).map(|r| r.ledger.store(state.code(), Ordering::Relaxed)).is_some()
+    }
+
+    /// The ledger state of holder `rank`.
+    #[must_use]
+    pub fn ledger(&self, rank: DpRank) -> Option<LedgerState> {
+        self.rank_state(rank).map(RankState::ledger)
+    }
+
+    /// The load of holder `rank` at `now` (engine report of any age).
+    #[must_use]
+    pub fn rank_load(&self, rank: DpRank, now: Timestamp) -> Option<RankLoad> {
+        self.rank_state(rank).map(|r| RankLoad {
+            booked_requests: r.booked_requests(),
+            booked_prefill_tokens: r.booked_prefill_tokens(),
+            engine: r.engine(now, None),
+        })
+    }
+
+    /// The cooldown in force at `now`: the class that started it and when it ends.
+    #[must_use]
+    pub fn cooldown(&self, now: Timestamp) -> Option<(FailureClass, Timestamp)> {
+        // Relaxed: a deadline read as a hint; a just-started cooldown seen one request late is fine.
+        let until = self.cooldown_until.load(Ordering::Relaxed);
+        if now.as_nanos() >= until {
+            return None;
+        }
+        // Relaxed: as above; the class is only for display.
+        let class = FailureClass::from_code(self.cooldown_class.load(Ordering::Relaxed))
+            .unwrap_or(FailureClass::ServerError);
+        Some((class, Timestamp::from_nanos(until)))
+    }
+
+    /// The class of the last failure recorded, of any class.
+    #[must_use]
+    pub fn last_failure(&self) -> Option<FailureClass> {
+        // Relaxed: display only.
+        FailureClass::from_code(self.last_failure.load(Ordering::Relaxed))
+    }
+
+    /// The circuit breaker's state at `now`: an open breaker whose open period has ended reads as
+    /// half-open (trial requests flow) until an outcome moves it.
+    #[must_use]
+    pub fn breaker(&self, now: Timestamp) -> BreakerState {
+        // Acquire: pairs with the Release CAS that opened it, so `breaker_opened_at` is current.
+        let (state, _, _) = breaker_parts(self.breaker.load(Ordering::Acquire));
+        match state {
+            BREAKER_CLOSED => BreakerState::Closed,
+            BREAKER_HALF_OPEN => BreakerState::HalfOpen,
+            _ if self.open_expired(now) => BreakerState::HalfOpen,
+            _ => BreakerState::Open,
+        }
+    }
+
+    fn open_expired(&self, now: Timestamp) -> bool {
+        let Some(cfg) = self.policy.breaker else { return true };
+        // Relaxed: ordered by the Acquire load of the breaker word in the callers.
+        let opened = Timestamp::from_nanos(self.breaker_opened_at.load(Ordering::Relaxed));
+        now >= opened.saturating_add(cfg.open_for)
+    }
+
+    /// Records a failure: sets the cooldown of its class (never shortening one in force), and
+    /// counts a worker fault toward the circuit breaker.
+    pub fn record_failure(&self, class: FailureClass, now: Timestamp) {
+        // Relaxed: display only.
+        self.last_failure.store(class.code(), Ordering::Relaxed);
+        if let Some(d) = self.policy.cooldowns.for_class(class) {
+            let until = now.as_nanos().saturating_add(duration_nanos(d));
+            // Relaxed: a deadline hint (see `cooldown`); fetch_max never shortens a longer one.
+            let prev = self.cooldown_until.fetch_max(until, Ordering::Relaxed);
+            if until > prev {
+                // Relaxed: display only; may name the class of a racing failure.
+                self.cooldown_class.store(class.code(), Ordering::Relaxed);
+            }
+        }
+        let Some(cfg) = self.policy.breaker else { return };
+        if !class.is_worker_fault() {
+            return;
+        }
+        let threshold = u64::from(cfg.failure_threshold);
+        // Relaxed: this read only seeds the CAS loop, which re-reads with AcqRel.
+        let mut cur = self.breaker.load(Ordering::Relaxed);
+        loop {
+            let (state, faults, _) = breaker_parts(cur);
+            let faults = faults + 1;
+            let opens = match state {
+                BREAKER_CLOSED => faults >= threshold,
+                BREAKER_HALF_OPEN => true,
+                _ => self.open_expired(now), // a failed trial after the open period: reopen
+            };
+            let next = if opens {
+                breaker_word(BREAKER_OPEN, faults, 0)
+            } else if state == BREAKER_OPEN {
+                return; // already open; a late failure changes nothing
+            } else {
+                breaker_word(state, faults, 0)
+            };
+            if opens {
+                // Relaxed: published by the Release CAS below; only read while the state is open.
+                self.breaker_opened_at.store(now.as_nanos(), Ordering::Relaxed);
+            }
+            // AcqRel: publishes `breaker_opened_at`; Acquire on failure to recompute from fresh state.
+            match self.breaker.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    /// Records a success: resets the consecutive-fault count, and closes a half-open breaker after
+    /// enough consecutive successes.
+    pub fn record_success(&self, now: Timestamp) {
+        let Some(cfg) = self.policy.breaker else { return };
+        // Relaxed: seeds the CAS loop below.
+        let mut cur = self.breaker.load(Ordering::Relaxed);
+        loop {
+            let (state, faults, successes) = breaker_parts(cur);
+            let next = match state {
+                BREAKER_CLOSED if faults == 0 => return,
+                BREAKER_CLOSED => breaker_word(BREAKER_CLOSED, 0, 0),
+                BREAKER_OPEN if !self.open_expired(now) => return, // a request from before it opened
+                _ => {
+                    let s = successes + 1;
+                    if s >= u64::from(cfg.close_after_successes) {
+                        breaker_word(BREAKER_CLOSED, 0, 0)
+                    } else {
+                        breaker_word(BREAKER_HALF_OPEN, faults, s)
+                    }
+                }
+            };
+            // AcqRel/Acquire: as in `record_failure`.
+            match self.breaker.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return,
+                Err(actual) => cur = actual,
+            }
+        }
+    }
+
+    fn ewma_update(cell: &AtomicU64, sample: Duration, weight: f64) {
+        let x = sample.as_secs_f64() * 1e6;
+        // Relaxed (both): a smoothed estimate; nothing is published through it.
+        let _ = cell.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+            let next = if old == EWMA_NONE { x } else { f64::from_bits(old) * (1.0 - weight) + x * weight };
+            Some(next.to_bits())
+        });
+    }
+
+    fn ewma_read(cell: &AtomicU64) -> Option<Duration> {
+        // Relaxed: see `ewma_update`.
+        let bits = cell.load(Ordering::Relaxed);
+        (bits != EWMA_NONE).then(|| Duration::from_secs_f64(f64::from_bits(bits).max(0.0) / 1e6))
+    }
+
+    /// Adds a time-to-first-token sample to the EWMA.
+    pub fn record_ttft(&self, sample: Duration) {
+        Self::ewma_update(&self.ewma_ttft_us, sample, self.policy.ewma_weight);
+    }
+
+    /// Adds an inter-token-latency sample to the EWMA.
+    pub fn record_itl(&self, sample: Duration) {
+        Self::ewma_update(&self.ewma_itl_us, sample, self.policy.ewma_weight);
+    }
+
+    /// Smoothed time to first token.
+    #[must_use]
+    pub fn ewma_ttft(&self) -> Option<Duration> {
+        Self::ewma_read(&self.ewma_ttft_us)
+    }
+
+    /// Smoothed inter-token latency.
+    #[must_use]
+    pub fn ewma_itl(&self) -> Option<Duration> {
+        Self::ewma_read(&self.ewma_itl_us)
+    }
+}
+
+/// A request this gateway put on a holder. Dropping it releases whatever is still booked; the
+/// outcome methods record success or failure on the way.
+#[derive(Debug)]
+#[must_use = "dropping a Booking releases it at once"]
+pub struct Booking {
+    state: Arc<WorkerState>,
+    holder: HolderId,
+    prefill_tokens: u64,
+    started: Timestamp,
+    first_token_seen: bool,
+}
+
+impl Booking {
+    /// Books one request and `prefill_tokens` on `holder`. `None` if the rank does not exist.
+    pub(crate) fn new(
+        state: Arc<WorkerState>,
+        holder: HolderId,
+        prefill_tokens: u64,
+        now: Timestamp,
+    ) -> Option<Self> {
+        let r = state.rank_state(holder.rank)?;
+        // Relaxed (both): independent counters read as estimates.
+        r.booked_requests.fetch_add(1, Ordering::Relaxed);
+        r.booked_prefill_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
+        Some(Booking { state, holder, prefill_tokens, started: now, first_token_seen: false })
+    }
+
+    /// The holder it is booked on.
+    #[must_use]
+    pub fn holder(&self) -> HolderId {
+        self.holder
+    }
+
+    /// Prefill tokens still booked (0 after the first token).
+    #[must_use]
+    pub fn prefill_tokens(&self) -> u64 {
+        self.prefill_tokens
+    }
+
+    /// The worker's state (to record latencies or look at it).
+    #[must_use]
+    pub fn worker_state(&self) -> &Arc<WorkerState> {
+        &self.state
+    }
+
+    fn rank(&self) -> &RankState {
+        // The rank was checked in `new` and a state's rank count never changes.
+        &self.state.ranks[usize::from(self.holder.rank.0)]
+    }
+
+    fn release_prefill(&mut self) {
+        if self.prefill_tokens > 0 {
+            // Relaxed: see `new`.
+            self.rank().booked_prefill_tokens.fetch_sub(self.prefill_tokens, Ordering::Relaxed);
+            self.prefill_tokens = 0;
+        }
+    }
+
+    /// The first token arrived: releases the prefill tokens and records the TTFT sample. Later
+    /// calls do nothing.
+    pub fn first_token(&mut self, now: Timestamp) {
+        if !self.first_token_seen {
+            self.first_token_seen = true;
+            self.release_prefill();
+            self.state.record_ttft(now.saturating_since(self.started));
+        }
+    }
+
+    /// The request finished well: records a success and releases the booking.
+    pub fn succeed(self, now: Timestamp) {
+        self.state.record_success(now);
+    }
+
+    /// The request failed: records the failure (cooldown, breaker) and releases the booking.
+    pub fn fail(self, class: FailureClass, now: Timestamp) {
+        self.state.record_failure(class, now);
+    }
+}
+
+impl Drop for Booking {
+    fn drop(&mut self) {
+        self.release_prefill();
+        // Relaxed: see `new`.
+        self.rank().booked_requests.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::failure::BreakerConfig;
+
+    fn ms(n: u64) -> Timestamp {
+        Timestamp::from_millis(n)
+    }
+
+    fn state(policy: HealthPolicy) -> Arc<WorkerState> {
+        Arc::new(WorkerState::new(2, policy))
+    }
+
+    fn holder(rank: u16) -> HolderId {
+        HolderId::new(cortex_hash::kv::WorkerId(1), DpRank(rank))
+    }
+
+    #[test]
+    fn booking_releases_prefill_at_first_token_and_request_on_drop() {
+        let s = state(HealthPolicy::default());
+        let mut b = Booking::new(s.clone(), holder(1), 500, ms(0)).expect("rank 1");
+        let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
+        assert_eq!((load.booked_requests, load.booked_prefill_tokens), (1, 500));
+        assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_requests, 0);
+        b.first_token(ms(40));
+        b.first_token(ms(90)); // second call is a no-op
+        let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
+        assert_eq!((load.booked_requests, load.booked_prefill_tokens), (1, 0));
+        assert_eq!(s.ewma_ttft(), Some(Duration::from_millis(40)));
+        drop(b);
+        let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
+        assert_eq!((load.booked_requests, load.booked_prefill_tokens), (0, 0));
+        assert!(Booking::new(s, holder(2), 1, ms(0)).is_none(), "no rank 2");
+    }
+
+    #[test]
+    fn dropping_before_first_token_releases_everything() {
+        let s = state(HealthPolicy::default());
+        let a = Booking::new(s.clone(), holder(0), 300, ms(0)).expect("rank");
+        let b = Booking::new(s.clone(), holder(0), 200, ms(0)).expect("rank");
+        assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_prefill_tokens, 500);
+        a.fail(FailureClass::Timeout, ms(1));
+        assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_prefill_tokens, 200);
+        drop(b);
+        let l = s.rank_load(DpRank(0), ms(0)).expect("rank");
+        assert_eq!((l.booked_requests, l.booked_prefill_tokens), (0, 0));
+        assert_eq!(s.ewma_ttft(), None, "no first token, no TTFT sample");
+    }
+
+    #[test]
+    fn cooldown_per_class_never_shortens() {
+        let s = state(HealthPolicy::default());
+        let c = HealthPolicy::default().cooldowns;
+        for (class, until) in [
+            (FailureClass::ContextLengthExceeded, None),
+            (FailureClass::ContentPolicy, None),
+            (FailureClass::ServerError, Some(ms(1000).saturating_add(c.server_error))),
+            (FailureClass::RateLimited, Some(ms(1000).saturating_add(c.rate_limited))),
+            (FailureClass::QuotaExhausted, Some(ms(1000).saturating_add(c.quota_exhausted))),
+        ] {
+            let s = state(HealthPolicy::default());
+            s.record_failure(class, ms(1000));
+            assert_eq!(s.cooldown(ms(1000)), until.map(|t| (class, t)), "{class}");
+            assert_eq!(s.last_failure(), Some(class));
+        }
+        s.record_failure(FailureClass::QuotaExhausted, ms(0));
+        s.record_failure(FailureClass::ServerError, ms(10));
+        let (class, until) = s.cooldown(ms(10)).expect("cooling");
+        assert_eq!((class, until), (FailureClass::QuotaExhausted, ms(0).saturating_add(c.quota_exhausted)));
+        assert_eq!(s.last_failure(), Some(FailureClass::ServerError));
+        assert!(s.cooldown(ms(0).saturating_add(c.quota_exhausted)).is_none(), "over at the deadline");
+    }
+
+    #[test]
+    fn breaker_opens_half_opens_and_closes() {
+        let cfg = BreakerConfig {
+            failure_threshold: 3,
+            open_for: Duration::from_secs(10),
+            close_after_successes: 2,
+        };
+        let s = state(HealthPolicy { breaker: Some(cfg), ..HealthPolicy::default() });
+        s.record_failure(FailureClass::ServerError, ms(0));
+        s.record_failure(FailureClass::Timeout, ms(1));
+        s.record_success(ms(2)); // resets the consecutive count
+        s.record_failure(FailureClass::ServerError, ms(3));
+        s.record_failure(FailureClass::ServerError, ms(4));
+        s.record_failure(FailureClass::RateLimited, ms(5)); // not a worker fault
+        s.record_failure(FailureClass::ContextLengthExceeded, ms(5));
+        assert_eq!(s.breaker(ms(5)), BreakerState::Closed);
+        s.record_failure(FailureClass::ServerError, ms(6));
+        assert_eq!(s.breaker(ms(6)), BreakerState::Open);
+        s.record_success(ms(7)); // a request from before it opened
+        assert_eq!(s.breaker(ms(7)), BreakerState::Open);
+        assert_eq!(s.breaker(ms(10_006)), BreakerState::HalfOpen);
+        s.record_failure(FailureClass::Timeout, ms(10_010)); // failed trial reopens
+        assert_eq!(s.breaker(ms(10_011)), BreakerState::Open);
+        assert_eq!(s.breaker(ms(20_010)), BreakerState::HalfOpen);
+        s.record_success(ms(20_011));
+        assert_eq!(s.breaker(ms(20_012)), BreakerState::HalfOpen);
+        s.record_success(ms(20_013));
+        assert_eq!(s.breaker(ms(20_014)), BreakerState::Closed);
+        // closed again: needs the full threshold to reopen
+        s.record_failure(FailureClass::ServerError, ms(20_015));
+        assert_eq!(s.breaker(ms(20_016)), BreakerState::Closed);
+    }
+
+    #[test]
+    fn breaker_disabled_never_opens() {
+        let s = state(HealthPolicy { breaker: None, ..HealthPolicy::default() });
+        for i in 0..100 {
+            s.record_failure(FailureClass::ServerError, ms(i));
+        }
+        assert_eq!(s.breaker(ms(100)), BreakerState::Closed);
+    }
+
+    #[test]
+    fn engine_reports_have_an_age_and_ledger_state_defaults_to_syncing() {
+        let s = state(HealthPolicy::default());
+        assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").engine, None);
+        let l = EngineLoad { running: 3, waiting: 2, waiting_prefill_tokens: 900, kv_usage: 0.5 };
+        assert!(s.report_load(DpRank(0), l, ms(100)));
+        assert!(!s.report_load(DpRank(7), l, ms(100)));
+        let (got, age) = s.rank_load(DpRank(0), ms(350)).expect("rank").engine.expect("reported");
+        assert_eq!((got, age), (l, Duration::from_millis(250)));
+        let r = s.rank_state(DpRank(0)).expect("rank");
+        assert!(r.engine(ms(350), Some(Duration::from_millis(200))).is_none(), "too old");
+        assert!(r.engine(ms(350), Some(Duration::from_millis(250))).is_some());
+        assert_eq!(s.ledger(DpRank(1)), Some(LedgerState::Syncing));
+        assert!(s.set_ledger(DpRank(1), LedgerState::Ready));
+        assert_eq!(s.ledger(DpRank(1)), Some(LedgerState::Ready));
+        assert_eq!(s.ledger(DpRank(2)), None);
+    }
+
+    #[test]
+    fn ewma_smooths() {
+        let s = state(HealthPolicy { ewma_weight: 0.5, ..HealthPolicy::default() });
+        s.record_itl(Duration::from_millis(10));
+        s.record_itl(Duration::from_millis(20));
+        assert_eq!(s.ewma_itl(), Some(Duration::from_millis(15)));
+    }
+}

@@ -1,0 +1,676 @@
+//! Table tests of the decision: every branch of the degradation chain, the watermark, the load
+//! bound, the candidate filter (health, cooldown classes, breaker, ledger readiness), each policy,
+//! DP-rank selection and the scorer seam. Virtual time throughout.
+
+use std::time::Duration;
+
+use cortex_hash::kv::{DpRank, HolderId, WorkerId};
+use cortex_hash::{Engine, SeqHash};
+use cortex_radix::{Overlap, OverlapScores};
+use cortex_sched::*;
+
+const MODEL: &str = "qwen3";
+const BLOCK: u32 = 16;
+const PROMPT: u32 = 2048;
+
+fn h(w: u32) -> HolderId {
+    HolderId::new(WorkerId(w), DpRank(0))
+}
+
+fn ms(n: u64) -> Timestamp {
+    Timestamp::from_millis(n)
+}
+
+struct Fixture {
+    cluster: Cluster,
+    sched: Scheduler,
+    out: Ranking,
+    overlap: OverlapScores,
+    bookings: Vec<Booking>,
+}
+
+impl Fixture {
+    fn new(workers: u32, config: SchedConfig) -> Self {
+        Self::with_specs(
+            (0..workers).map(|i| WorkerSpec::new(WorkerId(i), MODEL, Engine::Sglang)).collect(),
+            config,
+        )
+    }
+
+    fn with_specs(specs: Vec<WorkerSpec>, config: SchedConfig) -> Self {
+        let cluster = Cluster::new(HealthPolicy::default());
+        for s in specs {
+            cluster.upsert(s, Health::Healthy);
+        }
+        let snap = cluster.load();
+        for w in snap.workers() {
+            for r in 0..w.state().dp_size() {
+                w.state().set_ledger(DpRank(r), LedgerState::Ready);
+            }
+        }
+        Fixture {
+            cluster,
+            sched: Scheduler::new(config).expect("valid config"),
+            out: Ranking::with_capacity(64),
+            overlap: OverlapScores::with_capacity(64),
+            bookings: Vec::new(),
+        }
+    }
+
+    fn state(&self, w: u32) -> std::sync::Arc<WorkerState> {
+        std::sync::Arc::clone(self.cluster.load().worker(WorkerId(w)).expect("worker").state())
+    }
+
+    /// The ledger's answer: `(holder, blocks)`.
+    fn hits(&mut self, hits: &[(HolderId, u32)]) -> &mut Self {
+        self.overlap.begin(PROMPT / BLOCK);
+        for &(holder, gpu_blocks) in hits {
+            self.overlap.push(Overlap { holder, gpu_blocks, any_tier_blocks: gpu_blocks });
+        }
+        self
+    }
+
+    /// Books `n` requests of `prefill` tokens on `holder`.
+    fn load(&mut self, holder: HolderId, n: u32, prefill: u32) -> &mut Self {
+        let snap = self.cluster.load();
+        for _ in 0..n {
+            self.bookings.push(snap.book_holder(holder, prefill, ms(0)).expect("book"));
+        }
+        self
+    }
+
+    fn decide_with(&mut self, cache: CacheView<'_>, now: Timestamp) -> Result<(), SchedError> {
+        let snap = self.cluster.load();
+        let req = Request::new(MODEL, Role::Regular, now, PROMPT, cache);
+        self.sched.decide(&snap, &req, &mut self.out)
+    }
+
+    fn decide(&mut self) -> &Ranking {
+        let overlap = std::mem::take(&mut self.overlap);
+        let r = self.decide_with(CacheView::Overlap { scores: &overlap, block_tokens: BLOCK }, ms(10));
+        self.overlap = overlap;
+        r.expect("a candidate");
+        &self.out
+    }
+
+    fn first(&mut self) -> HolderId {
+        self.decide().first().expect("first").holder
+    }
+}
+
+fn no_bound() -> SchedConfig {
+    SchedConfig { bounded_load: None, ..SchedConfig::default() }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The degradation chain
+
+#[test]
+fn exact_kv_events_when_ready_and_hit() {
+    let mut f = Fixture::new(4, SchedConfig::default());
+    f.hits(&[(h(2), 100), (h(1), 10)]);
+    let r = f.decide();
+    assert_eq!((r.mode(), r.reason()), (MatchMode::ExactKvEvents, None));
+    assert_eq!(r.mode().as_str(), "exact_kv_events");
+    let c = r.first().expect("first");
+    assert_eq!((c.holder, c.matched_tokens, c.affinity_tokens, c.prefill_tokens), (h(2), 1600, 1600, 448));
+    assert_eq!(c.score.affinity, 1600.0);
+    assert_eq!(r.cache_hit_tokens(), 1600);
+    // The whole pool is ranked; the next best cache holder is second.
+    assert_eq!(r.admissible().len(), 4);
+    assert_eq!(r.admissible()[1].holder, h(1));
+}
+
+#[test]
+fn load_aware_when_no_hit_picks_least_loaded() {
+    let mut f = Fixture::new(3, no_bound());
+    f.load(h(0), 2, 100).load(h(2), 1, 100).hits(&[]);
+    let r = f.decide();
+    assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::NoHit)));
+    assert_eq!(r.mode().as_str(), "load_aware");
+    let order: Vec<_> = r.admissible().iter().map(|c| c.holder).collect();
+    assert_eq!(order, vec![h(1), h(2), h(0)]);
+    assert_eq!(r.cache_hit_tokens(), 0);
+}
+
+#[test]
+fn load_aware_when_the_hit_is_overruled_by_load() {
+    let mut f = Fixture::new(2, no_bound());
+    // One block (16 tokens) of hit on w1 is worth less than 3 extra requests (β = 32 each).
+    f.load(h(1), 3, 0).hits(&[(h(1), 1)]);
+    let r = f.decide();
+    assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::HitOverruled)));
+    assert_eq!(r.first().expect("first").holder, h(0));
+    // The hit is still shown on the candidate that had it.
+    let w1 = r.admissible().iter().find(|c| c.holder == h(1)).expect("w1");
+    assert_eq!((w1.matched_tokens, w1.affinity_tokens), (16, 16));
+}
+
+#[test]
+fn untrusted_requests_never_get_a_guessed_hit() {
+    for (u, reason) in [
+        (Untrusted::TokenizerFailed, FallbackReason::TokenizerFailed),
+        (Untrusted::TemplateMismatch, FallbackReason::TemplateMismatch),
+        (Untrusted::LedgerNotReady, FallbackReason::LedgerNotReady),
+        (Untrusted::ExactRoutingOff, FallbackReason::ExactRoutingOff),
+    ] {
+        let mut f = Fixture::new(3, SchedConfig::default());
+        f.load(h(0), 1, 0);
+        f.decide_with(CacheView::Untrusted(u), ms(1)).expect("ok");
+        let r = &f.out;
+        assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(reason)), "{u:?}");
+        assert!(
+            r.all()
+                .iter()
+                .all(|c| c.matched_tokens == 0 && c.affinity_tokens == 0 && c.prefill_tokens == PROMPT)
+        );
+        assert_ne!(r.first().expect("first").holder, h(0), "still load-aware");
+        assert_eq!(
+            reason.as_str(),
+            format!("{u:?}").chars().fold(String::new(), |mut s, ch| {
+                if ch.is_uppercase() && !s.is_empty() {
+                    s.push('_');
+                }
+                s.push(ch.to_ascii_lowercase());
+                s
+            })
+        );
+    }
+}
+
+#[test]
+fn a_holder_whose_ledger_is_not_ready_gets_no_credit() {
+    for state in [LedgerState::Syncing, LedgerState::Stale, LedgerState::Disabled] {
+        let mut f = Fixture::new(2, SchedConfig::default());
+        f.state(1).set_ledger(DpRank(0), state);
+        f.hits(&[(h(1), 100)]);
+        let r = f.decide();
+        let w1 = r.all().iter().find(|c| c.holder == h(1)).expect("w1");
+        assert_eq!((w1.matched_tokens, w1.ledger, w1.excluded), (0, state, None), "{state:?}");
+        assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::NoHit)));
+    }
+}
+
+#[test]
+fn unready_holders_excluded_when_configured() {
+    let cfg = SchedConfig { unready_holders: UnreadyHolders::Excluded, ..SchedConfig::default() };
+    let mut f = Fixture::new(3, cfg);
+    f.state(1).set_ledger(DpRank(0), LedgerState::Stale);
+    f.hits(&[]);
+    let r = f.decide();
+    assert_eq!(r.admissible().len(), 2);
+    assert_eq!(r.excluded().len(), 1);
+    assert_eq!((r.excluded()[0].holder, r.excluded()[0].excluded), (h(1), Some(Exclusion::LedgerNotReady)));
+    // No READY holder at all: load-routed over everyone, and said so.
+    for w in [0, 2] {
+        f.state(w).set_ledger(DpRank(0), LedgerState::Syncing);
+    }
+    let r = f.decide();
+    assert_eq!(r.admissible().len(), 3);
+    assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::LedgerNotReady)));
+}
+
+fn engine_reports() -> SchedConfig {
+    SchedConfig { load_signals: LoadSignals::EngineReports { max_age: Duration::from_secs(1) }, ..no_bound() }
+}
+
+fn report(f: &Fixture, w: u32, running: u32, at: Timestamp) {
+    let l = EngineLoad { running, waiting: 0, waiting_prefill_tokens: 0, kv_usage: 0.5 };
+    assert!(f.state(w).report_load(DpRank(0), l, at));
+}
+
+#[test]
+fn fallback_p2c_when_load_signals_are_partly_missing() {
+    let mut f = Fixture::new(3, engine_reports());
+    report(&f, 0, 1, ms(0));
+    report(&f, 1, 1, ms(0));
+    report(&f, 2, 1, ms(0));
+    // At 10 ms all three are fresh: load-aware, hits counted.
+    f.hits(&[(h(2), 50)]);
+    assert_eq!(f.decide().mode(), MatchMode::ExactKvEvents);
+    // Worker 2's report ages beyond max_age while the others refresh.
+    report(&f, 0, 1, ms(1500));
+    report(&f, 1, 1, ms(1500));
+    f.decide_with(CacheView::Untrusted(Untrusted::TokenizerFailed), ms(1600)).expect("ok");
+    assert_eq!(
+        (f.out.mode(), f.out.reason()),
+        (MatchMode::FallbackP2c, Some(FallbackReason::LoadSignalsPartial))
+    );
+    assert_eq!(f.out.mode().as_str(), "fallback_p2c");
+    let missing = f.out.all().iter().find(|c| c.holder == h(2)).expect("w2");
+    assert!(!missing.load_reported);
+    // The cache is not used in this branch, even with a hit.
+    let overlap = f.overlap.clone();
+    f.decide_with(CacheView::Overlap { scores: &overlap, block_tokens: BLOCK }, ms(1600)).expect("ok");
+    assert_eq!(f.out.mode(), MatchMode::FallbackP2c);
+    assert!(f.out.all().iter().all(|c| c.affinity_tokens == 0));
+}
+
+#[test]
+fn fallback_round_robin_when_only_liveness_is_known() {
+    let mut f = Fixture::new(3, engine_reports());
+    f.hits(&[(h(1), 100)]);
+    let mut firsts = Vec::new();
+    for _ in 0..6 {
+        let r = f.decide();
+        assert_eq!(
+            (r.mode(), r.reason()),
+            (MatchMode::FallbackRoundRobin, Some(FallbackReason::LoadSignalsMissing))
+        );
+        assert_eq!(r.mode().as_str(), "fallback_round_robin");
+        assert!(r.all().iter().all(|c| c.affinity_tokens == 0));
+        firsts.push(r.first().expect("first").holder.worker.0);
+    }
+    assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
+}
+
+#[test]
+fn engine_reports_feed_the_load_terms() {
+    let mut f = Fixture::new(2, engine_reports());
+    report(&f, 0, 9, ms(5));
+    report(&f, 1, 2, ms(5));
+    f.hits(&[]);
+    let r = f.decide();
+    assert_eq!(r.first().expect("first").holder, h(1));
+    let w0 = r.all().iter().find(|c| c.holder == h(0)).expect("w0");
+    assert_eq!((w0.active_requests, w0.booked_requests, w0.kv_usage), (9, 0, Some(0.5)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Watermark and bounded load
+
+#[test]
+fn watermark_gives_up_affinity_for_the_request() {
+    let cap = Capacity { max_running_requests: 4, ..Capacity::default() };
+    let specs =
+        (0..3).map(|i| WorkerSpec { capacity: cap, ..WorkerSpec::new(WorkerId(i), MODEL, Engine::Vllm) });
+    // Cases: (bookings on the holder, prefill tokens each, expect watermark)
+    for (n, prefill, watermark) in [(3, 0, false), (4, 0, true), (1, 30_000, true), (1, 1_000, false)] {
+        let mut f = Fixture::with_specs(specs.clone().collect(), no_bound());
+        f.load(h(1), n, prefill).hits(&[(h(1), 128)]);
+        let r = f.decide();
+        let w1 = *r.all().iter().find(|c| c.holder == h(1)).expect("w1");
+        if watermark {
+            assert_eq!(
+                (r.mode(), r.reason()),
+                (MatchMode::LoadAware, Some(FallbackReason::Watermark)),
+                "{n} {prefill}"
+            );
+            assert_eq!((w1.matched_tokens, w1.affinity_tokens), (2048, 0), "hit shown, not counted");
+            assert_ne!(r.first().expect("first").holder, h(1));
+        } else {
+            assert_eq!(r.mode(), MatchMode::ExactKvEvents, "{n} {prefill}");
+            assert_eq!(r.first().expect("first").holder, h(1));
+        }
+    }
+}
+
+#[test]
+fn bounded_load_caps_the_best_holder() {
+    let mut f = Fixture::new(4, SchedConfig::default()); // ε = 0.25
+    // Bookings 6,2,2,2: cap = ⌈1.25 · 13 / 4⌉ = 5.
+    f.load(h(0), 6, 0).load(h(1), 2, 0).load(h(2), 2, 0).load(h(3), 2, 0).hits(&[(h(0), 128)]);
+    let r = f.decide();
+    assert_eq!(r.excluded().len(), 1);
+    assert_eq!(
+        (r.excluded()[0].holder, r.excluded()[0].excluded),
+        (h(0), Some(Exclusion::BoundedLoad { cap: 5 }))
+    );
+    assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::HitOverruled)));
+    // Without the bound the hit wins (128 blocks outweigh 4 requests).
+    let mut f = Fixture::new(4, no_bound());
+    f.load(h(0), 6, 0).load(h(1), 2, 0).load(h(2), 2, 0).load(h(3), 2, 0).hits(&[(h(0), 128)]);
+    assert_eq!(f.first(), h(0));
+}
+
+proptest::proptest! {
+    /// Whatever the bookings and hits, the chosen holder is below ⌈(1+ε)·(Σ+1)/n⌉, so after
+    /// booking no holder exceeds the bound.
+    #[test]
+    fn bounded_load_guarantee(
+        loads in proptest::collection::vec(0u32..20, 1..12),
+        hits in proptest::collection::vec(0u32..128, 1..12),
+        eps in 0.05f64..1.0,
+    ) {
+        let n = loads.len() as u32;
+        let cfg = SchedConfig { bounded_load: Some(BoundedLoad { epsilon: eps }), ..SchedConfig::default() };
+        let mut f = Fixture::new(n, cfg);
+        for (w, &l) in loads.iter().enumerate() {
+            f.load(h(w as u32), l, 0);
+        }
+        let hs: Vec<_> = hits.iter().enumerate().filter(|(w, _)| (*w as u32) < n).map(|(w, &b)| (h(w as u32), b)).collect();
+        f.hits(&hs);
+        let total: u32 = loads.iter().sum();
+        let cap = ((1.0 + eps) * f64::from(total + 1) / f64::from(n)).ceil() as u32;
+        let r = f.decide();
+        let first = r.first().expect("never empty");
+        proptest::prop_assert!(first.booked_requests < cap, "{} >= {cap}", first.booked_requests);
+        for c in r.excluded() {
+            proptest::prop_assert_eq!(c.excluded, Some(Exclusion::BoundedLoad { cap }));
+            proptest::prop_assert!(c.booked_requests >= cap);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The candidate filter
+
+#[test]
+fn cooldown_classes_exclude_for_their_duration() {
+    let d = HealthPolicy::default().cooldowns;
+    for (class, cooldown) in [
+        (FailureClass::RateLimited, Some(d.rate_limited)),
+        (FailureClass::ServerError, Some(d.server_error)),
+        (FailureClass::Timeout, Some(d.timeout)),
+        (FailureClass::ContextLengthExceeded, None),
+        (FailureClass::QuotaExhausted, Some(d.quota_exhausted)),
+        (FailureClass::ContentPolicy, None),
+    ] {
+        let mut f = Fixture::new(2, SchedConfig::default());
+        f.hits(&[(h(0), 100)]);
+        f.state(0).record_failure(class, ms(0));
+        let overlap = f.overlap.clone();
+        let at = |f: &mut Fixture, t: Timestamp| {
+            f.decide_with(CacheView::Overlap { scores: &overlap, block_tokens: BLOCK }, t).expect("ok");
+            f.out.all().iter().find(|c| c.holder == h(0)).expect("w0").excluded
+        };
+        match cooldown {
+            Some(d) => {
+                assert_eq!(at(&mut f, ms(0)), Some(Exclusion::CoolingDown(class)), "{class}");
+                assert_eq!(f.out.first().expect("w1").holder, h(1), "{class}: retry elsewhere");
+                let almost = Timestamp::from_nanos(d.as_nanos() as u64 - 1);
+                assert_eq!(at(&mut f, almost), Some(Exclusion::CoolingDown(class)), "{class}");
+                assert_eq!(at(&mut f, ms(0).saturating_add(d)), None, "{class}: over");
+                assert_eq!(f.out.first().expect("w0").holder, h(0));
+            }
+            None => {
+                assert_eq!(at(&mut f, ms(0)), None, "{class}: the request was the problem");
+                assert_eq!(f.out.first().expect("w0").holder, h(0));
+            }
+        }
+    }
+}
+
+#[test]
+fn health_breaker_and_none_admissible() {
+    let mut f = Fixture::new(4, SchedConfig::default());
+    f.cluster.set_health(WorkerId(0), Health::Unhealthy);
+    f.cluster.set_health(WorkerId(1), Health::Draining);
+    for i in 0..10 {
+        f.state(2).record_failure(FailureClass::ServerError, ms(i));
+    }
+    // Cooldown of server errors is 1 s; the breaker stays open 60 s.
+    f.decide_with(CacheView::Untrusted(Untrusted::TokenizerFailed), ms(5_000)).expect("w3 left");
+    let why: Vec<_> = f.out.excluded().iter().map(|c| (c.holder.worker.0, c.excluded)).collect();
+    assert_eq!(
+        why,
+        vec![
+            (0, Some(Exclusion::Unhealthy)),
+            (1, Some(Exclusion::Draining)),
+            (2, Some(Exclusion::BreakerOpen))
+        ]
+    );
+    assert_eq!(f.out.admissible().len(), 1);
+    f.state(3).record_failure(FailureClass::RateLimited, ms(5_000));
+    let err = f.decide_with(CacheView::Untrusted(Untrusted::TokenizerFailed), ms(5_001));
+    assert_eq!(err, Err(SchedError::NoneAdmissible));
+    assert_eq!(f.out.admissible().len(), 0);
+    assert_eq!(f.out.excluded().len(), 4, "the debug view still lists every holder");
+    assert_eq!(f.out.excluded()[3].excluded, Some(Exclusion::CoolingDown(FailureClass::RateLimited)));
+    // After the open period, the breaker lets trial requests through.
+    f.decide_with(CacheView::Untrusted(Untrusted::TokenizerFailed), ms(70_000)).expect("half-open");
+    assert!(f.out.admissible().iter().any(|c| c.holder == h(2)));
+}
+
+#[test]
+fn no_pool_for_unknown_model_or_role() {
+    let mut f = Fixture::new(2, SchedConfig::default());
+    let snap = f.cluster.load();
+    let cache = CacheView::Untrusted(Untrusted::TokenizerFailed);
+    let req = Request::new("other", Role::Regular, ms(0), 10, cache);
+    assert_eq!(f.sched.decide(&snap, &req, &mut f.out), Err(SchedError::NoPool));
+    let req = Request::new(MODEL, Role::Prefill, ms(0), 10, cache);
+    assert_eq!(f.sched.decide(&snap, &req, &mut f.out), Err(SchedError::NoPool));
+}
+
+#[test]
+fn retry_takes_the_next_candidate_after_a_failure() {
+    let mut f = Fixture::new(3, SchedConfig::default());
+    f.hits(&[(h(2), 100), (h(0), 50)]);
+    let snap = f.cluster.load();
+    let ranked: Vec<Candidate> = f.decide().admissible().to_vec();
+    assert_eq!(ranked.iter().map(|c| c.holder).collect::<Vec<_>>(), vec![h(2), h(0), h(1)]);
+    let b = snap.book(&ranked[0], ms(10)).expect("book");
+    b.fail(FailureClass::ServerError, ms(20));
+    assert!(!snap.admissible(ranked[0].holder, ms(21)), "cooling down now");
+    let next = ranked[1..].iter().find(|c| snap.admissible(c.holder, ms(21))).expect("next");
+    assert_eq!(next.holder, h(0));
+    let b = snap.book(next, ms(21)).expect("book");
+    let load = f.state(0).rank_load(DpRank(0), ms(21)).expect("rank");
+    assert_eq!((load.booked_requests, load.booked_prefill_tokens), (1, u64::from(PROMPT - 800)));
+    drop(b);
+    assert_eq!(f.state(0).rank_load(DpRank(0), ms(21)).expect("rank").booked_requests, 0);
+    assert_eq!(f.state(2).rank_load(DpRank(0), ms(21)).expect("rank").booked_requests, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Data-parallel ranks
+
+#[test]
+fn dp_ranks_are_candidates_of_their_own() {
+    let spec = WorkerSpec { dp_size: 4, ..WorkerSpec::new(WorkerId(7), MODEL, Engine::Sglang) };
+    let mut f =
+        Fixture::with_specs(vec![spec, WorkerSpec::new(WorkerId(8), MODEL, Engine::Sglang)], no_bound());
+    let r7 = |r| HolderId::new(WorkerId(7), DpRank(r));
+    // A hit on rank 2 names (worker 7, rank 2).
+    f.hits(&[(r7(2), 64)]);
+    assert_eq!(f.first(), r7(2));
+    assert_eq!(f.out.admissible().len(), 5);
+    // Without a hit, the least-loaded rank; a booking lands on that rank only.
+    f.load(r7(0), 2, 0).load(r7(1), 1, 0).load(r7(2), 1, 0).load(r7(3), 1, 0).load(h(8), 3, 0).hits(&[]);
+    f.decide();
+    let first = *f.out.first().expect("first");
+    assert!([r7(1), r7(2), r7(3)].contains(&first.holder));
+    let snap = f.cluster.load();
+    let b = snap.book(&first, ms(10)).expect("book");
+    assert_eq!(f.state(7).rank_load(first.holder.rank, ms(10)).expect("rank").booked_requests, 2);
+    assert_eq!(f.state(7).rank_load(DpRank(0), ms(10)).expect("rank").booked_requests, 2);
+    drop(b);
+    // A rank whose ledger is syncing gets no credit while its siblings do.
+    f.state(7).set_ledger(DpRank(3), LedgerState::Syncing);
+    f.hits(&[(r7(3), 100), (r7(1), 10)]);
+    assert_eq!(f.first(), r7(1));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Policies
+
+fn with_policy(p: PolicyConfig) -> SchedConfig {
+    SchedConfig { pools: PoolPolicies { regular: p, prefill: p, decode: p }, ..SchedConfig::default() }
+}
+
+#[test]
+fn round_robin_cycles_over_admissible() {
+    let mut f = Fixture::new(3, with_policy(PolicyConfig::RoundRobin));
+    f.cluster.set_health(WorkerId(1), Health::Unhealthy);
+    f.hits(&[(h(2), 100)]);
+    let firsts: Vec<u32> = (0..4).map(|_| f.first().worker.0).collect();
+    assert_eq!(firsts, vec![0, 2, 0, 2]);
+    assert_eq!(f.out.policy(), PolicyKind::RoundRobin);
+    assert_eq!((f.out.mode(), f.out.reason()), (MatchMode::FallbackRoundRobin, Some(FallbackReason::Policy)));
+    assert_eq!(f.out.cache_hit_tokens(), 0, "round robin never reads the overlap");
+}
+
+#[test]
+fn random_spreads_evenly() {
+    let mut f = Fixture::new(4, with_policy(PolicyConfig::Random));
+    let mut counts = [0u32; 4];
+    for _ in 0..4000 {
+        counts[f.first().worker.0 as usize] += 1;
+    }
+    assert!(counts.iter().all(|&c| (800..1200).contains(&c)), "{counts:?}");
+}
+
+#[test]
+fn power_of_two_never_picks_the_worse_of_its_pair() {
+    let mut f = Fixture::new(4, with_policy(PolicyConfig::PowerOfTwo));
+    f.load(h(1), 5, 0).load(h(2), 10, 0).load(h(3), 15, 0);
+    let mut counts = [0u32; 4];
+    for _ in 0..3000 {
+        let r = f.decide();
+        assert_eq!((r.mode(), r.reason()), (MatchMode::FallbackP2c, Some(FallbackReason::Policy)));
+        let (a, b) = (r.admissible()[0], r.admissible()[1]);
+        assert!(a.active_requests <= b.active_requests);
+        counts[a.holder.worker.0 as usize] += 1;
+    }
+    // P(w0 sampled) = 1/2, P(w1 best of its pair) = 1/3, P(w2) = 1/6, P(w3) = 0.
+    assert_eq!(counts[3], 0);
+    assert!((1350..1650).contains(&counts[0]) && (850..1150).contains(&counts[1]), "{counts:?}");
+}
+
+#[test]
+fn least_load_is_load_only_and_bounded() {
+    let mut f = Fixture::new(3, with_policy(PolicyConfig::LeastLoad));
+    f.load(h(0), 3, 0).load(h(1), 1, 0).load(h(2), 2, 0).hits(&[(h(0), 128)]);
+    let r = f.decide();
+    assert_eq!(r.first().expect("first").holder, h(1));
+    assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::Policy)));
+    assert!(r.all().iter().all(|c| c.matched_tokens == 0));
+}
+
+#[test]
+fn consistent_hashing_on_the_routing_key() {
+    let mut f = Fixture::new(5, with_policy(PolicyConfig::ConsistentHashing));
+    let snap = f.cluster.load();
+    let pick = |f: &mut Fixture, snap: &Snapshot, key: &str| {
+        let mut req =
+            Request::new(MODEL, Role::Regular, ms(1), 10, CacheView::Untrusted(Untrusted::TokenizerFailed));
+        req.routing_key = Some(key.as_bytes());
+        f.sched.decide(snap, &req, &mut f.out).expect("ok");
+        f.out.first().expect("first").holder
+    };
+    let keys: Vec<String> = (0..200).map(|i| format!("user-{i}")).collect();
+    let before: Vec<HolderId> = keys.iter().map(|k| pick(&mut f, &snap, k)).collect();
+    assert_eq!(before, keys.iter().map(|k| pick(&mut f, &snap, k)).collect::<Vec<_>>(), "stable");
+    let mut per = [0; 5];
+    for b in &before {
+        per[b.worker.0 as usize] += 1;
+    }
+    assert!(per.iter().all(|&n| n > 20), "{per:?}");
+    // Removing a worker moves only its own keys.
+    f.cluster.remove(WorkerId(3));
+    let snap2 = f.cluster.load();
+    for (k, b) in keys.iter().zip(&before) {
+        let a = pick(&mut f, &snap2, k);
+        if b.worker != WorkerId(3) {
+            assert_eq!(a, *b, "{k} moved");
+        }
+    }
+    // No key: round robin, and said so.
+    f.decide_with(CacheView::Untrusted(Untrusted::TokenizerFailed), ms(1)).expect("ok");
+    assert_eq!(f.out.reason(), Some(FallbackReason::NoRoutingKey));
+}
+
+#[test]
+fn manual_sticks_until_idle_or_gone() {
+    let m = ManualConfig { max_idle: Duration::from_secs(60), assignment: Assignment::MinLoad };
+    let mut f = Fixture::new(3, with_policy(PolicyConfig::Manual(m)));
+    f.load(h(0), 2, 0).load(h(2), 1, 0);
+    let pick = |f: &mut Fixture, t: Timestamp| {
+        let snap = f.cluster.load();
+        let mut req =
+            Request::new(MODEL, Role::Regular, t, 10, CacheView::Untrusted(Untrusted::TokenizerFailed));
+        req.routing_key = Some(b"session-42");
+        f.sched.decide(&snap, &req, &mut f.out).expect("ok");
+        f.out.first().expect("first").holder
+    };
+    assert_eq!(pick(&mut f, ms(0)), h(1), "assigned to the least loaded");
+    f.load(h(1), 5, 0);
+    assert_eq!(pick(&mut f, ms(30_000)), h(1), "sticky despite load");
+    assert_eq!(pick(&mut f, ms(89_000)), h(1), "used 59 s ago");
+    // Idle beyond max_idle: reassigned by load.
+    assert_eq!(pick(&mut f, ms(150_000)), h(2));
+    // Holder gone unhealthy: reassigned.
+    f.cluster.set_health(WorkerId(2), Health::Unhealthy);
+    assert_eq!(pick(&mut f, ms(150_001)), h(0));
+    assert_eq!(f.sched.sweep_sticky(ms(150_002)), 0);
+    assert_eq!(f.sched.sweep_sticky(ms(300_000)), 1);
+}
+
+#[test]
+fn prefix_hash_is_sticky_per_prefix_and_bounded() {
+    let cfg = PrefixHashConfig { prefix_blocks: 4, bound: BoundedLoad { epsilon: 0.25 } };
+    let mut f = Fixture::new(4, with_policy(PolicyConfig::PrefixHash(cfg)));
+    let chain = |group: u64, len: u64| -> Vec<SeqHash> {
+        (0..len).map(|i| SeqHash::from_bits(if i < 4 { group * 1000 + i } else { 7_000_000 + i })).collect()
+    };
+    let pick = |f: &mut Fixture, prefix: &[SeqHash]| {
+        let snap = f.cluster.load();
+        let mut req =
+            Request::new(MODEL, Role::Regular, ms(1), 10, CacheView::Untrusted(Untrusted::TokenizerFailed));
+        req.prefix = prefix;
+        f.sched.decide(&snap, &req, &mut f.out).expect("ok");
+        f.out.first().expect("first").holder
+    };
+    let a = pick(&mut f, &chain(1, 10));
+    assert_eq!(pick(&mut f, &chain(1, 6)), a, "same 4 leading blocks, same holder");
+    assert_eq!((f.out.mode(), f.out.reason()), (MatchMode::LoadAware, Some(FallbackReason::Policy)));
+    let spread: std::collections::HashSet<_> = (0..40).map(|g| pick(&mut f, &chain(g, 5))).collect();
+    assert_eq!(spread.len(), 4);
+    // Load the holder beyond the bound: the next holder in the prefix's order takes it.
+    f.load(a, 5, 0);
+    let b = pick(&mut f, &chain(1, 10));
+    assert_ne!(b, a);
+    assert_eq!(f.out.excluded()[0].excluded, Some(Exclusion::BoundedLoad { cap: 2 }));
+    // No full block: least load, and said so.
+    assert_ne!(pick(&mut f, &[]), a);
+    assert_eq!(f.out.reason(), Some(FallbackReason::NoPrefix));
+}
+
+#[test]
+fn prefill_and_decode_pools_use_their_own_policies() {
+    let specs = (0..4)
+        .map(|i| WorkerSpec {
+            role: if i < 2 { Role::Prefill } else { Role::Decode },
+            ..WorkerSpec::new(WorkerId(i), MODEL, Engine::Sglang)
+        })
+        .collect();
+    let mut f = Fixture::with_specs(specs, SchedConfig::default());
+    f.hits(&[(h(1), 100), (h(3), 100)]);
+    let overlap = f.overlap.clone();
+    let snap = f.cluster.load();
+    let cache = CacheView::Overlap { scores: &overlap, block_tokens: BLOCK };
+    f.sched.decide(&snap, &Request::new(MODEL, Role::Prefill, ms(1), PROMPT, cache), &mut f.out).expect("ok");
+    assert_eq!((f.out.policy(), f.out.mode()), (PolicyKind::CacheAware, MatchMode::ExactKvEvents));
+    assert_eq!(f.out.first().expect("first").holder, h(1));
+    assert_eq!(f.out.all().len(), 2, "only the prefill pool");
+    f.sched.decide(&snap, &Request::new(MODEL, Role::Decode, ms(1), PROMPT, cache), &mut f.out).expect("ok");
+    assert_eq!((f.out.policy(), f.out.mode()), (PolicyKind::PowerOfTwo, MatchMode::FallbackP2c));
+    assert!(f.out.all().iter().all(|c| c.holder.worker.0 >= 2 && c.matched_tokens == 0));
+}
+
+/// A custom scorer: prefers the highest worker id, ignoring everything else.
+struct HighestId;
+
+impl Scorer for HighestId {
+    fn score(&self, i: &ScoreInput) -> Score {
+        let total = f64::from(i.holder.worker.0);
+        Score { total, ..Score::default() }
+    }
+}
+
+#[test]
+fn the_scorer_is_the_seam_and_cannot_bypass_the_filter() {
+    let cluster = Cluster::new(HealthPolicy::default());
+    for i in 0..3 {
+        cluster.upsert(WorkerSpec::new(WorkerId(i), MODEL, Engine::Sglang), Health::Healthy);
+    }
+    let sched = Scheduler::with_scorer(SchedConfig::default(), HighestId).expect("config");
+    let mut out = Ranking::with_capacity(3);
+    let req = Request::new(MODEL, Role::Regular, ms(0), 10, CacheView::Untrusted(Untrusted::TokenizerFailed));
+    sched.decide(&cluster.load(), &req, &mut out).expect("ok");
+    assert_eq!(out.admissible().iter().map(|c| c.holder.worker.0).collect::<Vec<_>>(), vec![2, 1, 0]);
+    cluster.set_health(WorkerId(2), Health::Unhealthy);
+    sched.decide(&cluster.load(), &req, &mut out).expect("ok");
+    assert_eq!(out.first().expect("first").holder, h(1));
+}
