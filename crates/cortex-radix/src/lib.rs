@@ -1,12 +1,49 @@
-//! `cortex-radix`: the KV ledger (filled by the ledger issue).
+//! `cortex-radix`: the KV ledger — which holder (a worker and data-parallel rank) holds which
+//! chained KV block right now, and how many leading blocks of a prompt each holder has.
 //!
-//! It will own the in-memory index of which holder — a (worker, data-parallel rank) — holds which
-//! chained KV block (keyed by `cortex_hash::SeqHash`, never an engine hash), answer "how many
-//! leading blocks of this prompt does each holder have?" without ever taking a lock (memory
-//! reclaimed with crossbeam-epoch), reference-count vLLM's duplicate physical blocks, keep
-//! orphaned chains until their parent appears, and bound and measure its memory. It knows nothing
-//! about sockets or async.
+//! ```
+//! use cortex_hash::kv::*;
+//! use cortex_hash::{Engine, Namespace};
+//! use cortex_radix::{HolderConfig, Ledger, LedgerConfig, OverlapScores, QueryOptions, Readiness};
+//!
+//! let ledger = Ledger::new(LedgerConfig::default());
+//! let holder = HolderId::new(WorkerId(7), DpRank(0));
+//! let mut writer = ledger
+//!     .add_holder(holder, HolderConfig { capacity_blocks: 1000, content_deterministic: false })
+//!     .unwrap();
+//! writer.set_readiness(Readiness::Ready);
+//!
+//! let ns = Namespace::new(Engine::Vllm, 4, "m", None);
+//! let tokens: Vec<u32> = (0..12).collect();
+//! let blocks = tokens
+//!     .chunks(4)
+//!     .enumerate()
+//!     .map(|(i, page)| StoredBlock { engine: EngineHash::from_u64(100 + i as u64), content: ns.block_hash(page) })
+//!     .collect();
+//! let store = BlockStored { parent: None, blocks, lineage: Some(Lineage::new(ns, None)), medium: Medium::Gpu };
+//! writer.apply(&KvEvent::Stored(store)).unwrap();
+//!
+//! let mut out = OverlapScores::with_capacity(8);
+//! ledger.query(&ns.seq_hashes(None, &tokens), QueryOptions::default(), &mut out);
+//! assert_eq!(out.get(holder).map(|o| o.gpu_blocks), Some(3));
+//! ```
+//!
+//! Key decision: the ledger is keyed by Cortex's chained `SeqHash`, so "longest cached prefix"
+//! is a run of independent hash lookups in one shared table of holder bits (read lock-free under
+//! a crossbeam-epoch guard), while everything per (holder, block) — engine hashes, reference
+//! counts, tiers, orphans and LRU order — belongs to that holder's single writer. See
+//! ARCHITECTURE.md (`crates/cortex-radix`) for the structure, the benchmark that chose it and
+//! the exact orphan rules.
 
+mod holder;
+pub mod ledger;
 pub mod overlap;
+mod sync;
+mod table;
 
+pub use ledger::{
+    ApplyOutcome, DumpBlock, DumpState, EarlyExit, HolderConfig, HolderDump, HolderFilter, HolderWriter,
+    Ledger, LedgerConfig, LedgerError, LedgerStats, MAX_HOLDERS, QueryOptions, Readiness,
+    WORST_BYTES_PER_BLOCK,
+};
 pub use overlap::{Overlap, OverlapScores};

@@ -1,0 +1,1301 @@
+//! The ledger: holders, writers, the overlap query, removal, budgets, dumps and stats.
+//!
+//! Key decision: a query is a run of independent lookups `SeqHash → holder bits` in the shared
+//! [`SlotTable`] (the `SeqHash` chain already encodes the prefix, so no tree is walked), and all
+//! per-(holder, block) bookkeeping — engine hashes, reference counts, tiers, orphans, LRU stamps —
+//! is private to the holder's single writer ([`crate::holder`]). The table stores only what a
+//! reader needs: two bits per holder per block. Writers of different holders run in parallel and
+//! meet only on short shard locks of the table; readers pin an epoch and never lock.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64 as StdAtomicU64, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering};
+
+use cortex_hash::kv::{BlockRemoved, BlockStored, EventBatch, HolderId, KvEvent, WorkerId};
+use cortex_hash::{BlockHash, SeqHash, chain};
+
+use crate::holder::{COUNTABLE, Entry, Map, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE, mix64};
+use crate::overlap::{Overlap, OverlapScores};
+use crate::sync::epoch::{self, Guard};
+use crate::sync::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering, fence};
+use crate::table::{EMPTY, SLOT_BYTES, SlotTable};
+
+/// Holders per group: one group's GPU and any-tier bits share one 64-bit table word.
+pub(crate) const GROUP: u32 = 32;
+/// The most holders one ledger indexes at once (32 groups).
+pub const MAX_HOLDERS: u32 = 1024;
+const GROUPS: usize = (MAX_HOLDERS / GROUP) as usize;
+
+/// The worst-case bytes one (holder, block) costs, used to turn the byte budget into a block
+/// budget: a 24-byte map bucket plus its control byte at the lowest load the map reaches (7/16),
+/// plus an unshared 16-byte table slot at its lowest load (2/5), rounded up.
+pub const WORST_BYTES_PER_BLOCK: usize = 104;
+
+/// Ledger-wide settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LedgerConfig {
+    /// Memory the ledger may use. Turned into a block budget ([`WORST_BYTES_PER_BLOCK`] per
+    /// block) shared among holders in proportion to their capacity; a holder over its share
+    /// evicts its least recently stored blocks.
+    pub byte_budget: usize,
+    /// Extra blocks a holder may keep beyond its engine capacity before the ledger evicts, in
+    /// percent of that capacity. Only lost removes make a holder exceed its capacity; when it
+    /// exceeds capacity plus slack, its least recently stored blocks are evicted down to the
+    /// capacity.
+    pub capacity_slack_percent: u32,
+}
+
+impl Default for LedgerConfig {
+    fn default() -> Self {
+        LedgerConfig { byte_budget: 1 << 30, capacity_slack_percent: 25 }
+    }
+}
+
+/// One holder's settings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HolderConfig {
+    /// The engine's KV capacity in blocks (the ledger adds its own slack).
+    pub capacity_blocks: u32,
+    /// The engine's hashes are equal across workers for equal content (SGLang; vLLM ≥ 0.29 with
+    /// the default seed): an orphan may then be grafted from another such holder of the same
+    /// namespace.
+    pub content_deterministic: bool,
+}
+
+/// Whether a holder's state can be trusted, as decided by the ingest runtime.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Readiness {
+    /// In sync with its engine: counted by default queries.
+    Ready,
+    /// Replaying or catching up (the state a new holder starts in).
+    Syncing,
+    /// Events stopped or a gap could not be repaired.
+    Stale,
+}
+
+impl Readiness {
+    const fn to_u8(self) -> u8 {
+        match self {
+            Readiness::Ready => 0,
+            Readiness::Syncing => 1,
+            Readiness::Stale => 2,
+        }
+    }
+    const fn from_u8(v: u8) -> Readiness {
+        match v {
+            0 => Readiness::Ready,
+            1 => Readiness::Syncing,
+            _ => Readiness::Stale,
+        }
+    }
+}
+
+/// When a query may stop before the end of the prompt.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EarlyExit {
+    /// Walk until no holder matches (exact lengths for every holder).
+    #[default]
+    Never,
+    /// Stop once at most one holder still matches; that holder's lengths are then a lower bound
+    /// (enough to know who the best holder is).
+    OneHolderLeft,
+}
+
+/// Which holders a query counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HolderFilter {
+    /// Only holders in [`Readiness::Ready`].
+    #[default]
+    Ready,
+    /// Every registered holder, whatever its readiness.
+    All,
+}
+
+/// Options of [`Ledger::query`]. The default counts only ready holders and never exits early.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueryOptions {
+    /// Early exit.
+    pub early_exit: EarlyExit,
+    /// Holders counted.
+    pub holders: HolderFilter,
+}
+
+/// Errors of the ledger.
+#[derive(Debug, thiserror::Error, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LedgerError {
+    /// The holder already has a writer.
+    #[error("holder {0} already has a writer")]
+    HolderExists(HolderId),
+    /// [`MAX_HOLDERS`] holders are registered.
+    #[error("the ledger already indexes {MAX_HOLDERS} holders")]
+    TooManyHolders,
+    /// A holder's capacity must be at least one block.
+    #[error("holder {0} has a capacity of 0 blocks")]
+    ZeroCapacity(HolderId),
+    /// The holder's worker was removed: its writer may no longer write.
+    #[error("holder {0} was removed; its writer is revoked")]
+    Revoked(HolderId),
+}
+
+/// What an apply did (summed over a batch).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ApplyOutcome {
+    /// Events applied.
+    pub events: u64,
+    /// Block references stored (new blocks and duplicates).
+    pub stored: u64,
+    /// Block references removed.
+    pub removed: u64,
+    /// Removes of a hash (or tier copy) the holder did not have: ignored.
+    pub unknown_removes: u64,
+    /// Blocks that arrived as orphans (their parent unknown).
+    pub orphaned: u64,
+    /// Orphans grafted (made countable).
+    pub grafted: u64,
+    /// Blocks evicted by the capacity or the budget.
+    pub evicted: u64,
+    /// `AllBlocksCleared` events and clears.
+    pub cleared: u64,
+}
+
+/// A block's state in a dump.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DumpState {
+    /// Countable, with its identity.
+    Countable(SeqHash),
+    /// Waiting on the parent with this engine hash.
+    Orphan {
+        /// The parent's engine hash.
+        parent: cortex_hash::kv::EngineHash,
+    },
+    /// Namespace unknown: kept for removes and children, never counted.
+    Uncountable,
+}
+
+/// One block of a holder, as dumped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DumpBlock {
+    /// The engine's hash.
+    pub engine: cortex_hash::kv::EngineHash,
+    /// State and identity.
+    pub state: DumpState,
+    /// References on GPU.
+    pub gpu_refs: u32,
+    /// References on lower tiers (CPU, storage, external).
+    pub lower_refs: u32,
+}
+
+/// A holder's blocks (debugging, tests), sorted by engine hash.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HolderDump {
+    /// The holder.
+    pub holder: HolderId,
+    /// Its readiness.
+    pub readiness: Readiness,
+    /// Every block, orphans included.
+    pub blocks: Vec<DumpBlock>,
+    /// How many of them are orphans.
+    pub orphans: usize,
+}
+
+/// Counters for metrics. Gauges are current values; the rest count since creation.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LedgerStats {
+    /// Bytes the ledger's structures use now (table arrays plus holders' maps, estimated from
+    /// their capacities).
+    pub live_bytes: usize,
+    /// Of which the shared table.
+    pub table_bytes: usize,
+    /// Registered holders.
+    pub holders: usize,
+    /// (holder, block) entries, orphans and uncountable blocks included.
+    pub blocks: u64,
+    /// Of which countable.
+    pub countable_blocks: u64,
+    /// Of which orphans.
+    pub orphans: u64,
+    /// Distinct (block, holder group) keys with some holder in the table.
+    pub nodes: usize,
+    /// Table keys no holder references any more, reclaimed at their shard's next rebuild.
+    pub dead_nodes: usize,
+    /// Table shard rebuilds.
+    pub table_rebuilds: usize,
+    /// Blocks evicted because a holder exceeded its capacity plus slack.
+    pub evictions_capacity: u64,
+    /// Blocks evicted because of the byte budget.
+    pub evictions_budget: u64,
+    /// Removes of unknown hashes (or tier copies), ignored.
+    pub unknown_removes: u64,
+    /// Re-stores of a known engine hash with a different identity (the new one replaces it).
+    pub conflicts: u64,
+    /// Orphans grafted.
+    pub grafts: u64,
+    /// Applies refused because the holder's worker was removed.
+    pub refused_applies: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    private_bytes: StdAtomicUsize,
+    det_bytes: StdAtomicUsize,
+    blocks: StdAtomicU64,
+    countable: StdAtomicU64,
+    orphans: StdAtomicU64,
+    capacity: StdAtomicU64,
+    evictions_capacity: StdAtomicU64,
+    evictions_budget: StdAtomicU64,
+    unknown_removes: StdAtomicU64,
+    conflicts: StdAtomicU64,
+    grafts: StdAtomicU64,
+    refused: StdAtomicU64,
+}
+
+/// A graft offered to a deterministic holder by another one: `(ns, parent engine)` has `seq`.
+#[derive(Clone, Copy, Debug)]
+struct Graft {
+    ns: u64,
+    parent: u64,
+    seq: u64,
+}
+
+struct HolderShared {
+    id: HolderId,
+    slot: u32,
+    cfg: HolderConfig,
+    limit: usize,
+    private: Mutex<Private>,
+    revoked: AtomicBool,
+    readiness: AtomicU8,
+    mailbox: Mutex<Vec<Graft>>,
+    mail: AtomicBool,
+    applied: AtomicU64,
+}
+
+#[derive(Default)]
+struct Registry {
+    by_id: std::collections::HashMap<HolderId, Arc<HolderShared>>,
+    by_slot: Vec<Option<Arc<HolderShared>>>,
+    next_slot: u32,
+}
+
+type DetMap = std::collections::HashMap<(u64, u64), (u64, u32)>;
+
+/// Countable blocks of deterministic holders by (namespace, engine hash), and the deterministic
+/// orphans waiting on a parent nobody had yet.
+#[derive(Default)]
+struct DetIndex {
+    blocks: Mutex<DetMap>,
+    waits: Mutex<std::collections::HashMap<(u64, u64), Vec<u32>>>,
+    waiting: StdAtomicUsize,
+}
+
+struct Inner {
+    cfg: LedgerConfig,
+    table: SlotTable,
+    active: Box<[AtomicU32]>,
+    ready: Box<[AtomicU32]>,
+    ids: Box<[AtomicU64]>,
+    groups_used: AtomicU32,
+    registry: Mutex<Registry>,
+    free_slots: Arc<Mutex<Vec<u32>>>,
+    det: DetIndex,
+    counters: Counters,
+}
+
+/// The KV ledger. Shared as `Arc<Ledger>`; see the crate documentation.
+pub struct Ledger {
+    inner: Arc<Inner>,
+}
+
+/// The only handle that writes one holder's blocks. Exactly one exists per registered holder;
+/// it is `Send` (the ingest runtime moves it to the thread that owns the holder's events) and
+/// not `Clone`.
+pub struct HolderWriter {
+    inner: Arc<Inner>,
+    me: Arc<HolderShared>,
+}
+
+impl std::fmt::Debug for HolderWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HolderWriter").field("holder", &self.me.id).field("slot", &self.me.slot).finish()
+    }
+}
+
+impl std::fmt::Debug for Ledger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ledger").field("cfg", &self.inner.cfg).field("stats", &self.stats()).finish()
+    }
+}
+
+/// The table key of block `seq` for holder group `group`. Group 0 uses the `SeqHash` itself;
+/// other groups a bijective mix, so a block held in two groups has two independent keys. The
+/// reserved empty key is mapped to 1 (one more 2^-64 collision).
+#[inline]
+fn table_key(seq: u64, group: u32) -> u64 {
+    let k = if group == 0 { seq } else { mix64(seq ^ u64::from(group).wrapping_mul(0x9E37_79B9_7F4A_7C15)) };
+    if k == EMPTY { 1 } else { k }
+}
+
+fn encode_id(id: HolderId) -> u64 {
+    (u64::from(id.worker.0) << 16) | u64::from(id.rank.0)
+}
+
+fn decode_id(v: u64) -> HolderId {
+    HolderId::new(WorkerId((v >> 16) as u32), cortex_hash::kv::DpRank(v as u16))
+}
+
+impl Ledger {
+    /// An empty ledger.
+    #[must_use]
+    pub fn new(cfg: LedgerConfig) -> Arc<Ledger> {
+        Arc::new(Ledger {
+            inner: Arc::new(Inner {
+                cfg,
+                table: SlotTable::new(),
+                active: (0..GROUPS).map(|_| AtomicU32::new(0)).collect(),
+                ready: (0..GROUPS).map(|_| AtomicU32::new(0)).collect(),
+                ids: (0..MAX_HOLDERS).map(|_| AtomicU64::new(0)).collect(),
+                groups_used: AtomicU32::new(0),
+                registry: Mutex::new(Registry::default()),
+                free_slots: Arc::new(Mutex::new(Vec::new())),
+                det: DetIndex::default(),
+                counters: Counters::default(),
+            }),
+        })
+    }
+
+    /// Registers `holder` and returns its only writer. It starts [`Readiness::Syncing`].
+    ///
+    /// # Errors
+    /// [`LedgerError::HolderExists`] if the holder already has a writer (remove its worker
+    /// first), [`LedgerError::TooManyHolders`], [`LedgerError::ZeroCapacity`].
+    pub fn add_holder(&self, holder: HolderId, cfg: HolderConfig) -> Result<HolderWriter, LedgerError> {
+        if cfg.capacity_blocks == 0 {
+            return Err(LedgerError::ZeroCapacity(holder));
+        }
+        let inner = &self.inner;
+        let mut reg = inner.registry.lock();
+        if reg.by_id.contains_key(&holder) {
+            return Err(LedgerError::HolderExists(holder));
+        }
+        let slot = match inner.free_slots.lock().pop() {
+            Some(s) => s,
+            None if reg.next_slot < MAX_HOLDERS => {
+                reg.next_slot += 1;
+                reg.next_slot - 1
+            }
+            None => return Err(LedgerError::TooManyHolders),
+        };
+        let cap = cfg.capacity_blocks as usize;
+        let limit = cap + cap * inner.cfg.capacity_slack_percent as usize / 100;
+        let shared = Arc::new(HolderShared {
+            id: holder,
+            slot,
+            cfg,
+            limit,
+            private: Mutex::new(Private::default()),
+            revoked: AtomicBool::new(false),
+            readiness: AtomicU8::new(Readiness::Syncing.to_u8()),
+            mailbox: Mutex::new(Vec::new()),
+            mail: AtomicBool::new(false),
+            applied: AtomicU64::new(0),
+        });
+        let (g, bit) = ((slot / GROUP) as usize, 1u32 << (slot % GROUP));
+        // Relaxed: published by the Release fetch_or of the active bit below.
+        inner.ids[slot as usize].store(encode_id(holder), Ordering::Relaxed);
+        // Release (both): a reused slot starts not ready; `ready` is only read with `active`.
+        inner.ready[g].fetch_and(!bit, Ordering::Release);
+        inner.groups_used.fetch_max(g as u32 + 1, Ordering::Release);
+        // Release: a reader that sees the active bit (Acquire) sees the holder's id.
+        inner.active[g].fetch_or(bit, Ordering::Release);
+        if reg.by_slot.len() <= slot as usize {
+            reg.by_slot.resize(slot as usize + 1, None);
+        }
+        reg.by_slot[slot as usize] = Some(shared.clone());
+        reg.by_id.insert(holder, shared.clone());
+        inner.counters.capacity.fetch_add(u64::from(cfg.capacity_blocks), StdOrdering::Relaxed);
+        Ok(HolderWriter { inner: inner.clone(), me: shared })
+    }
+
+    /// For every holder, how many leading blocks of `seq` it holds contiguously, on GPU and on
+    /// any tier. Lock-free and allocation-free with a reused `out` (sized for the holders).
+    ///
+    /// A block being written concurrently may be missed (an under-count); a block is counted
+    /// only if its holder had it at some instant during the query.
+    pub fn query(&self, seq: &[SeqHash], opts: QueryOptions, out: &mut OverlapScores) {
+        let inner = &*self.inner;
+        out.begin(seq.len() as u32);
+        if seq.is_empty() {
+            return;
+        }
+        let guard = epoch::pin();
+        // Acquire: pairs with the Release in `add_holder`.
+        let groups = inner.groups_used.load(Ordering::Acquire) as usize;
+        // Per group: (group, gpu-active bits, any-active bits, GPU lengths of holders whose GPU run
+        // ended while their any-tier run goes on).
+        let mut states: [(u32, u32, u32); GROUPS] = [(0, 0, 0); GROUPS];
+        let mut n_states = 0;
+        for g in 0..groups {
+            // Acquire: see `add_holder` (ids are published by the active bit).
+            let mut mask = inner.active[g].load(Ordering::Acquire);
+            if opts.holders == HolderFilter::Ready {
+                // Acquire: pairs with the Release updates in `set_readiness`.
+                mask &= inner.ready[g].load(Ordering::Acquire);
+            }
+            if mask != 0 {
+                states[n_states] = (g as u32, mask, mask);
+                n_states += 1;
+            }
+        }
+        let states = &mut states[..n_states];
+        let mut gpu_len = [[0u32; GROUP as usize]; 2];
+        let mut gpu_len_big: Option<Box<[[u32; GROUP as usize]]>> = None;
+        let mut ended = seq.len();
+        'walk: for (i, s) in seq.iter().enumerate() {
+            let mut any_left = 0u32;
+            for (si, st) in states.iter_mut().enumerate() {
+                if st.2 == 0 {
+                    continue;
+                }
+                let bits = inner.table.get(table_key(s.to_bits(), st.0), &guard);
+                let (gpu, any) = (bits as u32, (bits >> 32) as u32);
+                let gpu_drop = st.1 & !gpu;
+                if gpu_drop != 0 {
+                    let lens = if si < 2 {
+                        &mut gpu_len[si]
+                    } else {
+                        &mut gpu_len_big.get_or_insert_with(|| vec![[0u32; GROUP as usize]; GROUPS].into())
+                            [si]
+                    };
+                    let mut d = gpu_drop;
+                    while d != 0 {
+                        lens[d.trailing_zeros() as usize] = i as u32;
+                        d &= d - 1;
+                    }
+                    st.1 &= gpu;
+                }
+                let any_drop = st.2 & !any;
+                if any_drop != 0 {
+                    let lens = if si < 2 {
+                        &gpu_len[si]
+                    } else {
+                        &gpu_len_big.as_ref().expect("set with gpu drops")[si]
+                    };
+                    let mut d = any_drop;
+                    while d != 0 {
+                        let b = d.trailing_zeros();
+                        if i > 0 {
+                            let slot = st.0 * GROUP + b;
+                            // Acquire: see `add_holder`.
+                            let id = decode_id(inner.ids[slot as usize].load(Ordering::Acquire));
+                            out.push(Overlap {
+                                holder: id,
+                                gpu_blocks: lens[b as usize],
+                                any_tier_blocks: i as u32,
+                            });
+                        }
+                        d &= d - 1;
+                    }
+                    st.2 &= any;
+                }
+                any_left += st.2.count_ones();
+            }
+            if any_left == 0 {
+                return;
+            }
+            if opts.early_exit == EarlyExit::OneHolderLeft && any_left == 1 {
+                ended = i + 1;
+                break 'walk;
+            }
+        }
+        for (si, st) in states.iter().enumerate() {
+            let mut d = st.2;
+            while d != 0 {
+                let b = d.trailing_zeros();
+                let gpu = if st.1 & (1 << b) != 0 {
+                    ended as u32
+                } else if si < 2 {
+                    gpu_len[si][b as usize]
+                } else {
+                    gpu_len_big.as_ref().map_or(0, |l| l[si][b as usize])
+                };
+                let slot = st.0 * GROUP + b;
+                // Acquire: see `add_holder`.
+                let id = decode_id(inner.ids[slot as usize].load(Ordering::Acquire));
+                out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: ended as u32 });
+                d &= d - 1;
+            }
+        }
+    }
+
+    /// The readiness of `holder`, `None` if it is not registered. Takes the registry lock: for
+    /// the control plane, not the request path.
+    #[must_use]
+    pub fn readiness(&self, holder: HolderId) -> Option<Readiness> {
+        let reg = self.inner.registry.lock();
+        // Relaxed: a status read, ordered by the registry lock against registration.
+        reg.by_id.get(&holder).map(|h| Readiness::from_u8(h.readiness.load(Ordering::Relaxed)))
+    }
+
+    /// Removes every rank of `worker`: queries stop counting them at once, their blocks are
+    /// dropped, and their writers' later applies are refused with [`LedgerError::Revoked`].
+    /// Waits for an apply in progress on one of them to finish.
+    pub fn remove_worker(&self, worker: WorkerId) {
+        let inner = &self.inner;
+        let victims: Vec<Arc<HolderShared>> = {
+            let mut reg = inner.registry.lock();
+            let ids: Vec<HolderId> = reg.by_id.keys().filter(|h| h.worker == worker).copied().collect();
+            let mut v = Vec::new();
+            for id in ids {
+                if let Some(h) = reg.by_id.remove(&id) {
+                    reg.by_slot[h.slot as usize] = None;
+                    v.push(h);
+                }
+            }
+            v
+        };
+        for h in victims {
+            h.revoked.store(true, Ordering::SeqCst);
+            let (g, bit) = ((h.slot / GROUP) as usize, 1u32 << (h.slot % GROUP));
+            inner.active[g].fetch_and(!bit, Ordering::SeqCst);
+            inner.ready[g].fetch_and(!bit, Ordering::SeqCst);
+            let mut p = h.private.lock();
+            let guard = epoch::pin();
+            let mut out = ApplyOutcome::default();
+            let mut cx = Cx { inner, me: &h, guard: &guard, out: &mut out };
+            let before = (p.entries.len(), p.countable, p.orphans.len());
+            cx.clear(&mut p);
+            p.namespaces = Vec::new();
+            cx.report(&mut p, before);
+            drop(p);
+            inner.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
+            {
+                let mut waits = inner.det.waits.lock();
+                waits.retain(|_, v| {
+                    v.retain(|&s| s != h.slot);
+                    !v.is_empty()
+                });
+                inner.det.waiting.store(waits.len(), StdOrdering::Relaxed);
+            }
+            // The slot is reused only after every query that may still read it has ended.
+            let free = inner.free_slots.clone();
+            let slot = h.slot;
+            guard.defer(move || free.lock().push(slot));
+            guard.flush();
+        }
+    }
+
+    /// A holder's blocks, orphans included, `None` if it is not registered. Locks the holder
+    /// (waits for an apply in progress): for debugging and tests.
+    #[must_use]
+    pub fn dump(&self, holder: HolderId) -> Option<HolderDump> {
+        let h = self.inner.registry.lock().by_id.get(&holder).cloned()?;
+        let p = h.private.lock();
+        let mut blocks: Vec<DumpBlock> = p
+            .entries
+            .iter()
+            .map(|(&engine, e)| DumpBlock {
+                engine: cortex_hash::kv::EngineHash::from_u64(engine),
+                state: match e.state {
+                    COUNTABLE => DumpState::Countable(SeqHash::from_bits(e.seq)),
+                    ORPHAN => DumpState::Orphan {
+                        parent: cortex_hash::kv::EngineHash::from_u64(
+                            p.orphans.get(&engine).map_or(0, |o| o.parent),
+                        ),
+                    },
+                    _ => DumpState::Uncountable,
+                },
+                gpu_refs: u32::from(e.gpu),
+                lower_refs: u32::from(e.low),
+            })
+            .collect();
+        blocks.sort_unstable();
+        Some(HolderDump {
+            holder,
+            // Relaxed: a status read.
+            readiness: Readiness::from_u8(h.readiness.load(Ordering::Relaxed)),
+            orphans: p.orphans.len(),
+            blocks,
+        })
+    }
+
+    /// Current counters.
+    #[must_use]
+    pub fn stats(&self) -> LedgerStats {
+        let i = &self.inner;
+        let c = &i.counters;
+        let r = StdOrdering::Relaxed;
+        let table_bytes = i.table.counters.bytes.load(r);
+        LedgerStats {
+            live_bytes: self.inner.live_bytes(),
+            table_bytes,
+            holders: i.registry.lock().by_id.len(),
+            blocks: c.blocks.load(r),
+            countable_blocks: c.countable.load(r),
+            orphans: c.orphans.load(r),
+            nodes: i.table.counters.live.load(r),
+            dead_nodes: i.table.counters.dead.load(r),
+            table_rebuilds: i.table.counters.rebuilds.load(r),
+            evictions_capacity: c.evictions_capacity.load(r),
+            evictions_budget: c.evictions_budget.load(r),
+            unknown_removes: c.unknown_removes.load(r),
+            conflicts: c.conflicts.load(r),
+            grafts: c.grafts.load(r),
+            refused_applies: c.refused.load(r),
+        }
+    }
+}
+
+impl Inner {
+    fn live_bytes(&self) -> usize {
+        let r = StdOrdering::Relaxed;
+        self.table.counters.bytes.load(r)
+            + self.counters.private_bytes.load(r)
+            + self.counters.det_bytes.load(r)
+            + std::mem::size_of::<Inner>()
+            + MAX_HOLDERS as usize * 8
+            + GROUPS * 8
+    }
+
+    /// The block budget of a holder of capacity `cap`: its share of the byte budget.
+    fn budget_blocks(&self, cap: u32) -> usize {
+        let total_cap = self.counters.capacity.load(StdOrdering::Relaxed).max(1);
+        let blocks = (self.cfg.byte_budget / WORST_BYTES_PER_BLOCK) as u128;
+        (blocks * u128::from(cap) / u128::from(total_cap)) as usize
+    }
+}
+
+/// What a block's parent is, while walking a store.
+#[derive(Clone, Copy)]
+enum Parent {
+    Known(u64),
+    Uncountable,
+    Waiting(u64),
+}
+
+/// What a stored block is.
+#[derive(Clone, Copy)]
+enum Ident {
+    Countable(u64, u8),
+    Orphan(OrphanInfo, u8),
+    Uncountable,
+}
+
+/// A writer's context: the ledger, the holder and a pinned guard.
+struct Cx<'a> {
+    inner: &'a Inner,
+    me: &'a HolderShared,
+    guard: &'a Guard,
+    out: &'a mut ApplyOutcome,
+}
+
+impl Cx<'_> {
+    fn group_bit(&self) -> (u32, u32) {
+        (self.me.slot / GROUP, self.me.slot % GROUP)
+    }
+
+    fn set_flags(&self, seq: u64, gpu: bool, any: bool) {
+        let (g, bit) = self.group_bit();
+        self.inner.table.set(table_key(seq, g), bit, gpu, any, self.guard);
+    }
+
+    /// Moves `e` from the flags `before` to its current flags in the table.
+    fn sync(&self, before: (bool, bool), e: &Entry) {
+        let now = e.flags();
+        if now != before {
+            self.set_flags(e.seq, now.0, now.1);
+        }
+    }
+
+    fn det_register(&self, p: &Private, engine: u64, e: &Entry) {
+        if !self.me.cfg.content_deterministic || e.ns == NS_NONE || e.state != COUNTABLE {
+            return;
+        }
+        let ns = p.namespaces[e.ns as usize];
+        let fresh = {
+            let mut m = self.inner.det.blocks.lock();
+            let before = m.capacity();
+            let slot = m.entry((ns, engine)).or_insert((e.seq, 0));
+            slot.1 += 1;
+            let fresh = slot.1 == 1;
+            if m.capacity() != before {
+                self.account_det(before, m.capacity());
+            }
+            fresh
+        };
+        if fresh && self.inner.det.waiting.load(StdOrdering::SeqCst) > 0 {
+            let waiters = {
+                let mut w = self.inner.det.waits.lock();
+                let v = w.remove(&(ns, engine));
+                self.inner.det.waiting.store(w.len(), StdOrdering::SeqCst);
+                v
+            };
+            for slot in waiters.into_iter().flatten() {
+                if slot != self.me.slot {
+                    self.deliver(slot, Graft { ns, parent: engine, seq: e.seq });
+                }
+            }
+        }
+    }
+
+    fn account_det(&self, before: usize, after: usize) {
+        let per = std::mem::size_of::<((u64, u64), (u64, u32))>() + 1;
+        let bytes = |c: usize| if c == 0 { 0 } else { (c * 8 / 7).next_power_of_two() * per };
+        self.inner.counters.det_bytes.fetch_add(bytes(after), StdOrdering::Relaxed);
+        self.inner.counters.det_bytes.fetch_sub(bytes(before), StdOrdering::Relaxed);
+    }
+
+    fn det_unregister(&self, p: &Private, engine: u64, e: &Entry) {
+        if !self.me.cfg.content_deterministic || e.ns == NS_NONE || e.state != COUNTABLE {
+            return;
+        }
+        let ns = p.namespaces[e.ns as usize];
+        let mut m = self.inner.det.blocks.lock();
+        if let Some(slot) = m.get_mut(&(ns, engine)) {
+            slot.1 -= 1;
+            if slot.1 == 0 {
+                m.remove(&(ns, engine));
+            }
+        }
+    }
+
+    fn det_lookup(&self, ns: u64, parent: u64) -> Option<u64> {
+        self.inner.det.blocks.lock().get(&(ns, parent)).map(|v| v.0)
+    }
+
+    fn det_wait(&self, ns: u64, parent: u64) {
+        let mut w = self.inner.det.waits.lock();
+        let v = w.entry((ns, parent)).or_default();
+        if !v.contains(&self.me.slot) {
+            v.push(self.me.slot);
+        }
+        self.inner.det.waiting.store(w.len(), StdOrdering::SeqCst);
+    }
+
+    fn det_unwait(&self, ns: u64, parent: u64) {
+        let mut w = self.inner.det.waits.lock();
+        if let Some(v) = w.get_mut(&(ns, parent)) {
+            v.retain(|&s| s != self.me.slot);
+            if v.is_empty() {
+                w.remove(&(ns, parent));
+            }
+        }
+        self.inner.det.waiting.store(w.len(), StdOrdering::SeqCst);
+    }
+
+    /// Offers a graft to holder `slot`: into its mailbox, then applied at once if its state is
+    /// free, or by whoever holds it when they unlock (see [`unlock`]).
+    fn deliver(&self, slot: u32, graft: Graft) {
+        let target = self.inner.registry.lock().by_slot.get(slot as usize).cloned().flatten();
+        let Some(target) = target else { return };
+        target.mailbox.lock().push(graft);
+        target.mail.store(true, Ordering::SeqCst);
+        // SeqCst fence: either this try_lock sees the lock released, or the unlocker's check
+        // after its own fence sees the mail flag (see `unlock`).
+        fence(Ordering::SeqCst);
+        if let Some(p) = target.private.try_lock() {
+            unlock(self.inner, &target, self.guard, p);
+        }
+    }
+
+    /// Applies the grafts in this holder's mailbox.
+    fn drain_mail(&mut self, p: &mut Private) {
+        self.me.mail.store(false, Ordering::SeqCst);
+        let grafts = std::mem::take(&mut *self.me.mailbox.lock());
+        for gr in grafts {
+            let known = p.entries.get(&gr.parent).is_some_and(|e| e.state != ORPHAN);
+            if known {
+                continue;
+            }
+            let Some(children) = p.waiting.get(&gr.parent).cloned() else { continue };
+            let mut left = Vec::new();
+            for c in children {
+                match p.orphans.get(&c).copied() {
+                    Some(info) if info.ns == gr.ns => {
+                        p.orphans.remove(&c);
+                        self.make_countable(
+                            p,
+                            c,
+                            chain(SeqHash::from_bits(gr.seq), BlockHash::from_bits(info.content)).to_bits(),
+                            info.ns,
+                        );
+                    }
+                    Some(_) => left.push(c),
+                    None => {}
+                }
+            }
+            if left.is_empty() {
+                p.waiting.remove(&gr.parent);
+            } else {
+                p.waiting.insert(gr.parent, left);
+            }
+        }
+    }
+
+    /// Turns orphan `engine` (its info already removed) into a countable block with `seq`, and
+    /// grafts its waiting descendants.
+    fn make_countable(&mut self, p: &mut Private, engine: u64, seq: u64, ns: u64) {
+        let ns_idx = if self.me.cfg.content_deterministic { p.ns_index(ns) } else { NS_NONE };
+        let Some(e) = p.entries.get_mut(&engine) else { return };
+        let before = e.flags();
+        e.state = COUNTABLE;
+        e.seq = seq;
+        e.ns = ns_idx;
+        let e = *e;
+        self.sync(before, &e);
+        p.countable += 1;
+        self.out.grafted += 1;
+        self.det_register(p, engine, &e);
+        self.cascade(p, engine, Parent::Known(seq));
+    }
+
+    /// Resolves the orphans waiting on `parent`, which just became countable or uncountable.
+    fn cascade(&mut self, p: &mut Private, parent: u64, how: Parent) {
+        let mut stack = vec![(parent, how)];
+        while let Some((par, how)) = stack.pop() {
+            let Some(children) = p.waiting.remove(&par) else { continue };
+            for c in children {
+                let Some(info) = p.orphans.remove(&c) else { continue };
+                match how {
+                    Parent::Known(s) => {
+                        let seq = chain(SeqHash::from_bits(s), BlockHash::from_bits(info.content)).to_bits();
+                        let ns_idx =
+                            if self.me.cfg.content_deterministic { p.ns_index(info.ns) } else { NS_NONE };
+                        let Some(e) = p.entries.get_mut(&c) else { continue };
+                        let before = e.flags();
+                        e.state = COUNTABLE;
+                        e.seq = seq;
+                        e.ns = ns_idx;
+                        let e = *e;
+                        self.sync(before, &e);
+                        p.countable += 1;
+                        self.out.grafted += 1;
+                        self.det_register(p, c, &e);
+                        stack.push((c, Parent::Known(seq)));
+                    }
+                    _ => {
+                        if let Some(e) = p.entries.get_mut(&c) {
+                            e.state = UNCOUNTABLE;
+                        }
+                        stack.push((c, Parent::Uncountable));
+                    }
+                }
+            }
+        }
+    }
+
+    fn parent_of(&self, p: &Private, engine: u64) -> Parent {
+        match p.entries.get(&engine) {
+            Some(e) if e.state == COUNTABLE => Parent::Known(e.seq),
+            Some(e) if e.state == UNCOUNTABLE => Parent::Uncountable,
+            _ => Parent::Waiting(engine),
+        }
+    }
+
+    fn store(&mut self, p: &mut Private, ev: &BlockStored) {
+        let gpu = ev.medium.is_gpu();
+        let mut parent = match (ev.parent, ev.lineage) {
+            (_, None) => Parent::Uncountable,
+            (None, Some(l)) => Parent::Known(l.root.to_bits()),
+            (Some(e), Some(_)) => self.parent_of(p, e.to_u64()),
+        };
+        let ns = ev.lineage.map(|l| l.namespace.to_bits());
+        for b in &ev.blocks {
+            let content = b.content.to_bits();
+            let ident = match (parent, ns) {
+                (Parent::Known(s), Some(ns)) => {
+                    Ident::Countable(chain(SeqHash::from_bits(s), b.content).to_bits(), self.ns_idx(p, ns))
+                }
+                (Parent::Waiting(par), Some(ns)) => {
+                    let det = if self.me.cfg.content_deterministic { self.det_lookup(ns, par) } else { None };
+                    match det {
+                        Some(s) => {
+                            self.out.grafted += 1;
+                            Ident::Countable(
+                                chain(SeqHash::from_bits(s), b.content).to_bits(),
+                                self.ns_idx(p, ns),
+                            )
+                        }
+                        None => Ident::Orphan(OrphanInfo { parent: par, content, ns }, self.ns_idx(p, ns)),
+                    }
+                }
+                _ => Ident::Uncountable,
+            };
+            let engine = b.engine.to_u64();
+            self.store_one(p, engine, ident, gpu);
+            parent = self.parent_of(p, engine);
+            self.out.stored += 1;
+        }
+    }
+
+    fn ns_idx(&self, p: &mut Private, ns: u64) -> u8 {
+        if self.me.cfg.content_deterministic { p.ns_index(ns) } else { NS_NONE }
+    }
+
+    fn store_one(&mut self, p: &mut Private, engine: u64, ident: Ident, gpu: bool) {
+        let stamp = p.next_stamp();
+        let Some(e) = p.entries.get_mut(&engine) else {
+            let mut e = Entry {
+                seq: 0,
+                stamp,
+                gpu: u8::from(gpu),
+                low: u8::from(!gpu),
+                state: UNCOUNTABLE,
+                ns: NS_NONE,
+            };
+            match ident {
+                Ident::Countable(seq, ns) => {
+                    e.state = COUNTABLE;
+                    e.seq = seq;
+                    e.ns = ns;
+                    p.entries.insert(engine, e);
+                    self.sync((false, false), &e);
+                    p.countable += 1;
+                    self.det_register(p, engine, &e);
+                    self.cascade(p, engine, Parent::Known(seq));
+                }
+                Ident::Uncountable => {
+                    p.entries.insert(engine, e);
+                    self.cascade(p, engine, Parent::Uncountable);
+                }
+                Ident::Orphan(info, ns) => {
+                    e.state = ORPHAN;
+                    e.ns = ns;
+                    p.entries.insert(engine, e);
+                    p.orphans.insert(engine, info);
+                    p.waiting.entry(info.parent).or_default().push(engine);
+                    self.out.orphaned += 1;
+                    if self.me.cfg.content_deterministic {
+                        self.det_wait(info.ns, info.parent);
+                    }
+                }
+            }
+            return;
+        };
+        let before = e.flags();
+        e.stamp = stamp;
+        match (e.state, ident) {
+            (COUNTABLE, Ident::Countable(seq, ns)) if seq != e.seq => {
+                // A known engine hash with another identity: the new store replaces the old
+                // block, references included.
+                let old = *e;
+                e.seq = seq;
+                e.ns = ns;
+                e.gpu = u8::from(gpu);
+                e.low = u8::from(!gpu);
+                let new = *e;
+                if before.0 || before.1 {
+                    self.set_flags(old.seq, false, false);
+                }
+                self.sync((false, false), &new);
+                self.det_unregister(p, engine, &old);
+                self.det_register(p, engine, &new);
+                self.inner.counters.conflicts.fetch_add(1, StdOrdering::Relaxed);
+            }
+            (ORPHAN, Ident::Countable(seq, ns)) => {
+                bump(e, gpu);
+                let info = p.orphans.remove(&engine);
+                if let Some(info) = info {
+                    self.unlink_waiting(p, engine, info);
+                }
+                let Some(e) = p.entries.get_mut(&engine) else { return };
+                e.state = COUNTABLE;
+                e.seq = seq;
+                e.ns = ns;
+                let e = *e;
+                self.sync(before, &e);
+                p.countable += 1;
+                self.out.grafted += 1;
+                self.det_register(p, engine, &e);
+                self.cascade(p, engine, Parent::Known(seq));
+            }
+            (UNCOUNTABLE, Ident::Countable(seq, ns)) => {
+                bump(e, gpu);
+                e.state = COUNTABLE;
+                e.seq = seq;
+                e.ns = ns;
+                let e = *e;
+                self.sync(before, &e);
+                p.countable += 1;
+                self.det_register(p, engine, &e);
+                self.cascade(p, engine, Parent::Known(seq));
+            }
+            _ => {
+                bump(e, gpu);
+                let e = *e;
+                self.sync(before, &e);
+            }
+        }
+    }
+
+    /// Removes orphan `engine` from its parent's waiting list (and the deterministic waits when
+    /// the list empties).
+    fn unlink_waiting(&self, p: &mut Private, engine: u64, info: OrphanInfo) {
+        if let Some(list) = p.waiting.get_mut(&info.parent) {
+            list.retain(|&c| c != engine);
+            if list.is_empty() {
+                p.waiting.remove(&info.parent);
+                if self.me.cfg.content_deterministic {
+                    self.det_unwait(info.ns, info.parent);
+                }
+            }
+        }
+    }
+
+    /// Drops entry `engine` entirely.
+    fn drop_entry(&mut self, p: &mut Private, engine: u64) {
+        let Some(e) = p.entries.remove(&engine) else { return };
+        match e.state {
+            COUNTABLE => {
+                let (g, a) = e.flags();
+                if g || a {
+                    self.set_flags(e.seq, false, false);
+                }
+                p.countable -= 1;
+                self.det_unregister(p, engine, &e);
+            }
+            ORPHAN => {
+                if let Some(info) = p.orphans.remove(&engine) {
+                    self.unlink_waiting(p, engine, info);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn remove(&mut self, p: &mut Private, ev: &BlockRemoved) {
+        let gpu = ev.medium.is_gpu();
+        for h in &ev.blocks {
+            let engine = h.to_u64();
+            let Some(e) = p.entries.get_mut(&engine) else {
+                self.out.unknown_removes += 1;
+                continue;
+            };
+            if (if gpu { e.gpu } else { e.low }) == 0 {
+                self.out.unknown_removes += 1;
+                continue;
+            }
+            self.out.removed += 1;
+            if e.refs() == 1 {
+                // The last reference: drop the entry whole (its flags still say what to clear).
+                self.drop_entry(p, engine);
+            } else {
+                let before = e.flags();
+                if gpu {
+                    e.gpu -= 1;
+                } else {
+                    e.low -= 1;
+                }
+                let e = *e;
+                self.sync(before, &e);
+            }
+        }
+    }
+
+    fn clear(&mut self, p: &mut Private) {
+        let countable: Vec<(u64, Entry)> =
+            p.entries.iter().filter(|(_, e)| e.state == COUNTABLE).map(|(k, e)| (*k, *e)).collect();
+        for (engine, e) in countable {
+            let (g, a) = e.flags();
+            if g || a {
+                self.set_flags(e.seq, false, false);
+            }
+            self.det_unregister(p, engine, &e);
+        }
+        if self.me.cfg.content_deterministic {
+            let waits: Vec<(u64, u64)> = p.orphans.values().map(|o| (o.ns, o.parent)).collect();
+            for (ns, parent) in waits {
+                self.det_unwait(ns, parent);
+            }
+        }
+        p.entries = Map::default();
+        p.orphans = Map::default();
+        p.waiting = Map::default();
+        p.countable = 0;
+        self.out.cleared += 1;
+    }
+
+    fn evict(&mut self, p: &mut Private, down_to: usize) -> u64 {
+        let n = p.entries.len().saturating_sub(down_to);
+        if n == 0 {
+            return 0;
+        }
+        for engine in p.oldest(n) {
+            self.drop_entry(p, engine);
+        }
+        if p.entries.capacity() > 4 * p.entries.len().max(16) {
+            p.entries.shrink_to(p.entries.len() * 2);
+        }
+        self.out.evicted += n as u64;
+        n as u64
+    }
+
+    /// Capacity and budget limits, after an event.
+    fn enforce_limits(&mut self, p: &mut Private) {
+        if p.entries.len() > self.me.limit {
+            let n = self.evict(p, self.me.cfg.capacity_blocks as usize);
+            self.inner.counters.evictions_capacity.fetch_add(n, StdOrdering::Relaxed);
+        }
+        let budget = self.inner.budget_blocks(self.me.cfg.capacity_blocks);
+        if p.entries.len() > budget {
+            let n = self.evict(p, budget);
+            self.inner.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
+        }
+    }
+
+    fn event(&mut self, p: &mut Private, ev: &KvEvent) {
+        match ev {
+            KvEvent::Stored(s) => self.store(p, s),
+            KvEvent::Removed(r) => self.remove(p, r),
+            KvEvent::AllCleared => self.clear(p),
+        }
+        self.enforce_limits(p);
+        self.out.events += 1;
+    }
+
+    /// Publishes this holder's gauges to the ledger's counters.
+    fn report(&self, p: &mut Private, before: (usize, usize, usize)) {
+        let r = StdOrdering::Relaxed;
+        let c = &self.inner.counters;
+        let bytes = p.heap_bytes();
+        c.private_bytes.fetch_add(bytes, r);
+        c.private_bytes.fetch_sub(p.reported_bytes, r);
+        p.reported_bytes = bytes;
+        let now = (p.entries.len(), p.countable, p.orphans.len());
+        c.blocks.fetch_add(now.0 as u64, r);
+        c.blocks.fetch_sub(before.0 as u64, r);
+        c.countable.fetch_add(now.1 as u64, r);
+        c.countable.fetch_sub(before.1 as u64, r);
+        c.orphans.fetch_add(now.2 as u64, r);
+        c.orphans.fetch_sub(before.2 as u64, r);
+    }
+}
+
+fn bump(e: &mut Entry, gpu: bool) {
+    if gpu {
+        e.gpu = e.gpu.saturating_add(1);
+    } else {
+        e.low = e.low.saturating_add(1);
+    }
+}
+
+/// Releases a holder's state, then applies grafts other holders left in its mailbox meanwhile.
+/// Returns the orphans grafted from the mailbox.
+fn unlock<'a>(inner: &Inner, me: &'a HolderShared, guard: &Guard, mut p: MutexGuard<'a, Private>) -> u64 {
+    let mut grafted = 0;
+    loop {
+        if me.mail.load(Ordering::SeqCst) && !me.revoked.load(Ordering::SeqCst) {
+            let mut out = ApplyOutcome::default();
+            let mut cx = Cx { inner, me, guard, out: &mut out };
+            let before = (p.entries.len(), p.countable, p.orphans.len());
+            cx.drain_mail(&mut p);
+            cx.report(&mut p, before);
+            inner.counters.grafts.fetch_add(out.grafted, StdOrdering::Relaxed);
+            grafted += out.grafted;
+        }
+        drop(p);
+        // SeqCst fence: pairs with the one in `deliver` (a graft left while this thread held
+        // the lock is seen here, or its deliverer's try_lock succeeds).
+        fence(Ordering::SeqCst);
+        if !me.mail.load(Ordering::SeqCst) {
+            return grafted;
+        }
+        match me.private.try_lock() {
+            Some(again) => p = again,
+            None => return grafted,
+        }
+    }
+}
+
+impl HolderWriter {
+    /// The holder this writer writes.
+    #[must_use]
+    pub fn holder(&self) -> HolderId {
+        self.me.id
+    }
+
+    fn run(&mut self, f: impl FnOnce(&mut Cx<'_>, &mut Private)) -> Result<ApplyOutcome, LedgerError> {
+        let p = self.me.private.lock();
+        if self.me.revoked.load(Ordering::SeqCst) {
+            self.inner.counters.refused.fetch_add(1, StdOrdering::Relaxed);
+            return Err(LedgerError::Revoked(self.me.id));
+        }
+        let guard = epoch::pin();
+        let mut out = ApplyOutcome::default();
+        let mut p = p;
+        {
+            let mut cx = Cx { inner: &self.inner, me: &self.me, guard: &guard, out: &mut out };
+            let before = (p.entries.len(), p.countable, p.orphans.len());
+            if cx.me.mail.load(Ordering::SeqCst) {
+                cx.drain_mail(&mut p);
+            }
+            f(&mut cx, &mut p);
+            cx.report(&mut p, before);
+        }
+        let c = &self.inner.counters;
+        c.unknown_removes.fetch_add(out.unknown_removes, StdOrdering::Relaxed);
+        c.grafts.fetch_add(out.grafted, StdOrdering::Relaxed);
+        // Relaxed: a counter only this writer increments; readers poll it.
+        self.me.applied.fetch_add(out.events, Ordering::Relaxed);
+        out.grafted += unlock(&self.inner, &self.me, &guard, p);
+        Ok(out)
+    }
+
+    /// Applies one event.
+    ///
+    /// # Errors
+    /// [`LedgerError::Revoked`] once the holder's worker was removed (nothing is written).
+    pub fn apply(&mut self, event: &KvEvent) -> Result<ApplyOutcome, LedgerError> {
+        self.run(|cx, p| cx.event(p, event))
+    }
+
+    /// Applies a batch's events in order.
+    ///
+    /// # Errors
+    /// [`LedgerError::Revoked`] once the holder's worker was removed (nothing is written).
+    pub fn apply_batch(&mut self, batch: &EventBatch) -> Result<ApplyOutcome, LedgerError> {
+        self.run(|cx, p| {
+            for ev in &batch.events {
+                cx.event(p, ev);
+            }
+        })
+    }
+
+    /// Drops every block of the holder (`AllBlocksCleared`, engine restart, resync). A revoked
+    /// writer has nothing left to clear.
+    pub fn clear(&mut self) {
+        let _ = self.run(|cx, p| {
+            cx.clear(p);
+            cx.out.events += 1;
+        });
+    }
+
+    /// Sets the holder's readiness (the ingest runtime's decision). Ignored once revoked.
+    pub fn set_readiness(&mut self, r: Readiness) {
+        let _p = self.me.private.lock();
+        if self.me.revoked.load(Ordering::SeqCst) {
+            return;
+        }
+        // Relaxed: the status value itself; queries read the ready mask below.
+        self.me.readiness.store(r.to_u8(), Ordering::Relaxed);
+        let (g, bit) = ((self.me.slot / GROUP) as usize, 1u32 << (self.me.slot % GROUP));
+        if r == Readiness::Ready {
+            // Release: pairs with the Acquire load in `query`.
+            self.inner.ready[g].fetch_or(bit, Ordering::Release);
+        } else {
+            // Release: as above.
+            self.inner.ready[g].fetch_and(!bit, Ordering::Release);
+        }
+    }
+
+    /// Events applied so far (clears included): a monotone counter tests and the ingest runtime
+    /// can wait on.
+    #[must_use]
+    pub fn applied(&self) -> u64 {
+        // Relaxed: a monotone counter.
+        self.me.applied.load(Ordering::Relaxed)
+    }
+}
+
+// The table word per group is 64 bits: 32 GPU bits and 32 any-tier bits.
+const _: () = assert!(GROUP * 2 == 64 && SLOT_BYTES == 16);

@@ -1,0 +1,69 @@
+//! The sync shim: every atomic, lock and epoch the lock-free paths use comes from here.
+//!
+//! Key decision: under `--cfg loom` (with `--cfg crossbeam_loom`, as `cargo xtask loom` sets) the
+//! shim swaps `std`'s atomics and locks for loom's, and crossbeam-epoch is built with its own loom
+//! support, so the loom models in `table.rs` check the very code the ledger runs rather than a
+//! copy of it. Nothing outside this module names `std::sync::atomic`, `parking_lot` or `loom`.
+
+#[cfg(not(loom))]
+pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering, fence};
+
+#[cfg(loom)]
+pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering, fence};
+
+pub(crate) use crossbeam_epoch as epoch;
+
+/// A mutual-exclusion lock for the writer side (readers never take one). `parking_lot` in normal
+/// builds; loom's mutex under loom. Locks are never poisoned here: a panicking writer leaves the
+/// ledger's invariants to the next writer, which only ever under-counts.
+#[derive(Debug, Default)]
+pub(crate) struct Mutex<T> {
+    #[cfg(not(loom))]
+    inner: parking_lot::Mutex<T>,
+    #[cfg(loom)]
+    inner: loom::sync::Mutex<T>,
+}
+
+#[cfg(not(loom))]
+pub(crate) type MutexGuard<'a, T> = parking_lot::MutexGuard<'a, T>;
+#[cfg(loom)]
+pub(crate) type MutexGuard<'a, T> = loom::sync::MutexGuard<'a, T>;
+
+impl<T> Mutex<T> {
+    pub(crate) fn new(value: T) -> Self {
+        #[cfg(not(loom))]
+        {
+            Mutex { inner: parking_lot::Mutex::new(value) }
+        }
+        #[cfg(loom)]
+        {
+            Mutex { inner: loom::sync::Mutex::new(value) }
+        }
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+        #[cfg(not(loom))]
+        {
+            self.inner.lock()
+        }
+        #[cfg(loom)]
+        {
+            self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        }
+    }
+
+    pub(crate) fn try_lock(&self) -> Option<MutexGuard<'_, T>> {
+        #[cfg(not(loom))]
+        {
+            self.inner.try_lock()
+        }
+        #[cfg(loom)]
+        {
+            match self.inner.try_lock() {
+                Ok(g) => Some(g),
+                Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => None,
+            }
+        }
+    }
+}
