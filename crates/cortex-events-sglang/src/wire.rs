@@ -1,0 +1,419 @@
+//! SGLang's KV-event wire format as typed values, field by field, and the decoder that reads them.
+//!
+//! The batch is `[ts, events, attn_dp_rank]` in every release. Events are maps with a `"type"`
+//! key since 0.5.20 and positional arrays `["BlockStored", block_hashes, parent_block_hash,
+//! token_ids, block_size, lora_id, medium]` up to 0.5.19, where a salted store
+//! (`BlockStoredWithMetadata`, same tag) has an eighth element `{"cache_salt": S}`. Fields are
+//! matched by name in maps and by position in arrays; unknown keys are ignored, optional fields
+//! may be missing, arrays may be longer or (after the required fields) shorter.
+//!
+//! Key decision: the wire types keep exactly what was sent (signed hashes, tokens as published,
+//! EAGLE bigram pairs as pairs), so they re-encode byte for byte; interpreting them is
+//! [`crate::normalize`]'s job.
+
+use crate::ValueKind;
+use crate::error::DecodeError;
+use crate::mp::Reader;
+
+/// `token_ids` as published: flat ids, or for EAGLE speculative decoding the overlapping pairs
+/// `[[a, b], [b, c], …]` (one pair per page unit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TokenIds {
+    /// Plain token ids (SGLang accepts ids up to 2^63 − 1: "wide" pages).
+    Flat(Vec<u64>),
+    /// Bigram units.
+    Bigram(Vec<[u64; 2]>),
+}
+
+impl Default for TokenIds {
+    fn default() -> Self {
+        TokenIds::Flat(Vec::new())
+    }
+}
+
+impl TokenIds {
+    /// Number of page units (tokens, or pairs).
+    #[must_use]
+    pub fn len(&self) -> usize {
+        match self {
+            TokenIds::Flat(t) => t.len(),
+            TokenIds::Bigram(p) => p.len(),
+        }
+    }
+
+    /// True when there are no units.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// `lora_id` (always nil in 0.5.23; an integer or an adapter-id string in forks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoraId<'a> {
+    /// An integer id.
+    Int(i64),
+    /// A string id.
+    Str(&'a str),
+}
+
+/// `BlockStored`, every field by name, in declaration order.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct WireBlockStored<'a> {
+    /// One signed 64-bit hash per page.
+    pub block_hashes: Vec<i64>,
+    /// Hash of the page before `block_hashes[0]`; `None` = the path starts at the root.
+    pub parent_block_hash: Option<i64>,
+    /// The pages' tokens, concatenated.
+    pub token_ids: TokenIds,
+    /// Units per page (`page_size * dcp_size`).
+    pub block_size: u32,
+    /// Adapter id (no default: present, usually nil).
+    pub lora_id: Option<LoraId<'a>>,
+    /// `"GPU"`, `"CPU_PINNED"`, `"DISK"` or `"EXTERNAL"`.
+    pub medium: Option<&'a str>,
+    /// The request's cache salt (maps; the metadata element of 0.5.18–0.5.19 arrays).
+    pub cache_salt: Option<&'a str>,
+    /// The request's session id (maps only).
+    pub session_id: Option<&'a str>,
+    /// The adapter's name, published only for adapters registered in `KvEventLoraNames` (maps
+    /// only).
+    pub lora_name: Option<&'a str>,
+}
+
+/// `BlockRemoved`, every field by name.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct WireBlockRemoved<'a> {
+    /// The removed pages' hashes.
+    pub block_hashes: Vec<i64>,
+    /// Tier the pages left.
+    pub medium: Option<&'a str>,
+}
+
+/// One event as published.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WireEvent<'a> {
+    /// `BlockStored` (or 0.5.18–0.5.19 `BlockStoredWithMetadata`).
+    BlockStored(WireBlockStored<'a>),
+    /// `BlockRemoved`.
+    BlockRemoved(WireBlockRemoved<'a>),
+    /// `AllBlocksCleared` (no fields).
+    AllBlocksCleared,
+}
+
+/// One payload as published: `[ts, events, attn_dp_rank]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WireBatch<'a> {
+    /// Wall-clock seconds (`time.time()`).
+    pub ts: f64,
+    /// The events, in order.
+    pub events: Vec<WireEvent<'a>>,
+    /// The attention-DP rank; `None` when nil or absent.
+    pub attn_dp_rank: Option<u16>,
+}
+
+const STORED: &[u8] = b"BlockStored";
+const REMOVED: &[u8] = b"BlockRemoved";
+const CLEARED: &[u8] = b"AllBlocksCleared";
+
+/// `BlockStored` map keys in declaration order; the first six are also the positional fields.
+pub(crate) const STORED_FIELDS: [&str; 9] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "cache_salt",
+    "session_id",
+    "lora_name",
+];
+/// Fields without which a store means nothing.
+const STORED_REQUIRED: usize = 4;
+/// Position of the `BlockStoredWithMetadata` element (after the tag and six fields).
+const METADATA_POSITION: usize = 6;
+pub(crate) const REMOVED_FIELDS: [&str; 2] = ["block_hashes", "medium"];
+
+/// Decodes a payload into the wire types, without interpreting it.
+///
+/// # Errors
+/// [`DecodeError`] if the payload is not one well-formed batch.
+pub fn decode_wire(payload: &[u8]) -> Result<WireBatch<'_>, DecodeError> {
+    let mut r = Reader::new(payload);
+    let len = r.array_len()?;
+    if len < 2 {
+        return Err(DecodeError::BatchShape { len });
+    }
+    let ts = r.f64()?;
+    let n = r.array_len()?;
+    let mut events = Vec::with_capacity(n);
+    for _ in 0..n {
+        events.push(event(&mut r)?);
+    }
+    let attn_dp_rank = if len >= 3 { rank(&mut r)? } else { None };
+    for _ in 3..len {
+        r.skip()?;
+    }
+    r.finish()?;
+    Ok(WireBatch { ts, events, attn_dp_rank })
+}
+
+fn rank(r: &mut Reader<'_>) -> Result<Option<u16>, DecodeError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    let offset = r.pos();
+    let v = r.u64("attn_dp_rank")?;
+    u16::try_from(v).map(Some).map_err(|_| DecodeError::OutOfRange { offset, field: "attn_dp_rank" })
+}
+
+/// A map key: `Some(bytes)` for a string key; other keys are skipped and give `None`.
+fn key<'a>(r: &mut Reader<'a>) -> Result<Option<&'a [u8]>, DecodeError> {
+    if r.kind()? == ValueKind::Str {
+        Ok(Some(r.str_bytes()?))
+    } else {
+        r.skip()?;
+        Ok(None)
+    }
+}
+
+fn event<'a>(r: &mut Reader<'a>) -> Result<WireEvent<'a>, DecodeError> {
+    let start = r.pos();
+    match r.kind()? {
+        ValueKind::Array => positional(r, start),
+        ValueKind::Map => tagged(r, start),
+        _ => Err(r.unexpected("an event (array or map)")),
+    }
+}
+
+enum Tag {
+    Stored,
+    Removed,
+    Cleared,
+}
+
+fn tag(r: &mut Reader<'_>) -> Result<Tag, DecodeError> {
+    let offset = r.pos();
+    match r.str_bytes()? {
+        STORED => Ok(Tag::Stored),
+        REMOVED => Ok(Tag::Removed),
+        CLEARED => Ok(Tag::Cleared),
+        _ => Err(DecodeError::UnknownEventType { offset }),
+    }
+}
+
+fn missing(offset: usize, event: &'static str, field: &'static str) -> DecodeError {
+    DecodeError::MissingField { offset, event, field }
+}
+
+/// `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+/// {"cache_salt": S}?]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+fn positional<'a>(r: &mut Reader<'a>, start: usize) -> Result<WireEvent<'a>, DecodeError> {
+    let len = r.array_len()?;
+    if len == 0 {
+        return Err(missing(start, "event", "type"));
+    }
+    let ev = match tag(r)? {
+        Tag::Stored => {
+            if len - 1 < STORED_REQUIRED {
+                return Err(missing(start, "BlockStored", STORED_FIELDS[len - 1]));
+            }
+            let mut s = WireBlockStored::default();
+            for i in 0..len - 1 {
+                if i == METADATA_POSITION {
+                    s.cache_salt = metadata(r)?;
+                } else if i < METADATA_POSITION {
+                    stored_field(r, &mut s, i)?;
+                } else {
+                    r.skip()?;
+                }
+            }
+            WireEvent::BlockStored(s)
+        }
+        Tag::Removed => {
+            if len < 2 {
+                return Err(missing(start, "BlockRemoved", "block_hashes"));
+            }
+            let mut rm = WireBlockRemoved::default();
+            for i in 0..len - 1 {
+                removed_field(r, &mut rm, i)?;
+            }
+            WireEvent::BlockRemoved(rm)
+        }
+        Tag::Cleared => {
+            for _ in 1..len {
+                r.skip()?;
+            }
+            WireEvent::AllBlocksCleared
+        }
+    };
+    Ok(ev)
+}
+
+/// The `BlockStoredWithMetadata` element: a map holding `cache_salt` (nil and unknown keys
+/// tolerated).
+fn metadata<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
+    if r.kind()? != ValueKind::Map {
+        r.skip()?;
+        return Ok(None);
+    }
+    let n = r.map_len()?;
+    let mut salt = None;
+    for _ in 0..n {
+        match key(r)? {
+            Some(b"cache_salt") => salt = opt_str(r)?,
+            _ => r.skip()?,
+        }
+    }
+    Ok(salt)
+}
+
+fn field_index(fields: &[&str], key: &[u8]) -> Option<usize> {
+    fields.iter().position(|f| f.as_bytes() == key)
+}
+
+/// `{"type": "BlockStored", "block_hashes": …, …}`; keys in any order, unknown keys skipped.
+fn tagged<'a>(r: &mut Reader<'a>, start: usize) -> Result<WireEvent<'a>, DecodeError> {
+    let n = r.map_len()?;
+    let body = r.pos();
+    // msgspec writes the tag first; look for it elsewhere only if it is not.
+    let (tag, from, count) = if n > 0 && r.kind()? == ValueKind::Str && r.str_bytes()? == b"type" {
+        (tag(r)?, r.pos(), n - 1)
+    } else {
+        r.seek(body);
+        let mut found = None;
+        for _ in 0..n {
+            if key(r)? == Some(b"type") {
+                found = Some(tag(r)?);
+                break;
+            }
+            r.skip()?;
+        }
+        (found.ok_or_else(|| missing(start, "event", "type"))?, body, n)
+    };
+    r.seek(from);
+    let ev = match tag {
+        Tag::Stored => {
+            let mut s = WireBlockStored::default();
+            let mut have = 0u16;
+            for _ in 0..count {
+                match key(r)?.and_then(|k| field_index(&STORED_FIELDS, k)) {
+                    Some(i) => {
+                        have |= 1 << i;
+                        stored_field(r, &mut s, i)?;
+                    }
+                    None => r.skip()?,
+                }
+            }
+            if let Some(i) = (0..STORED_REQUIRED).find(|i| have & (1 << i) == 0) {
+                return Err(missing(start, "BlockStored", STORED_FIELDS[i]));
+            }
+            WireEvent::BlockStored(s)
+        }
+        Tag::Removed => {
+            let mut rm = WireBlockRemoved::default();
+            let mut have = false;
+            for _ in 0..count {
+                match key(r)?.and_then(|k| field_index(&REMOVED_FIELDS, k)) {
+                    Some(i) => {
+                        have |= i == 0;
+                        removed_field(r, &mut rm, i)?;
+                    }
+                    None => r.skip()?,
+                }
+            }
+            if !have {
+                return Err(missing(start, "BlockRemoved", "block_hashes"));
+            }
+            WireEvent::BlockRemoved(rm)
+        }
+        Tag::Cleared => {
+            for _ in 0..count {
+                r.skip()?;
+                r.skip()?;
+            }
+            WireEvent::AllBlocksCleared
+        }
+    };
+    Ok(ev)
+}
+
+/// Reads field number `i` of [`STORED_FIELDS`] (others are skipped).
+fn stored_field<'a>(r: &mut Reader<'a>, s: &mut WireBlockStored<'a>, i: usize) -> Result<(), DecodeError> {
+    match i {
+        0 => s.block_hashes = hashes(r)?,
+        1 => s.parent_block_hash = if r.nil()? { None } else { Some(hash(r)?) },
+        2 => s.token_ids = tokens(r)?,
+        3 => s.block_size = r.u32("block_size")?,
+        4 => {
+            s.lora_id = match r.kind()? {
+                ValueKind::Nil => {
+                    r.skip()?;
+                    None
+                }
+                ValueKind::Str => Some(LoraId::Str(r.str()?)),
+                _ => Some(LoraId::Int(r.i64("lora_id")?)),
+            };
+        }
+        5 => s.medium = opt_str(r)?,
+        6 => s.cache_salt = opt_str(r)?,
+        7 => s.session_id = opt_str(r)?,
+        8 => s.lora_name = opt_str(r)?,
+        _ => r.skip()?,
+    }
+    Ok(())
+}
+
+/// Reads field number `i` of [`REMOVED_FIELDS`] (others are skipped).
+fn removed_field<'a>(r: &mut Reader<'a>, rm: &mut WireBlockRemoved<'a>, i: usize) -> Result<(), DecodeError> {
+    match i {
+        0 => rm.block_hashes = hashes(r)?,
+        1 => rm.medium = opt_str(r)?,
+        _ => r.skip()?,
+    }
+    Ok(())
+}
+
+fn opt_str<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
+    if r.nil()? { Ok(None) } else { r.str().map(Some) }
+}
+
+/// A hash: msgspec writes a non-negative `i64` as an unsigned form, so `uint64` up to
+/// `i64::MAX` is accepted; larger values cannot be SGLang's.
+#[inline]
+fn hash(r: &mut Reader<'_>) -> Result<i64, DecodeError> {
+    r.i64("block_hashes")
+}
+
+fn hashes(r: &mut Reader<'_>) -> Result<Vec<i64>, DecodeError> {
+    let n = r.array_len()?;
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        v.push(hash(r)?);
+    }
+    Ok(v)
+}
+
+fn tokens(r: &mut Reader<'_>) -> Result<TokenIds, DecodeError> {
+    let n = r.array_len()?;
+    if n > 0 && r.kind()? == ValueKind::Array {
+        let mut pairs = Vec::with_capacity(n);
+        for _ in 0..n {
+            let offset = r.pos();
+            if r.array_len()? != 2 {
+                return Err(DecodeError::UnexpectedType {
+                    offset,
+                    expected: "a token pair",
+                    found: ValueKind::Array,
+                });
+            }
+            pairs.push([r.u64("token_ids")?, r.u64("token_ids")?]);
+        }
+        return Ok(TokenIds::Bigram(pairs));
+    }
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        v.push(r.u64("token_ids")?);
+    }
+    Ok(TokenIds::Flat(v))
+}

@@ -1,0 +1,511 @@
+//! vLLM's KV-event wire format as typed values, field by field, and the decoder that reads them.
+//!
+//! One decoder reads every release from 0.9 to 0.33: the batch as `[ts, events]` (0.9.0) or
+//! `[ts, events, data_parallel_rank]`; each event as a positional array `["BlockStored", f1, …]`
+//! (≤ 0.23) or a map with a `"type"` key (≥ 0.24). Fields are matched by name in maps and by
+//! position in arrays (positions follow declaration order, which is the order of the fields of
+//! [`WireBlockStored`]); unknown keys are ignored, optional fields may be missing, arrays may be
+//! longer or (after the required fields) shorter than any release wrote them.
+//!
+//! Key decision: the wire types borrow strings and `bin`s from the payload and keep exactly what
+//! was sent (`None` for nil or absent), so they can be re-encoded byte for byte; interpreting them
+//! is [`crate::normalize`]'s job.
+
+use crate::error::DecodeError;
+use crate::mp::{Int, Reader};
+
+/// A block hash as published: an integer of any width (unsigned by default since 0.10.2; Python
+/// `hash()` values before that may be negative) or, with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`,
+/// the digest itself (32 bytes for SHA-256, 16 for xxh3-128).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WireHash<'a> {
+    /// A non-negative integer.
+    Uint(u64),
+    /// A negative integer (old releases).
+    Int(i64),
+    /// A digest as `bin`.
+    Bytes(&'a [u8]),
+}
+
+/// One element of a block's `extra_keys` entry. The elements are untagged on the wire; their
+/// order is LoRA name, multimodal items, cache salt (block 0 only), prompt-embeds digest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExtraKey<'a> {
+    /// A string: the LoRA name, the cache salt, or (0.17–0.18) a bare multimodal identifier.
+    Str(&'a str),
+    /// A multimodal item `[mm_identifier, offset]`.
+    Mm {
+        /// The item's identifier (a processor hash or a user `uuid`).
+        identifier: &'a str,
+        /// Offset of the item within the block.
+        offset: i64,
+    },
+    /// A `bin`: the prompt-embeds digest.
+    Bytes(&'a [u8]),
+    /// Anything else, kept as its raw MessagePack bytes.
+    Other(&'a [u8]),
+}
+
+/// One block's `extra_keys` entry: `None` (nil) for a block without extras.
+pub type BlockExtraKeys<'a> = Option<Vec<ExtraKey<'a>>>;
+
+/// `BlockStored`, every field by name, in declaration (and positional) order.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct WireBlockStored<'a> {
+    /// One hash per stored block.
+    pub block_hashes: Vec<WireHash<'a>>,
+    /// Hash of the block before `block_hashes[0]`; `None` = the chain starts at the root.
+    pub parent_block_hash: Option<WireHash<'a>>,
+    /// Tokens of all blocks, concatenated.
+    pub token_ids: Vec<u32>,
+    /// Tokens per block; 0 in offload placeholders.
+    pub block_size: u32,
+    /// Deprecated LoRA integer id.
+    pub lora_id: Option<i64>,
+    /// `"GPU"`, `"CPU"`, `"STORAGE"` or a connector's own (since 0.10.2).
+    pub medium: Option<&'a str>,
+    /// LoRA adapter name (since 0.14).
+    pub lora_name: Option<&'a str>,
+    /// Per-block extra keys (since 0.17).
+    pub extra_keys: Option<Vec<BlockExtraKeys<'a>>>,
+    /// KV-cache group index (since 0.20).
+    pub group_idx: Option<i64>,
+    /// `full_attention`, `sliding_window`, `mamba`, … (since 0.22).
+    pub kv_cache_spec_kind: Option<&'a str>,
+    /// Sliding window of the group (since 0.22).
+    pub kv_cache_spec_sliding_window: Option<i64>,
+    /// `"LOCAL"` / `"REMOTE"` for offload tiers (since 0.26).
+    pub locality: Option<&'a str>,
+    /// Secondary-tier owner id (since 0.29).
+    pub ownership: Option<&'a str>,
+    /// The request's session id (since 0.30).
+    pub session_id: Option<&'a str>,
+    /// EAGLE lookahead tokens hashed into each block (since 0.33).
+    pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
+}
+
+/// `BlockRemoved`, every field by name.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct WireBlockRemoved<'a> {
+    /// One hash per removed block copy.
+    pub block_hashes: Vec<WireHash<'a>>,
+    /// Tier (since 0.10.2).
+    pub medium: Option<&'a str>,
+    /// KV-cache group index (since 0.20).
+    pub group_idx: Option<i64>,
+    /// `"LOCAL"` / `"REMOTE"` (since 0.26).
+    pub locality: Option<&'a str>,
+    /// Secondary-tier owner id (since 0.29).
+    pub ownership: Option<&'a str>,
+}
+
+/// One event as published.
+#[derive(Clone, Debug, PartialEq)]
+pub enum WireEvent<'a> {
+    /// `BlockStored`.
+    BlockStored(WireBlockStored<'a>),
+    /// `BlockRemoved`.
+    BlockRemoved(WireBlockRemoved<'a>),
+    /// `AllBlocksCleared` (no fields).
+    AllBlocksCleared,
+}
+
+/// One payload as published: `[ts, events, data_parallel_rank]`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WireBatch<'a> {
+    /// Wall-clock seconds (`time.time()`).
+    pub ts: f64,
+    /// The events, in order.
+    pub events: Vec<WireEvent<'a>>,
+    /// The DP rank; `None` when nil or (0.9.0) absent.
+    pub data_parallel_rank: Option<u16>,
+}
+
+const STORED: &[u8] = b"BlockStored";
+const REMOVED: &[u8] = b"BlockRemoved";
+const CLEARED: &[u8] = b"AllBlocksCleared";
+
+/// Fields in declaration order: a positional event's element `i + 1` is field `i`. The first four
+/// have no default in any release.
+pub(crate) const STORED_FIELDS: [&str; 15] = [
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
+];
+const STORED_REQUIRED: usize = 4;
+pub(crate) const REMOVED_FIELDS: [&str; 5] = ["block_hashes", "medium", "group_idx", "locality", "ownership"];
+
+fn field_index(fields: &[&str], key: &[u8]) -> Option<usize> {
+    fields.iter().position(|f| f.as_bytes() == key)
+}
+
+/// Decodes a payload into the wire types, without interpreting it.
+///
+/// # Errors
+/// [`DecodeError`] if the payload is not one well-formed batch.
+pub fn decode_wire(payload: &[u8]) -> Result<WireBatch<'_>, DecodeError> {
+    let mut r = Reader::new(payload);
+    let batch = match r.kind()? {
+        crate::ValueKind::Map => batch_map(&mut r)?,
+        _ => batch_array(&mut r)?,
+    };
+    r.finish()?;
+    Ok(batch)
+}
+
+fn batch_array<'a>(r: &mut Reader<'a>) -> Result<WireBatch<'a>, DecodeError> {
+    let len = r.array_len()?;
+    if len < 2 {
+        return Err(DecodeError::BatchShape { len });
+    }
+    let ts = r.f64()?;
+    let events = events(r)?;
+    let data_parallel_rank = if len >= 3 { rank(r)? } else { None };
+    for _ in 3..len {
+        r.skip()?;
+    }
+    Ok(WireBatch { ts, events, data_parallel_rank })
+}
+
+/// A batch written as a map (`{"ts": …, "events": […], "data_parallel_rank": …}`), as some vLLM
+/// development trees declare it; no release in the golden captures does.
+fn batch_map<'a>(r: &mut Reader<'a>) -> Result<WireBatch<'a>, DecodeError> {
+    let start = r.pos();
+    let n = r.map_len()?;
+    let (mut ts, mut evs, mut dp_rank) = (None, None, None);
+    for _ in 0..n {
+        match key(r)? {
+            Some(b"ts") => ts = Some(r.f64()?),
+            Some(b"events") => evs = Some(events(r)?),
+            Some(b"data_parallel_rank") => dp_rank = rank(r)?,
+            _ => r.skip()?,
+        }
+    }
+    let missing = |field| DecodeError::MissingField { offset: start, event: "batch", field };
+    Ok(WireBatch {
+        ts: ts.ok_or_else(|| missing("ts"))?,
+        events: evs.ok_or_else(|| missing("events"))?,
+        data_parallel_rank: dp_rank,
+    })
+}
+
+/// A map key: `Some(bytes)` for a string key; other keys are skipped and give `None`.
+fn key<'a>(r: &mut Reader<'a>) -> Result<Option<&'a [u8]>, DecodeError> {
+    if r.kind()? == crate::ValueKind::Str {
+        Ok(Some(r.str_bytes()?))
+    } else {
+        r.skip()?;
+        Ok(None)
+    }
+}
+
+fn events<'a>(r: &mut Reader<'a>) -> Result<Vec<WireEvent<'a>>, DecodeError> {
+    let n = r.array_len()?;
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        out.push(event(r)?);
+    }
+    Ok(out)
+}
+
+fn event<'a>(r: &mut Reader<'a>) -> Result<WireEvent<'a>, DecodeError> {
+    let start = r.pos();
+    match r.kind()? {
+        crate::ValueKind::Array => positional(r, start),
+        crate::ValueKind::Map => tagged(r, start),
+        _ => Err(r.unexpected("an event (array or map)")),
+    }
+}
+
+enum Tag {
+    Stored,
+    Removed,
+    Cleared,
+}
+
+fn tag(r: &mut Reader<'_>) -> Result<Tag, DecodeError> {
+    let offset = r.pos();
+    match r.str_bytes()? {
+        STORED => Ok(Tag::Stored),
+        REMOVED => Ok(Tag::Removed),
+        CLEARED => Ok(Tag::Cleared),
+        _ => Err(DecodeError::UnknownEventType { offset }),
+    }
+}
+
+/// `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, …]`.
+fn positional<'a>(r: &mut Reader<'a>, start: usize) -> Result<WireEvent<'a>, DecodeError> {
+    let len = r.array_len()?;
+    if len == 0 {
+        return Err(DecodeError::MissingField { offset: start, event: "event", field: "type" });
+    }
+    let ev = match tag(r)? {
+        Tag::Stored => {
+            let mut s = WireBlockStored::default();
+            let mut seen = 0;
+            for i in 0..len - 1 {
+                stored_field(r, &mut s, i)?;
+                seen = i + 1;
+            }
+            if seen < STORED_REQUIRED {
+                return Err(missing(start, "BlockStored", STORED_FIELDS[seen]));
+            }
+            WireEvent::BlockStored(s)
+        }
+        Tag::Removed => {
+            let mut rm = WireBlockRemoved::default();
+            if len < 2 {
+                return Err(missing(start, "BlockRemoved", "block_hashes"));
+            }
+            for i in 0..len - 1 {
+                removed_field(r, &mut rm, i)?;
+            }
+            WireEvent::BlockRemoved(rm)
+        }
+        Tag::Cleared => {
+            for _ in 1..len {
+                r.skip()?;
+            }
+            WireEvent::AllBlocksCleared
+        }
+    };
+    Ok(ev)
+}
+
+fn missing(offset: usize, event: &'static str, field: &'static str) -> DecodeError {
+    DecodeError::MissingField { offset, event, field }
+}
+
+/// `{"type": "BlockStored", "block_hashes": …, …}`; keys in any order, unknown keys skipped.
+fn tagged<'a>(r: &mut Reader<'a>, start: usize) -> Result<WireEvent<'a>, DecodeError> {
+    let n = r.map_len()?;
+    let body = r.pos();
+    // msgspec writes the tag first; look for it elsewhere only if it is not.
+    let (tag, from, count) = if n > 0 && r.kind()? == crate::ValueKind::Str && r.str_bytes()? == b"type" {
+        (tag(r)?, r.pos(), n - 1)
+    } else {
+        r.seek(body);
+        let mut found = None;
+        for _ in 0..n {
+            if key(r)? == Some(b"type") {
+                found = Some(tag(r)?);
+                break;
+            }
+            r.skip()?;
+        }
+        let tag = found.ok_or(DecodeError::MissingField { offset: start, event: "event", field: "type" })?;
+        (tag, body, n)
+    };
+    let ev = match tag {
+        Tag::Stored => {
+            let mut s = WireBlockStored::default();
+            let mut have = 0u8;
+            for_fields(r, from, count, |r, k| match field_index(&STORED_FIELDS, k) {
+                Some(i) => {
+                    have |= 1 << i.min(7);
+                    stored_field(r, &mut s, i)
+                }
+                None => r.skip(),
+            })?;
+            if let Some(i) = (0..STORED_REQUIRED).find(|i| have & (1 << i) == 0) {
+                return Err(missing(start, "BlockStored", STORED_FIELDS[i]));
+            }
+            WireEvent::BlockStored(s)
+        }
+        Tag::Removed => {
+            let mut rm = WireBlockRemoved::default();
+            let mut have = false;
+            for_fields(r, from, count, |r, k| match field_index(&REMOVED_FIELDS, k) {
+                Some(i) => {
+                    have |= i == 0;
+                    removed_field(r, &mut rm, i)
+                }
+                None => r.skip(),
+            })?;
+            if !have {
+                return Err(missing(start, "BlockRemoved", "block_hashes"));
+            }
+            WireEvent::BlockRemoved(rm)
+        }
+        Tag::Cleared => {
+            for_fields(r, from, count, |r, _| r.skip())?;
+            WireEvent::AllBlocksCleared
+        }
+    };
+    Ok(ev)
+}
+
+/// Calls `f` with the reader on the value of each of the `n` map entries starting at `from`,
+/// skipping the `"type"` entry and non-string keys.
+fn for_fields<'a>(
+    r: &mut Reader<'a>,
+    from: usize,
+    n: usize,
+    mut f: impl FnMut(&mut Reader<'a>, &[u8]) -> Result<(), DecodeError>,
+) -> Result<(), DecodeError> {
+    r.seek(from);
+    for _ in 0..n {
+        match key(r)? {
+            Some(b"type") | None => r.skip()?,
+            Some(k) => f(r, k)?,
+        }
+    }
+    Ok(())
+}
+
+/// Reads field number `i` (an index into [`STORED_FIELDS`]; others are skipped).
+fn stored_field<'a>(r: &mut Reader<'a>, s: &mut WireBlockStored<'a>, i: usize) -> Result<(), DecodeError> {
+    match i {
+        0 => s.block_hashes = hashes(r)?,
+        1 => s.parent_block_hash = if r.nil()? { None } else { Some(hash(r)?) },
+        2 => s.token_ids = tokens(r, "token_ids")?,
+        3 => s.block_size = r.u32("block_size")?,
+        4 => s.lora_id = opt_i64(r, "lora_id")?,
+        5 => s.medium = opt_str(r)?,
+        6 => s.lora_name = opt_str(r)?,
+        7 => s.extra_keys = extra_keys(r)?,
+        8 => s.group_idx = opt_i64(r, "group_idx")?,
+        9 => s.kv_cache_spec_kind = opt_str(r)?,
+        10 => s.kv_cache_spec_sliding_window = opt_i64(r, "kv_cache_spec_sliding_window")?,
+        11 => s.locality = opt_str(r)?,
+        12 => s.ownership = opt_str(r)?,
+        13 => s.session_id = opt_str(r)?,
+        14 => {
+            s.lookahead_token_ids = if r.nil()? {
+                None
+            } else {
+                let n = r.array_len()?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    v.push(tokens(r, "lookahead_token_ids")?);
+                }
+                Some(v)
+            };
+        }
+        _ => r.skip()?,
+    }
+    Ok(())
+}
+
+/// Reads field number `i` (an index into [`REMOVED_FIELDS`]; others are skipped).
+fn removed_field<'a>(r: &mut Reader<'a>, rm: &mut WireBlockRemoved<'a>, i: usize) -> Result<(), DecodeError> {
+    match i {
+        0 => rm.block_hashes = hashes(r)?,
+        1 => rm.medium = opt_str(r)?,
+        2 => rm.group_idx = opt_i64(r, "group_idx")?,
+        3 => rm.locality = opt_str(r)?,
+        4 => rm.ownership = opt_str(r)?,
+        _ => r.skip()?,
+    }
+    Ok(())
+}
+
+fn rank(r: &mut Reader<'_>) -> Result<Option<u16>, DecodeError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    let offset = r.pos();
+    let v = r.u64("data_parallel_rank")?;
+    u16::try_from(v).map(Some).map_err(|_| DecodeError::OutOfRange { offset, field: "data_parallel_rank" })
+}
+
+fn opt_str<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
+    if r.nil()? { Ok(None) } else { r.str().map(Some) }
+}
+
+fn opt_i64(r: &mut Reader<'_>, field: &'static str) -> Result<Option<i64>, DecodeError> {
+    if r.nil()? { Ok(None) } else { r.i64(field).map(Some) }
+}
+
+fn tokens(r: &mut Reader<'_>, field: &'static str) -> Result<Vec<u32>, DecodeError> {
+    let n = r.array_len()?;
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        v.push(r.u32(field)?);
+    }
+    Ok(v)
+}
+
+fn hashes<'a>(r: &mut Reader<'a>) -> Result<Vec<WireHash<'a>>, DecodeError> {
+    let n = r.array_len()?;
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        v.push(hash(r)?);
+    }
+    Ok(v)
+}
+
+#[inline]
+fn hash<'a>(r: &mut Reader<'a>) -> Result<WireHash<'a>, DecodeError> {
+    if r.kind()? == crate::ValueKind::Bin {
+        let offset = r.pos();
+        let b = r.bin()?;
+        if b.len() == 32 || b.len() == 16 {
+            Ok(WireHash::Bytes(b))
+        } else {
+            Err(DecodeError::HashLength { offset, len: b.len() })
+        }
+    } else {
+        match r.int() {
+            Ok(Int::Pos(v)) => Ok(WireHash::Uint(v)),
+            Ok(Int::Neg(v)) => Ok(WireHash::Int(v)),
+            Err(_) => Err(r.unexpected("a block hash (integer or bin)")),
+        }
+    }
+}
+
+fn extra_keys<'a>(r: &mut Reader<'a>) -> Result<Option<Vec<BlockExtraKeys<'a>>>, DecodeError> {
+    if r.nil()? {
+        return Ok(None);
+    }
+    let n = r.array_len()?;
+    let mut blocks = Vec::with_capacity(n);
+    for _ in 0..n {
+        if r.nil()? {
+            blocks.push(None);
+            continue;
+        }
+        let m = r.array_len()?;
+        let mut keys = Vec::with_capacity(m);
+        for _ in 0..m {
+            keys.push(extra_key(r)?);
+        }
+        blocks.push(Some(keys));
+    }
+    Ok(Some(blocks))
+}
+
+fn extra_key<'a>(r: &mut Reader<'a>) -> Result<ExtraKey<'a>, DecodeError> {
+    let start = r.pos();
+    match r.kind()? {
+        crate::ValueKind::Str => return r.str().map(ExtraKey::Str),
+        crate::ValueKind::Bin => return r.bin().map(ExtraKey::Bytes),
+        crate::ValueKind::Array => {
+            // `[mm_identifier, offset]`, or something unknown kept verbatim.
+            if r.array_len()? == 2
+                && r.kind()? == crate::ValueKind::Str
+                && let Ok(identifier) = r.str()
+                && r.kind()? == crate::ValueKind::Int
+                && let Ok(offset) = r.i64("extra_keys")
+            {
+                return Ok(ExtraKey::Mm { identifier, offset });
+            }
+        }
+        _ => {}
+    }
+    r.seek(start);
+    r.skip()?;
+    Ok(ExtraKey::Other(r.since(start)))
+}
