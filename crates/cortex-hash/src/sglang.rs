@@ -96,30 +96,34 @@ pub fn chain_digests<T: SglangToken>(
     let units = if bigram { wide.len().saturating_sub(1) } else { wide.len() };
     let mut out = Vec::with_capacity(units.div_ceil(page_size));
     let mut prev = prior.copied();
+    // One buffer for every page's bytes: SHA-256 is much faster fed once per page than per token.
+    let mut bytes: Vec<u8> = Vec::with_capacity(page_size * if bigram { 16 } else { 8 } + 1);
     let mut start = 0;
     while start < units {
         let end = (start + page_size).min(units);
         // The words this page feeds: the tokens, or for bigram pages each pair's two tokens.
-        let words: Vec<u64> = if bigram {
-            (start..end).flat_map(|j| [wide[j], wide[j + 1]]).collect()
-        } else {
-            wide[start..end].to_vec()
-        };
+        let words = |j: usize| -> [u64; 2] { if bigram { [wide[j], wide[j + 1]] } else { [wide[j], 0] } };
+        let per_unit = if bigram { 2 } else { 1 };
+        let is_wide = (start..end).any(|j| words(j)[..per_unit].iter().any(|&w| w > u64::from(u32::MAX)));
+        bytes.clear();
+        if is_wide {
+            bytes.push(0xFF);
+        }
+        for j in start..end {
+            for &w in &words(j)[..per_unit] {
+                if is_wide {
+                    bytes.extend_from_slice(&w.to_le_bytes());
+                } else {
+                    // Checked above: every word of a narrow page fits in a u32.
+                    bytes.extend_from_slice(&(w as u32).to_le_bytes());
+                }
+            }
+        }
         let mut h = Sha256::new();
         if let Some(p) = &prev {
             h.update(p);
         }
-        if words.iter().any(|&w| w > u64::from(u32::MAX)) {
-            h.update([0xFF]);
-            for w in &words {
-                h.update(w.to_le_bytes());
-            }
-        } else {
-            for &w in &words {
-                // Checked just above: every word fits in a u32.
-                h.update((w as u32).to_le_bytes());
-            }
-        }
+        h.update(&bytes);
         let d: PageDigest = h.finalize().into();
         out.push(d);
         prev = Some(d);
