@@ -272,7 +272,8 @@ impl Snapshot {
     /// ranking: a pinned decode rank, an operator override, tests).
     pub fn book_holder(&self, holder: HolderId, prefill_tokens: u32, now: Timestamp) -> Option<Booking> {
         let w = self.worker(holder.worker)?;
-        Booking::new(Arc::clone(&w.state), holder, u64::from(prefill_tokens), now)
+        let rate = w.spec.capacity.prefill_tokens_per_sec;
+        Booking::new(Arc::clone(&w.state), holder, u64::from(prefill_tokens), rate, now)
     }
 
     /// Whether `holder` may take a request at `now`: present, healthy, not cooling down, breaker

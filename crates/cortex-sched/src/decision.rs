@@ -244,7 +244,9 @@ pub struct Candidate {
     pub active_requests: u32,
     /// This gateway's bookings alone (what the load bound counts).
     pub booked_requests: u32,
-    /// Expected queue latency in milliseconds: pending prefill tokens over prefill throughput.
+    /// Expected queue latency in milliseconds: the larger of this gateway's booked prefill work
+    /// still ahead (its virtual prefill clock) and the engine-reported waiting prefill tokens
+    /// over the holder's prefill throughput.
     pub queue_latency_ms: f64,
     /// Whether the holder's load signal counted as present (always under booked-only signals).
     pub load_reported: bool,

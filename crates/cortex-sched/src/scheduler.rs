@@ -237,22 +237,22 @@ impl<S: Scorer> Scheduler<S> {
             };
             let booked = rs.booked_requests();
             let mut active = booked;
-            let mut pending = rs.booked_prefill_tokens();
+            let mut queue_ms = rs.prefill_backlog(now).as_secs_f64() * 1000.0;
+            let capacity = entry.spec().capacity;
             let mut kv_usage = None;
             let load_reported = match max_age {
                 None => true,
                 Some(age) => match rs.engine(now, Some(age)) {
                     Some((e, _)) => {
                         active = active.max(e.running.saturating_add(e.waiting));
-                        pending = pending.max(e.waiting_prefill_tokens);
+                        let rate = f64::from(capacity.prefill_tokens_per_sec.max(1)) / 1000.0;
+                        queue_ms = queue_ms.max(e.waiting_prefill_tokens as f64 / rate);
                         kv_usage = Some(e.kv_usage);
                         true
                     }
                     None => false,
                 },
             };
-            let capacity = entry.spec().capacity;
-            let rate = f64::from(capacity.prefill_tokens_per_sec.max(1)) / 1000.0;
             if excluded.is_none() {
                 admissible += 1;
                 reported += usize::from(load_reported);
@@ -264,7 +264,7 @@ impl<S: Scorer> Scheduler<S> {
                 prefill_tokens: req.prompt_tokens,
                 active_requests: active,
                 booked_requests: booked,
-                queue_latency_ms: pending as f64 / rate,
+                queue_latency_ms: queue_ms,
                 load_reported,
                 kv_usage,
                 capacity,

@@ -90,6 +90,10 @@ pub struct RankLoad {
     pub booked_requests: u32,
     /// Prompt tokens this gateway booked whose first token has not arrived.
     pub booked_prefill_tokens: u64,
+    /// When this gateway's booked prefill work should be done (a virtual clock: each booking
+    /// adds its tokens at the holder's prefill rate, each first token pulls it back to what is
+    /// still booked). At or before `now` when idle.
+    pub prefill_busy_until: Timestamp,
     /// The engine's last report and its age, if it ever reported.
     pub engine: Option<(EngineLoad, Duration)>,
 }
@@ -99,6 +103,8 @@ pub struct RankLoad {
 pub(crate) struct RankState {
     booked_requests: AtomicU32,
     booked_prefill_tokens: AtomicU64,
+    /// Nanoseconds: the virtual clock of booked prefill work (see `RankLoad`).
+    prefill_busy_until: AtomicU64,
     running: AtomicU32,
     waiting: AtomicU32,
     waiting_prefill_tokens: AtomicU64,
@@ -113,6 +119,7 @@ impl RankState {
         RankState {
             booked_requests: AtomicU32::new(0),
             booked_prefill_tokens: AtomicU64::new(0),
+            prefill_busy_until: AtomicU64::new(0),
             running: AtomicU32::new(0),
             waiting: AtomicU32::new(0),
             waiting_prefill_tokens: AtomicU64::new(0),
@@ -132,6 +139,13 @@ impl RankState {
     #[inline]
     pub(crate) fn booked_prefill_tokens(&self) -> u64 {
         self.booked_prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Expected wait for this gateway's booked prefill work at `now`.
+    #[inline]
+    pub(crate) fn prefill_backlog(&self, now: Timestamp) -> Duration {
+        // Relaxed: an estimate; see `booked_requests`.
+        Timestamp::from_nanos(self.prefill_busy_until.load(Ordering::Relaxed)).saturating_since(now)
     }
 
     // Relaxed: a state flag read as a hint; the ledger's own query is the authority on data.
@@ -259,6 +273,8 @@ impl WorkerState {
         self.rank_state(rank).map(|r| RankLoad {
             booked_requests: r.booked_requests(),
             booked_prefill_tokens: r.booked_prefill_tokens(),
+            // Relaxed: an estimate.
+            prefill_busy_until: Timestamp::from_nanos(r.prefill_busy_until.load(Ordering::Relaxed)),
             engine: r.engine(now, None),
         })
     }
@@ -428,6 +444,8 @@ pub struct Booking {
     state: Arc<WorkerState>,
     holder: HolderId,
     prefill_tokens: u64,
+    /// Nanoseconds of prefill per token on this holder (from its capacity).
+    ns_per_token: u64,
     started: Timestamp,
     first_token_seen: bool,
 }
@@ -438,13 +456,19 @@ impl Booking {
         state: Arc<WorkerState>,
         holder: HolderId,
         prefill_tokens: u64,
+        prefill_tokens_per_sec: u32,
         now: Timestamp,
     ) -> Option<Self> {
         let r = state.rank_state(holder.rank)?;
-        // Relaxed (both): independent counters read as estimates.
+        let ns_per_token = 1_000_000_000 / u64::from(prefill_tokens_per_sec.max(1));
+        // Relaxed (all three): independent counters read as estimates.
         r.booked_requests.fetch_add(1, Ordering::Relaxed);
         r.booked_prefill_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
-        Some(Booking { state, holder, prefill_tokens, started: now, first_token_seen: false })
+        let work = prefill_tokens.saturating_mul(ns_per_token);
+        let _ = r.prefill_busy_until.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |busy| {
+            Some(busy.max(now.as_nanos()).saturating_add(work))
+        });
+        Some(Booking { state, holder, prefill_tokens, ns_per_token, started: now, first_token_seen: false })
     }
 
     /// The holder it is booked on.
@@ -465,16 +489,22 @@ impl Booking {
         &self.state
     }
 
-    fn rank(&self) -> &RankState {
-        // The rank was checked in `new` and a state's rank count never changes.
-        &self.state.ranks[usize::from(self.holder.rank.0)]
-    }
-
-    fn release_prefill(&mut self) {
-        if self.prefill_tokens > 0 {
-            // Relaxed: see `new`.
-            self.rank().booked_prefill_tokens.fetch_sub(self.prefill_tokens, Ordering::Relaxed);
-            self.prefill_tokens = 0;
+    /// Releases the prefill tokens; with `now`, also pulls the holder's virtual prefill clock
+    /// back to at most what is still booked (the engine may be faster than its nominal rate, and
+    /// a request that ends before its first token no longer occupies the prefill queue).
+    fn release_prefill(&mut self, now: Option<Timestamp>) {
+        if self.prefill_tokens == 0 {
+            return;
+        }
+        let r = &self.state.ranks[usize::from(self.holder.rank.0)];
+        // Relaxed: see `new`.
+        let left =
+            r.booked_prefill_tokens.fetch_sub(self.prefill_tokens, Ordering::Relaxed) - self.prefill_tokens;
+        self.prefill_tokens = 0;
+        if let Some(now) = now {
+            let bound = now.as_nanos().saturating_add(left.saturating_mul(self.ns_per_token));
+            // Relaxed: an estimate; fetch_min only ever tightens it.
+            r.prefill_busy_until.fetch_min(bound, Ordering::Relaxed);
         }
     }
 
@@ -483,27 +513,31 @@ impl Booking {
     pub fn first_token(&mut self, now: Timestamp) {
         if !self.first_token_seen {
             self.first_token_seen = true;
-            self.release_prefill();
+            self.release_prefill(Some(now));
             self.state.record_ttft(now.saturating_since(self.started));
         }
     }
 
     /// The request finished well: records a success and releases the booking.
-    pub fn succeed(self, now: Timestamp) {
+    pub fn succeed(mut self, now: Timestamp) {
+        self.release_prefill(Some(now));
         self.state.record_success(now);
     }
 
     /// The request failed: records the failure (cooldown, breaker) and releases the booking.
-    pub fn fail(self, class: FailureClass, now: Timestamp) {
+    pub fn fail(mut self, class: FailureClass, now: Timestamp) {
+        self.release_prefill(Some(now));
         self.state.record_failure(class, now);
     }
 }
 
 impl Drop for Booking {
     fn drop(&mut self) {
-        self.release_prefill();
-        // Relaxed: see `new`.
-        self.rank().booked_requests.fetch_sub(1, Ordering::Relaxed);
+        // No clock here: the virtual prefill clock keeps a cancelled request's share until it
+        // runs out (at most that request's own prefill time).
+        self.release_prefill(None);
+        // Relaxed: see `new`. The rank was checked in `new`; a state's rank count never changes.
+        self.state.ranks[usize::from(self.holder.rank.0)].booked_requests.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -527,7 +561,7 @@ mod tests {
     #[test]
     fn booking_releases_prefill_at_first_token_and_request_on_drop() {
         let s = state(HealthPolicy::default());
-        let mut b = Booking::new(s.clone(), holder(1), 500, ms(0)).expect("rank 1");
+        let mut b = Booking::new(s.clone(), holder(1), 500, 10_000, ms(0)).expect("rank 1");
         let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
         assert_eq!((load.booked_requests, load.booked_prefill_tokens), (1, 500));
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_requests, 0);
@@ -539,14 +573,39 @@ mod tests {
         drop(b);
         let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
         assert_eq!((load.booked_requests, load.booked_prefill_tokens), (0, 0));
-        assert!(Booking::new(s, holder(2), 1, ms(0)).is_none(), "no rank 2");
+        assert!(Booking::new(s, holder(2), 1, 10_000, ms(0)).is_none(), "no rank 2");
+    }
+
+    #[test]
+    fn the_prefill_clock_advances_per_booking_and_snaps_back_at_first_tokens() {
+        let s = state(HealthPolicy::default());
+        let busy = |s: &WorkerState| s.rank_load(DpRank(0), ms(0)).expect("rank").prefill_busy_until;
+        // 10,000 tokens/s: 1,000 tokens are 100 ms of prefill.
+        let mut a = Booking::new(s.clone(), holder(0), 1000, 10_000, ms(0)).expect("rank");
+        let mut b = Booking::new(s.clone(), holder(0), 1000, 10_000, ms(50)).expect("rank");
+        assert_eq!(busy(&s), ms(200), "queued behind the first");
+        assert_eq!(
+            s.rank_state(DpRank(0)).expect("rank").prefill_backlog(ms(150)),
+            Duration::from_millis(50)
+        );
+        // The engine is faster than nominal: the first token at 60 ms leaves 1,000 tokens booked.
+        a.first_token(ms(60));
+        assert_eq!(busy(&s), ms(160));
+        b.first_token(ms(200)); // slower this time: the clock is never pushed later
+        assert_eq!(busy(&s), ms(160));
+        assert_eq!(s.rank_state(DpRank(0)).expect("rank").prefill_backlog(ms(200)), Duration::ZERO);
+        // Idle: a new booking starts from now.
+        let c = Booking::new(s.clone(), holder(0), 500, 10_000, ms(1000)).expect("rank");
+        assert_eq!(busy(&s), ms(1050));
+        c.fail(FailureClass::Timeout, ms(1010));
+        assert_eq!(busy(&s), ms(1010), "a failed request leaves the queue");
     }
 
     #[test]
     fn dropping_before_first_token_releases_everything() {
         let s = state(HealthPolicy::default());
-        let a = Booking::new(s.clone(), holder(0), 300, ms(0)).expect("rank");
-        let b = Booking::new(s.clone(), holder(0), 200, ms(0)).expect("rank");
+        let a = Booking::new(s.clone(), holder(0), 300, 10_000, ms(0)).expect("rank");
+        let b = Booking::new(s.clone(), holder(0), 200, 10_000, ms(0)).expect("rank");
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_prefill_tokens, 500);
         a.fail(FailureClass::Timeout, ms(1));
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_prefill_tokens, 200);
