@@ -2,6 +2,8 @@
 //! (`golden/sglang/`): every payload re-encodes byte for byte, and what the ledger receives is what
 //! a gateway computes for the same request, bigram pages and unregistered adapters included.
 
+#![allow(clippy::unwrap_used, reason = "test-only helpers; a malformed fixture should fail loudly")]
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 

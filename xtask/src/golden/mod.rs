@@ -15,6 +15,7 @@ mod identity;
 mod sglang_hash;
 mod text;
 mod vllm_hash;
+mod wire;
 
 /// One vector that did not reproduce.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -120,6 +121,8 @@ pub fn check(dir: &Path) -> Result<Report> {
             text::tokenizer(dir)?,
             text::chat_templates(dir)?,
             identity::check(dir)?,
+            wire::vllm(dir)?,
+            wire::sglang(dir)?,
         ],
     })
 }
