@@ -417,3 +417,165 @@ fn tokens(r: &mut Reader<'_>) -> Result<TokenIds, DecodeError> {
     }
     Ok(TokenIds::Flat(v))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mp::write;
+
+    /// A tiny builder for hand-made payloads (shapes no release writes).
+    #[derive(Default)]
+    struct B(Vec<u8>);
+
+    impl B {
+        fn arr(mut self, n: usize) -> Self {
+            write::array(&mut self.0, n).unwrap();
+            self
+        }
+        fn map(mut self, n: usize) -> Self {
+            write::map(&mut self.0, n).unwrap();
+            self
+        }
+        fn s(mut self, v: &str) -> Self {
+            write::str(&mut self.0, v).unwrap();
+            self
+        }
+        fn u(mut self, v: u64) -> Self {
+            write::uint(&mut self.0, v);
+            self
+        }
+        fn i(mut self, v: i64) -> Self {
+            write::int(&mut self.0, v);
+            self
+        }
+        fn nil(mut self) -> Self {
+            write::nil(&mut self.0);
+            self
+        }
+        fn head(self) -> Self {
+            let mut b = self.arr(3);
+            write::f64(&mut b.0, 1.5);
+            b.arr(1)
+        }
+        fn tail(self) -> Vec<u8> {
+            self.u(0).0
+        }
+    }
+
+    fn stored(b: &WireBatch<'_>) -> WireBlockStored<'static> {
+        match &b.events[0] {
+            WireEvent::BlockStored(s) => WireBlockStored {
+                block_hashes: s.block_hashes.clone(),
+                parent_block_hash: s.parent_block_hash,
+                token_ids: s.token_ids.clone(),
+                block_size: s.block_size,
+                ..WireBlockStored::default()
+            },
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn short_and_long_positional_stores() {
+        // 0.5.10-style: no medium; and a future release with two more elements.
+        let short = B::default().head().arr(5).s("BlockStored").arr(1).i(-1).nil().arr(1).u(5).u(1).tail();
+        let b = decode_wire(&short).unwrap();
+        assert_eq!(stored(&b).block_hashes, [-1]);
+        let long = B::default()
+            .head()
+            .arr(10)
+            .s("BlockStored")
+            .arr(1)
+            .i(-1)
+            .i(-2)
+            .arr(1)
+            .u(5)
+            .u(1)
+            .nil()
+            .s("GPU")
+            .nil()
+            .map(1)
+            .s("x")
+            .u(1)
+            .arr(0)
+            .tail();
+        let b = decode_wire(&long).unwrap();
+        let WireEvent::BlockStored(s) = &b.events[0] else { panic!("{b:?}") };
+        assert_eq!((s.parent_block_hash, s.medium, s.cache_salt), (Some(-2), Some("GPU"), None));
+    }
+
+    #[test]
+    fn map_stores_in_any_key_order_with_unknown_keys() {
+        let p = B::default()
+            .head()
+            .map(7)
+            .s("token_ids")
+            .arr(2)
+            .arr(2)
+            .u(1)
+            .u(2)
+            .arr(2)
+            .u(2)
+            .u(3)
+            .s("origin")
+            .s("NEW")
+            .s("block_size")
+            .u(2)
+            .s("type")
+            .s("BlockStored")
+            .s("block_hashes")
+            .arr(1)
+            .u(9)
+            .s("parent_block_hash")
+            .nil()
+            .s("lora_id")
+            .s("4f1c")
+            .tail();
+        let b = decode_wire(&p).unwrap();
+        let WireEvent::BlockStored(s) = &b.events[0] else { panic!("{b:?}") };
+        assert_eq!(s.token_ids, TokenIds::Bigram(vec![[1, 2], [2, 3]]));
+        assert_eq!(s.lora_id, Some(LoraId::Str("4f1c")));
+    }
+
+    #[test]
+    fn malformed_payloads_get_typed_errors() {
+        let cases: Vec<(Vec<u8>, DecodeError)> = vec![
+            (
+                B::default().head().arr(2).s("BlockRemoved").arr(1).u(u64::MAX).tail(),
+                DecodeError::OutOfRange { offset: 26, field: "block_hashes" },
+            ),
+            (
+                B::default().head().arr(5).s("BlockStored").arr(0).nil().arr(1).i(-3).u(1).tail(),
+                DecodeError::OutOfRange { offset: 27, field: "token_ids" },
+            ),
+            (
+                B::default()
+                    .head()
+                    .arr(5)
+                    .s("BlockStored")
+                    .arr(0)
+                    .nil()
+                    .arr(1)
+                    .arr(3)
+                    .u(1)
+                    .u(2)
+                    .u(3)
+                    .u(1)
+                    .tail(),
+                DecodeError::UnexpectedType { offset: 27, expected: "a token pair", found: ValueKind::Array },
+            ),
+            (
+                B::default().head().arr(4).s("BlockStored").arr(0).nil().arr(0).tail(),
+                DecodeError::MissingField { offset: 11, event: "BlockStored", field: "block_size" },
+            ),
+            (B::default().head().arr(1).s("Dropped").tail(), DecodeError::UnknownEventType { offset: 12 }),
+            (
+                B::default().arr(3).u(1).arr(0).i(-1).0,
+                DecodeError::OutOfRange { offset: 3, field: "attn_dp_rank" },
+            ),
+        ];
+        for (payload, want) in cases {
+            assert_eq!(decode_wire(&payload).unwrap_err(), want);
+        }
+    }
+}

@@ -509,3 +509,263 @@ fn extra_key<'a>(r: &mut Reader<'a>) -> Result<ExtraKey<'a>, DecodeError> {
     r.skip()?;
     Ok(ExtraKey::Other(r.since(start)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ValueKind;
+    use crate::mp::write;
+
+    /// A tiny builder for hand-made payloads (shapes no release writes).
+    #[derive(Default)]
+    struct B(Vec<u8>);
+
+    impl B {
+        fn arr(mut self, n: usize) -> Self {
+            write::array(&mut self.0, n).unwrap();
+            self
+        }
+        fn map(mut self, n: usize) -> Self {
+            write::map(&mut self.0, n).unwrap();
+            self
+        }
+        fn s(mut self, v: &str) -> Self {
+            write::str(&mut self.0, v).unwrap();
+            self
+        }
+        fn u(mut self, v: u64) -> Self {
+            write::uint(&mut self.0, v);
+            self
+        }
+        fn i(mut self, v: i64) -> Self {
+            write::int(&mut self.0, v);
+            self
+        }
+        fn nil(mut self) -> Self {
+            write::nil(&mut self.0);
+            self
+        }
+        fn bin(mut self, v: &[u8]) -> Self {
+            write::bin(&mut self.0, v).unwrap();
+            self
+        }
+        fn ts(mut self) -> Self {
+            write::f64(&mut self.0, 1.5);
+            self
+        }
+        fn tokens(self, ts: &[u64]) -> Self {
+            ts.iter().fold(self.arr(ts.len()), |b, &t| b.u(t))
+        }
+    }
+
+    #[test]
+    fn the_two_element_batch_of_0_9_and_short_positional_events() {
+        // [ts, [["BlockStored", [h], nil, [1,2], 2, nil], ["BlockRemoved", [h]]]]
+        let p = B::default()
+            .arr(2)
+            .ts()
+            .arr(2)
+            .arr(6)
+            .s("BlockStored")
+            .arr(1)
+            .i(-5)
+            .nil()
+            .tokens(&[1, 2])
+            .u(2)
+            .nil()
+            .arr(2)
+            .s("BlockRemoved")
+            .arr(1)
+            .i(-5);
+        let b = decode_wire(&p.0).unwrap();
+        assert_eq!(b.data_parallel_rank, None);
+        let WireEvent::BlockStored(s) = &b.events[0] else { panic!("{b:?}") };
+        assert_eq!(
+            (s.block_hashes.as_slice(), s.token_ids.as_slice(), s.medium),
+            (&[WireHash::Int(-5)][..], &[1, 2][..], None)
+        );
+        assert_eq!(
+            b.events[1],
+            WireEvent::BlockRemoved(WireBlockRemoved {
+                block_hashes: vec![WireHash::Int(-5)],
+                ..Default::default()
+            })
+        );
+    }
+
+    #[test]
+    fn extra_trailing_elements_are_ignored_and_missing_required_ones_are_not() {
+        let stored = |fields: usize| {
+            let mut b = B::default().arr(3).ts().arr(1).arr(1 + fields).s("BlockStored");
+            for i in 0..fields {
+                b = match i {
+                    0 => b.arr(1).u(7),
+                    1 => b.nil(),
+                    2 => b.tokens(&[1]),
+                    3 => b.u(1),
+                    4..15 => b.nil(),
+                    _ => b.map(1).s("future").arr(1).arr(1).nil(),
+                };
+            }
+            b.u(0).0
+        };
+        assert!(decode_wire(&stored(4)).is_ok());
+        assert!(decode_wire(&stored(20)).is_ok());
+        assert_eq!(
+            decode_wire(&stored(3)).unwrap_err(),
+            DecodeError::MissingField { offset: 11, event: "BlockStored", field: "block_size" }
+        );
+    }
+
+    #[test]
+    fn map_events_match_keys_by_name_in_any_order() {
+        // {"future": {..}, 1: 2, "token_ids": [3], "block_size": 1, "type": "BlockStored",
+        //  "parent_block_hash": bin(16), "block_hashes": [bin(32)], "session_id": "s"}
+        let p = B::default()
+            .arr(3)
+            .ts()
+            .arr(1)
+            .map(8)
+            .s("future")
+            .map(1)
+            .s("x")
+            .arr(2)
+            .u(1)
+            .nil()
+            .u(1)
+            .u(2)
+            .s("token_ids")
+            .tokens(&[3])
+            .s("block_size")
+            .u(1)
+            .s("type")
+            .s("BlockStored")
+            .s("parent_block_hash")
+            .bin(&[1; 16])
+            .s("block_hashes")
+            .arr(1)
+            .bin(&[2; 32])
+            .s("session_id")
+            .s("s")
+            .u(3);
+        let b = decode_wire(&p.0).unwrap();
+        assert_eq!(b.data_parallel_rank, Some(3));
+        let WireEvent::BlockStored(s) = &b.events[0] else { panic!("{b:?}") };
+        assert_eq!(s.parent_block_hash, Some(WireHash::Bytes(&[1; 16])));
+        assert_eq!(s.block_hashes, [WireHash::Bytes(&[2; 32])]);
+        assert_eq!((s.token_ids.as_slice(), s.block_size, s.session_id), (&[3][..], 1, Some("s")));
+    }
+
+    #[test]
+    fn malformed_payloads_get_typed_errors() {
+        let event =
+            |e: B| B::default().arr(3).ts().arr(1).0.into_iter().chain(e.0).chain([0]).collect::<Vec<u8>>();
+        let cases: Vec<(Vec<u8>, DecodeError)> = vec![
+            (vec![], DecodeError::Truncated { offset: 0 }),
+            (B::default().arr(1).ts().0, DecodeError::BatchShape { len: 1 }),
+            (event(B::default().arr(1).s("BlockUpdated")), DecodeError::UnknownEventType { offset: 12 }),
+            (
+                event(B::default().map(1).s("block_hashes").arr(0)),
+                DecodeError::MissingField { offset: 11, event: "event", field: "type" },
+            ),
+            (
+                event(B::default().map(1).s("type").s("BlockRemoved")),
+                DecodeError::MissingField { offset: 11, event: "BlockRemoved", field: "block_hashes" },
+            ),
+            (
+                event(B::default().arr(2).s("BlockRemoved").arr(1).bin(&[0; 20])),
+                DecodeError::HashLength { offset: 26, len: 20 },
+            ),
+            (
+                event(B::default().arr(2).s("BlockRemoved").arr(1).s("h")),
+                DecodeError::UnexpectedType {
+                    offset: 26,
+                    expected: "a block hash (integer or bin)",
+                    found: ValueKind::Str,
+                },
+            ),
+            (
+                event(B::default().u(1)),
+                DecodeError::UnexpectedType {
+                    offset: 11,
+                    expected: "an event (array or map)",
+                    found: ValueKind::Int,
+                },
+            ),
+            (
+                B::default().arr(3).ts().arr(0).u(70_000).0,
+                DecodeError::OutOfRange { offset: 11, field: "data_parallel_rank" },
+            ),
+            (B::default().arr(3).ts().arr(0).u(0).u(0).0, DecodeError::TrailingBytes { offset: 12 }),
+        ];
+        for (payload, want) in cases {
+            assert_eq!(decode_wire(&payload).unwrap_err(), want, "{}", payload.len());
+        }
+    }
+
+    #[test]
+    fn a_map_batch_is_read_by_key() {
+        let p = B::default()
+            .map(3)
+            .s("events")
+            .arr(1)
+            .arr(1)
+            .s("AllBlocksCleared")
+            .s("ts")
+            .ts()
+            .s("data_parallel_rank")
+            .u(2);
+        let b = decode_wire(&p.0).unwrap();
+        assert_eq!(
+            (b.ts, b.events.as_slice(), b.data_parallel_rank),
+            (1.5, &[WireEvent::AllBlocksCleared][..], Some(2))
+        );
+    }
+
+    #[test]
+    fn extra_keys_elements_keep_their_type() {
+        // [["lora", ["mm-1", 4], bin(32), [1, 2, 3]], nil]
+        let p = B::default()
+            .arr(3)
+            .ts()
+            .arr(1)
+            .map(6)
+            .s("type")
+            .s("BlockStored")
+            .s("block_hashes")
+            .arr(0)
+            .s("parent_block_hash")
+            .nil()
+            .s("token_ids")
+            .arr(0)
+            .s("block_size")
+            .u(0)
+            .s("extra_keys")
+            .arr(2)
+            .arr(4)
+            .s("lora")
+            .arr(2)
+            .s("mm-1")
+            .u(4)
+            .bin(&[9; 32])
+            .arr(3)
+            .u(1)
+            .u(2)
+            .u(3)
+            .nil()
+            .nil();
+        let b = decode_wire(&p.0).unwrap();
+        let WireEvent::BlockStored(s) = &b.events[0] else { panic!("{b:?}") };
+        let keys = s.extra_keys.as_ref().unwrap();
+        assert_eq!(
+            keys[0].as_deref().unwrap(),
+            [
+                ExtraKey::Str("lora"),
+                ExtraKey::Mm { identifier: "mm-1", offset: 4 },
+                ExtraKey::Bytes(&[9; 32]),
+                ExtraKey::Other(&[0x93, 1, 2, 3]),
+            ]
+        );
+        assert_eq!(keys[1], None);
+    }
+}
