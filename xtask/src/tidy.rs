@@ -194,10 +194,12 @@ fn check_direction(members: &[Member]) -> Vec<Violation> {
                 if !fine {
                     out.push(Violation(format!("{} may not depend on {dep} ({kind}): see ARCHITECTURE.md", m.name)));
                 }
-            } else if let Some(users) = restricted.get(dep.as_str()) {
-                if !binary && kind != "dev" && !users.contains(&m.name.as_str()) {
-                    out.push(Violation(format!("{} may not use {dep}: only {users:?} and the binaries may", m.name)));
-                }
+            } else if let Some(users) = restricted.get(dep.as_str())
+                && !binary
+                && kind != "dev"
+                && !users.contains(&m.name.as_str())
+            {
+                out.push(Violation(format!("{} may not use {dep}: only {users:?} and the binaries may", m.name)));
             }
         }
     }

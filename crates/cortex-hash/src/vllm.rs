@@ -261,13 +261,11 @@ impl BlockHasher {
                 ExtraKeyForm::Untagged => Extra::Bare(lora.name),
             });
         }
-        if block == 0 {
-            if let Some(salt) = extras.cache_salt {
-                out.push(match self.form {
-                    ExtraKeyForm::Tagged => Extra::TaggedPair("cache_salt", salt),
-                    ExtraKeyForm::Untagged => Extra::Bare(salt),
-                });
-            }
+        if let (0, Some(salt)) = (block, extras.cache_salt) {
+            out.push(match self.form {
+                ExtraKeyForm::Tagged => Extra::TaggedPair("cache_salt", salt),
+                ExtraKeyForm::Untagged => Extra::Bare(salt),
+            });
         }
         out
     }

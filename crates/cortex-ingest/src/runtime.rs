@@ -1,0 +1,723 @@
+//! The running event plane: one socket thread that owns every ZeroMQ socket, and writer lanes
+//! that decode batches and apply them to the ledger.
+//!
+//! ```text
+//!  engine PUB ──► SUB (one per holder) ─┐
+//!  engine ROUTER ◄─► DEALER (per replay)├─ socket thread ── frames + seq ──► lane k (holder % lanes)
+//!  socket monitor (disconnects) ────────┘        ▲                           │ Sequencer (seq.rs)
+//!                                                 └──── replay requests ──────┤ decode (event crates)
+//!                                                                             ▼ HolderWriter (ledger)
+//! ```
+//!
+//! Key decisions:
+//! - ZeroMQ sockets are not thread-safe, so exactly one thread owns them all and multiplexes them
+//!   with `zmq_poll`; it only splits frames and reads the sequence number, so it keeps up with
+//!   many holders. Commands reach it through a channel plus an `inproc` wake-up socket.
+//! - Decoding and applying — the real work — happen on the lanes, in parallel across holders and
+//!   strictly in order within one (a holder always maps to the same lane).
+//! - Every replay uses a fresh DEALER socket (a REQ socket receives only one reply), so a late
+//!   reply of an abandoned replay can never be mistaken for the current one.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use cortex_hash::kv::{HolderId, WorkerId};
+use cortex_radix::{HolderConfig, HolderWriter, Ledger, LedgerError, Readiness};
+
+use crate::config::{HolderSource, IngestConfig, StaleRouting, Unlabeled, Wire};
+use crate::seq::{Effect, HolderState, Input, Replay, Sequencer};
+use crate::stats::{DECODE_ERROR_KINDS, HolderStats, HolderStatus, Progress};
+
+/// Why the runtime could not do what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum IngestError {
+    /// A ZeroMQ call failed.
+    #[error("zeromq: {0}")]
+    Zmq(#[from] zmq::Error),
+    /// The ledger refused the holder.
+    #[error("ledger: {0}")]
+    Ledger(#[from] LedgerError),
+    /// A thread could not be started.
+    #[error("cannot start thread: {0}")]
+    Thread(#[source] std::io::Error),
+    /// The runtime is shut down.
+    #[error("the ingest runtime is shut down")]
+    ShutDown,
+}
+
+static INSTANCE: AtomicU64 = AtomicU64::new(0);
+
+/// End-of-replay sequence number (-1 as a signed 8-byte big-endian integer).
+const END_SEQ: u64 = u64::MAX;
+
+/// Lanes wake at least this often to check replay deadlines and silence.
+const TICK: Duration = Duration::from_millis(50);
+
+/// Messages drained from one socket per poll round, so one busy holder cannot starve the rest.
+const BURST: usize = 512;
+
+enum SockCmd {
+    Add { holder: HolderId, lane: usize, publish: String, topic: String, replay: Option<String> },
+    RemoveWorker { worker: WorkerId, done: Sender<()> },
+    Replay { holder: HolderId, from: u64 },
+    Shutdown,
+}
+
+enum LaneMsg {
+    Add(Box<LaneHolder>),
+    RemoveWorker { worker: WorkerId, done: Sender<()> },
+    Input(HolderId, Input<zmq::Message>),
+    Shutdown,
+}
+
+struct Shared {
+    ledger: Arc<Ledger>,
+    cfg: IngestConfig,
+    holders: Mutex<HashMap<HolderId, Arc<HolderStats>>>,
+    progress: Progress,
+    commands: Mutex<Commander>,
+    lanes: Vec<Sender<LaneMsg>>,
+}
+
+/// The sending side of the socket thread's command channel, with its wake-up socket.
+struct Commander {
+    tx: Sender<SockCmd>,
+    wake: zmq::Socket,
+}
+
+impl Shared {
+    fn command(&self, cmd: SockCmd) -> Result<(), IngestError> {
+        let c = self.commands.lock().map_err(|_| IngestError::ShutDown)?;
+        c.tx.send(cmd).map_err(|_| IngestError::ShutDown)?;
+        c.wake.send(&[][..], zmq::DONTWAIT).or_else(|e| if e == zmq::Error::EAGAIN { Ok(()) } else { Err(e) })?;
+        Ok(())
+    }
+
+    fn lane_of(&self, holder: HolderId) -> usize {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        holder.hash(&mut h);
+        (h.finish() % self.lanes.len() as u64) as usize
+    }
+}
+
+/// The event plane of one gateway: add holders, and the ledger follows their engines.
+///
+/// Dropping it (or [`Ingest::shutdown`]) stops every thread and closes every socket.
+pub struct Ingest {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Ingest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ingest").field("lanes", &self.shared.lanes.len()).finish_non_exhaustive()
+    }
+}
+
+impl Ingest {
+    /// Starts the socket thread and the writer lanes, applying to `ledger`.
+    ///
+    /// # Errors
+    /// [`IngestError`] if a socket or a thread cannot be created.
+    pub fn start(ledger: Arc<Ledger>, cfg: IngestConfig) -> Result<Ingest, IngestError> {
+        let ctx = zmq::Context::new();
+        let id = INSTANCE.fetch_add(1, Ordering::Relaxed);
+        let wake_endpoint = format!("inproc://cortex-ingest-wake-{id}");
+        let wake_rx = ctx.socket(zmq::PULL)?;
+        wake_rx.bind(&wake_endpoint)?;
+        let wake_tx = ctx.socket(zmq::PUSH)?;
+        wake_tx.set_sndhwm(1)?;
+        wake_tx.set_linger(0)?;
+        wake_tx.connect(&wake_endpoint)?;
+        let (cmd_tx, cmd_rx) = mpsc::channel();
+        let lanes_n = cfg.lanes.max(1);
+        let mut lane_txs = Vec::with_capacity(lanes_n);
+        let mut lane_rxs = Vec::with_capacity(lanes_n);
+        for _ in 0..lanes_n {
+            let (tx, rx) = mpsc::channel();
+            lane_txs.push(tx);
+            lane_rxs.push(rx);
+        }
+        let shared = Arc::new(Shared {
+            ledger,
+            cfg,
+            holders: Mutex::new(HashMap::new()),
+            progress: Progress::default(),
+            commands: Mutex::new(Commander { tx: cmd_tx, wake: wake_tx }),
+            lanes: lane_txs,
+        });
+        let mut threads = Vec::new();
+        for (i, rx) in lane_rxs.into_iter().enumerate() {
+            let s = Arc::clone(&shared);
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("cortex-ingest-lane-{i}"))
+                    .spawn(move || lane_loop(&s, &rx))
+                    .map_err(IngestError::Thread)?,
+            );
+        }
+        let s = Arc::clone(&shared);
+        let sockets = SocketThread { ctx, id, wake: wake_rx, commands: cmd_rx, holders: Vec::new(), next_monitor: 0 };
+        threads.push(
+            std::thread::Builder::new()
+                .name("cortex-ingest-sockets".into())
+                .spawn(move || sockets.run(&s))
+                .map_err(IngestError::Thread)?,
+        );
+        Ok(Ingest { shared, threads })
+    }
+
+    /// Registers `source.holder` with the ledger (SYNCING) and subscribes to its engine.
+    ///
+    /// # Errors
+    /// [`IngestError::Ledger`] if the holder already has a writer; [`IngestError::ShutDown`].
+    pub fn add_holder(&self, source: HolderSource) -> Result<(), IngestError> {
+        let writer = self.shared.ledger.add_holder(
+            source.holder,
+            HolderConfig {
+                capacity_blocks: source.capacity_blocks,
+                content_deterministic: source.content_deterministic,
+            },
+        )?;
+        let stats = Arc::new(HolderStats::new(source.holder));
+        self.shared
+            .holders
+            .lock()
+            .map_err(|_| IngestError::ShutDown)?
+            .insert(source.holder, Arc::clone(&stats));
+        let lane = self.shared.lane_of(source.holder);
+        let replay = if source.replay.is_some() { Replay::Available } else { Replay::Unavailable };
+        let mut holder = LaneHolder {
+            writer,
+            seq: Sequencer::new(replay, self.shared.cfg.max_buffered),
+            wire: source.wire,
+            model: source.model,
+            unlabeled: source.unlabeled,
+            stats,
+            replay_deadline: None,
+            last_event: Instant::now(),
+        };
+        holder.writer.set_readiness(Readiness::Syncing);
+        self.shared.lanes[lane].send(LaneMsg::Add(Box::new(holder))).map_err(|_| IngestError::ShutDown)?;
+        self.shared.command(SockCmd::Add {
+            holder: source.holder,
+            lane,
+            publish: source.publish,
+            topic: source.topic,
+            replay: source.replay,
+        })
+    }
+
+    /// Stops following every rank of `worker`: unsubscribes first (no late event can be
+    /// applied), then drops its ledger entries. Returns once both are done.
+    ///
+    /// # Errors
+    /// [`IngestError::ShutDown`].
+    pub fn remove_worker(&self, worker: WorkerId) -> Result<(), IngestError> {
+        let (done, wait) = mpsc::channel();
+        self.shared.command(SockCmd::RemoveWorker { worker, done })?;
+        wait.recv().map_err(|_| IngestError::ShutDown)?;
+        for lane in &self.shared.lanes {
+            let (done, wait) = mpsc::channel();
+            lane.send(LaneMsg::RemoveWorker { worker, done }).map_err(|_| IngestError::ShutDown)?;
+            wait.recv().map_err(|_| IngestError::ShutDown)?;
+        }
+        self.shared.ledger.remove_worker(worker);
+        if let Ok(mut h) = self.shared.holders.lock() {
+            h.retain(|id, _| id.worker != worker);
+        }
+        self.shared.progress.notify();
+        Ok(())
+    }
+
+    /// Reports how many requests a worker's engine says are running (from load polling): a holder
+    /// that stays silent while its engine is busy is suspected STALE.
+    pub fn report_running(&self, holder: HolderId, running: u64) {
+        if let Some(s) = self.stats_of(holder) {
+            // Relaxed: a gauge read by the holder's lane on its next tick.
+            s.running.store(running, Ordering::Relaxed);
+        }
+    }
+
+    fn stats_of(&self, holder: HolderId) -> Option<Arc<HolderStats>> {
+        self.shared.holders.lock().ok()?.get(&holder).cloned()
+    }
+
+    /// The counters of `holder`, if it is followed.
+    #[must_use]
+    pub fn status(&self, holder: HolderId) -> Option<HolderStatus> {
+        self.stats_of(holder).map(|s| s.status())
+    }
+
+    /// The counters of every followed holder.
+    #[must_use]
+    pub fn statuses(&self) -> Vec<HolderStatus> {
+        let Ok(h) = self.shared.holders.lock() else { return Vec::new() };
+        let mut v: Vec<HolderStatus> = h.values().map(|s| s.status()).collect();
+        v.sort_by_key(|s| s.holder);
+        v
+    }
+
+    /// Waits until `done(status)` holds for `holder` or `timeout` passes; returns whether it
+    /// holds. Progress is signalled after every applied batch and state change, so this never
+    /// polls.
+    pub fn wait_for(&self, holder: HolderId, timeout: Duration, mut done: impl FnMut(&HolderStatus) -> bool) -> bool {
+        self.shared.progress.wait_until(timeout, || self.status(holder).is_some_and(|s| done(&s)))
+    }
+
+    /// Stops every thread and closes every socket.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        // Errors mean the threads are already gone.
+        let _ = self.shared.command(SockCmd::Shutdown);
+        for lane in &self.shared.lanes {
+            let _ = lane.send(LaneMsg::Shutdown);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Ingest {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A holder's sockets, owned by the socket thread.
+struct SockHolder {
+    holder: HolderId,
+    lane: usize,
+    sub: zmq::Socket,
+    monitor: zmq::Socket,
+    replay_endpoint: Option<String>,
+    dealer: Option<zmq::Socket>,
+}
+
+struct SocketThread {
+    ctx: zmq::Context,
+    id: u64,
+    wake: zmq::Socket,
+    commands: Receiver<SockCmd>,
+    holders: Vec<SockHolder>,
+    next_monitor: u64,
+}
+
+/// Which socket a poll item belongs to.
+#[derive(Clone, Copy)]
+enum Slot {
+    Wake,
+    Sub(usize),
+    Dealer(usize),
+    Monitor(usize),
+}
+
+impl SocketThread {
+    fn run(mut self, shared: &Shared) {
+        loop {
+            let mut slots = vec![Slot::Wake];
+            for (i, h) in self.holders.iter().enumerate() {
+                slots.push(Slot::Sub(i));
+                slots.push(Slot::Monitor(i));
+                if h.dealer.is_some() {
+                    slots.push(Slot::Dealer(i));
+                }
+            }
+            let ready: Vec<bool> = {
+                let mut items: Vec<zmq::PollItem<'_>> = slots
+                    .iter()
+                    .map(|s| match *s {
+                        Slot::Wake => self.wake.as_poll_item(zmq::POLLIN),
+                        Slot::Sub(i) => self.holders[i].sub.as_poll_item(zmq::POLLIN),
+                        Slot::Monitor(i) => self.holders[i].monitor.as_poll_item(zmq::POLLIN),
+                        Slot::Dealer(i) => {
+                            self.holders[i].dealer.as_ref().map_or(self.wake.as_poll_item(zmq::POLLIN), |d| d.as_poll_item(zmq::POLLIN))
+                        }
+                    })
+                    .collect();
+                if let Err(e) = zmq::poll(&mut items, -1) {
+                    if e == zmq::Error::EINTR {
+                        continue;
+                    }
+                    tracing::error!(error = %e, "ingest: zmq poll failed; the event plane stops");
+                    return;
+                }
+                items.iter().map(zmq::PollItem::is_readable).collect()
+            };
+            for (slot, readable) in slots.iter().zip(ready) {
+                if !readable {
+                    continue;
+                }
+                match *slot {
+                    Slot::Wake => {
+                        while self.wake.recv_msg(zmq::DONTWAIT).is_ok() {}
+                        if !self.run_commands(shared) {
+                            return;
+                        }
+                    }
+                    Slot::Sub(i) => self.drain_sub(shared, i),
+                    Slot::Dealer(i) => self.drain_dealer(shared, i),
+                    Slot::Monitor(i) => self.drain_monitor(shared, i),
+                }
+            }
+        }
+    }
+
+    /// Executes queued commands; false on shutdown.
+    fn run_commands(&mut self, shared: &Shared) -> bool {
+        while let Ok(cmd) = self.commands.try_recv() {
+            match cmd {
+                SockCmd::Shutdown => return false,
+                SockCmd::Add { holder, lane, publish, topic, replay } => {
+                    match self.subscribe(shared, holder, lane, &publish, &topic, replay) {
+                        Ok(h) => self.holders.push(h),
+                        Err(e) => tracing::error!(%holder, endpoint = %publish, error = %e, "ingest: cannot subscribe"),
+                    }
+                }
+                SockCmd::RemoveWorker { worker, done } => {
+                    // Dropping the sockets closes them (linger 0): nothing more arrives.
+                    self.holders.retain(|h| h.holder.worker != worker);
+                    let _ = done.send(());
+                }
+                SockCmd::Replay { holder, from } => self.start_replay(holder, from),
+            }
+        }
+        true
+    }
+
+    fn subscribe(
+        &mut self,
+        shared: &Shared,
+        holder: HolderId,
+        lane: usize,
+        publish: &str,
+        topic: &str,
+        replay: Option<String>,
+    ) -> Result<SockHolder, zmq::Error> {
+        let sub = self.ctx.socket(zmq::SUB)?;
+        sub.set_rcvhwm(shared.cfg.receive_hwm)?;
+        sub.set_linger(0)?;
+        let endpoint = format!("inproc://cortex-ingest-monitor-{}-{}", self.id, self.next_monitor);
+        self.next_monitor += 1;
+        sub.monitor(&endpoint, zmq::SocketEvent::DISCONNECTED.to_raw().into())?;
+        let monitor = self.ctx.socket(zmq::PAIR)?;
+        monitor.connect(&endpoint)?;
+        sub.set_subscribe(topic.as_bytes())?;
+        sub.connect(publish)?;
+        tracing::info!(%holder, endpoint = publish, topic, "ingest: subscribed");
+        Ok(SockHolder { holder, lane, sub, monitor, replay_endpoint: replay, dealer: None })
+    }
+
+    fn start_replay(&mut self, holder: HolderId, from: u64) {
+        let Some(h) = self.holders.iter_mut().find(|h| h.holder == holder) else { return };
+        let Some(endpoint) = h.replay_endpoint.clone() else { return };
+        // A fresh socket per request: replies to an abandoned request die with the old one.
+        h.dealer = None;
+        let dealer = (|| -> Result<zmq::Socket, zmq::Error> {
+            let d = self.ctx.socket(zmq::DEALER)?;
+            d.set_linger(0)?;
+            d.set_rcvhwm(0)?;
+            d.connect(&endpoint)?;
+            d.send_multipart([&[][..], &from.to_be_bytes()[..]], 0)?;
+            Ok(d)
+        })();
+        match dealer {
+            Ok(d) => {
+                tracing::info!(%holder, from, endpoint, "ingest: replay requested");
+                h.dealer = Some(d);
+            }
+            // The lane's replay deadline turns this into a cold rebuild.
+            Err(e) => tracing::warn!(%holder, error = %e, "ingest: cannot request replay"),
+        }
+    }
+
+    fn drain_sub(&mut self, shared: &Shared, i: usize) {
+        let h = &self.holders[i];
+        for _ in 0..BURST {
+            let Ok(parts) = recv_parts(&h.sub) else { break };
+            let input = match parts.len() {
+                3 => match seq_of(&parts[1]) {
+                    Some(seq) => {
+                        let mut parts = parts;
+                        let payload = parts.pop().unwrap_or_else(zmq::Message::new);
+                        Input::Live { seq, payload }
+                    }
+                    None => continue,
+                },
+                n => {
+                    tracing::warn!(holder = %h.holder, frames = n, "ingest: ignoring a message that is not [topic, seq, payload]");
+                    continue;
+                }
+            };
+            if shared.lanes[h.lane].send(LaneMsg::Input(h.holder, input)).is_err() {
+                return;
+            }
+        }
+    }
+
+    fn drain_dealer(&mut self, shared: &Shared, i: usize) {
+        let h = &mut self.holders[i];
+        let Some(dealer) = h.dealer.as_ref() else { return };
+        let mut finished = false;
+        for _ in 0..BURST {
+            let Ok(mut parts) = recv_parts(dealer) else { break };
+            // vLLM ≥ 0.26 and SGLang: ["", topic, seq, payload]; vLLM ≤ 0.25: ["", seq, payload].
+            let (seq, payload) = match parts.len() {
+                4 if parts[0].is_empty() => (seq_of(&parts[2]), parts.pop().unwrap_or_else(zmq::Message::new)),
+                3 if parts[0].is_empty() => (seq_of(&parts[1]), parts.pop().unwrap_or_else(zmq::Message::new)),
+                _ => (None, zmq::Message::new()),
+            };
+            let input = match seq {
+                Some(END_SEQ) => {
+                    finished = true;
+                    Input::ReplayEnd
+                }
+                Some(seq) => Input::Replayed { seq, payload },
+                None => {
+                    tracing::warn!(holder = %h.holder, "ingest: ignoring a malformed replay reply");
+                    continue;
+                }
+            };
+            if shared.lanes[h.lane].send(LaneMsg::Input(h.holder, input)).is_err() {
+                return;
+            }
+            if finished {
+                break;
+            }
+        }
+        if finished {
+            h.dealer = None;
+        }
+    }
+
+    fn drain_monitor(&mut self, shared: &Shared, i: usize) {
+        let h = &self.holders[i];
+        while let Ok(parts) = recv_parts(&h.monitor) {
+            let event = parts.first().filter(|p| p.len() >= 2).map(|p| u16::from_le_bytes([p[0], p[1]]));
+            if event == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
+                tracing::warn!(holder = %h.holder, "ingest: publisher disconnected");
+                let _ = shared.lanes[h.lane].send(LaneMsg::Input(h.holder, Input::Disconnected));
+            }
+        }
+    }
+}
+
+fn recv_parts(socket: &zmq::Socket) -> Result<Vec<zmq::Message>, zmq::Error> {
+    let mut parts = vec![socket.recv_msg(zmq::DONTWAIT)?];
+    while socket.get_rcvmore()? {
+        parts.push(socket.recv_msg(0)?);
+    }
+    Ok(parts)
+}
+
+fn seq_of(frame: &[u8]) -> Option<u64> {
+    <[u8; 8]>::try_from(frame).ok().map(u64::from_be_bytes)
+}
+
+/// A holder as its lane sees it.
+struct LaneHolder {
+    writer: HolderWriter,
+    seq: Sequencer<zmq::Message>,
+    wire: Wire,
+    model: String,
+    unlabeled: Unlabeled,
+    stats: Arc<HolderStats>,
+    replay_deadline: Option<Instant>,
+    last_event: Instant,
+}
+
+fn lane_loop(shared: &Shared, rx: &Receiver<LaneMsg>) {
+    let mut holders: HashMap<HolderId, LaneHolder> = HashMap::new();
+    let mut effects = Vec::new();
+    loop {
+        match rx.recv_timeout(TICK) {
+            Ok(LaneMsg::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
+            Ok(LaneMsg::Add(h)) => {
+                shared.progress.notify();
+                holders.insert(h.writer.holder(), *h);
+            }
+            Ok(LaneMsg::RemoveWorker { worker, done }) => {
+                holders.retain(|id, _| id.worker != worker);
+                let _ = done.send(());
+            }
+            Ok(LaneMsg::Input(id, input)) => {
+                if let Some(h) = holders.get_mut(&id) {
+                    if matches!(input, Input::Live { .. } | Input::Replayed { .. }) {
+                        h.last_event = Instant::now();
+                    }
+                    h.seq.step(input, &mut effects);
+                    if !h.execute(shared, &mut effects) {
+                        holders.remove(&id);
+                    }
+                    shared.progress.notify();
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        check_timers(shared, &mut holders, &mut effects);
+    }
+}
+
+fn check_timers(shared: &Shared, holders: &mut HashMap<HolderId, LaneHolder>, effects: &mut Vec<Effect<zmq::Message>>) {
+    let now = Instant::now();
+    let mut gone = Vec::new();
+    for (id, h) in holders.iter_mut() {
+        let input = if h.replay_deadline.is_some_and(|d| now >= d) && h.seq.replaying() {
+            h.replay_deadline = None;
+            Some(Input::ReplayTimeout)
+        } else if h.seq.state() == HolderState::Ready
+            // Relaxed: a gauge written by the load poller.
+            && h.stats.running.load(Ordering::Relaxed) > 0
+            && now.duration_since(h.last_event) >= shared.cfg.silence_timeout
+        {
+            h.last_event = now;
+            Some(Input::Silent)
+        } else {
+            None
+        };
+        if let Some(input) = input {
+            h.seq.step(input, effects);
+            if !h.execute(shared, effects) {
+                gone.push(*id);
+            }
+            shared.progress.notify();
+        }
+    }
+    for id in gone {
+        holders.remove(&id);
+    }
+}
+
+impl LaneHolder {
+    /// Executes `effects` in order; false if the ledger revoked this holder.
+    fn execute(&mut self, shared: &Shared, effects: &mut Vec<Effect<zmq::Message>>) -> bool {
+        let mut pending: std::collections::VecDeque<Effect<zmq::Message>> = effects.drain(..).collect();
+        while let Some(effect) = pending.pop_front() {
+            match effect {
+                Effect::Apply { seq, payload } => match self.apply(seq, &payload) {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        // Undecodable: its events are lost; the machine says what to do.
+                        let mut more = Vec::new();
+                        self.seq.step(Input::Undecodable, &mut more);
+                        for (i, e) in more.into_iter().enumerate() {
+                            pending.insert(i, e);
+                        }
+                    }
+                    Err(LedgerError::Revoked(_)) => return false,
+                    Err(e) => tracing::error!(holder = %self.writer.holder(), error = %e, "ingest: apply failed"),
+                },
+                Effect::Clear(reason) => {
+                    self.writer.clear();
+                    HolderStats::add(&self.stats.clears, 1);
+                    tracing::info!(holder = %self.writer.holder(), reason = reason.as_str(), "ingest: holder cleared");
+                }
+                Effect::RequestReplay { from } => {
+                    HolderStats::add(&self.stats.replays_requested, 1);
+                    self.replay_deadline = Some(Instant::now() + shared.cfg.replay_timeout);
+                    if shared.command(SockCmd::Replay { holder: self.writer.holder(), from }).is_err() {
+                        return false;
+                    }
+                }
+                Effect::Duplicate { .. } => HolderStats::add(&self.stats.duplicates, 1),
+                Effect::State(state, reason) => {
+                    if !self.seq.replaying() {
+                        self.replay_deadline = None;
+                    }
+                    self.stats.set_state(state);
+                    self.stats.count_transition(reason);
+                    let readiness = match (state, shared.cfg.stale_routing) {
+                        (HolderState::Ready, _) | (HolderState::Stale, StaleRouting::Included) => Readiness::Ready,
+                        (HolderState::Syncing, _) => Readiness::Syncing,
+                        (HolderState::Stale, StaleRouting::Excluded) => Readiness::Stale,
+                    };
+                    self.writer.set_readiness(readiness);
+                    tracing::info!(
+                        holder = %self.writer.holder(),
+                        state = state.as_str(),
+                        reason = reason.as_str(),
+                        "ingest: holder state"
+                    );
+                }
+            }
+        }
+        true
+    }
+
+    /// Decodes and applies one batch: Ok(false) if it does not decode.
+    fn apply(&mut self, seq: u64, payload: &[u8]) -> Result<bool, LedgerError> {
+        let decoded = match self.wire {
+            Wire::Vllm => {
+                let unlabeled = match self.unlabeled {
+                    Unlabeled::Plain => cortex_events_vllm::Unlabeled::Plain,
+                    Unlabeled::Unknown => cortex_events_vllm::Unlabeled::Unknown,
+                };
+                cortex_events_vllm::decode(payload, &cortex_events_vllm::DecodeContext::new(&self.model, unlabeled))
+                    .map_err(|e| (vllm_error_kind(&e), e.to_string()))
+            }
+            Wire::Sglang => {
+                let unlabeled = match self.unlabeled {
+                    Unlabeled::Plain => cortex_events_sglang::Unlabeled::Plain,
+                    Unlabeled::Unknown => cortex_events_sglang::Unlabeled::Unknown,
+                };
+                cortex_events_sglang::decode(payload, &cortex_events_sglang::DecodeContext::new(&self.model, unlabeled))
+                    .map_err(|e| (sglang_error_kind(&e), e.to_string()))
+            }
+        };
+        let holder = self.writer.holder();
+        let batch = match decoded {
+            Ok(b) => b,
+            Err((kind, msg)) => {
+                HolderStats::add(&self.stats.decode_errors[kind], 1);
+                tracing::warn!(%holder, seq, kind = DECODE_ERROR_KINDS[kind], error = %msg, "ingest: undecodable batch");
+                return Ok(false);
+            }
+        };
+        if batch.dp_rank.is_some_and(|r| r != holder.rank) {
+            HolderStats::add(&self.stats.rank_mismatches, 1);
+        }
+        let outcome = self.writer.apply_batch(&batch)?;
+        HolderStats::add(&self.stats.batches, 1);
+        HolderStats::add(&self.stats.events, outcome.events);
+        HolderStats::add(&self.stats.blocks_stored, outcome.stored);
+        HolderStats::add(&self.stats.blocks_removed, outcome.removed);
+        // Relaxed: a gauge for status readers; progress is signalled separately.
+        self.stats.last_seq.store(seq, Ordering::Relaxed);
+        if let Ok(now) = SystemTime::now().duration_since(UNIX_EPOCH) {
+            let lag = now.as_secs_f64() - batch.ts;
+            if lag.is_finite() && lag >= 0.0 {
+                self.stats.record_lag(Duration::from_secs_f64(lag));
+            }
+        }
+        Ok(true)
+    }
+}
+
+fn vllm_error_kind(e: &cortex_events_vllm::DecodeError) -> usize {
+    use cortex_events_vllm::DecodeError as D;
+    match e {
+        D::Truncated { .. } => 0,
+        D::UnexpectedType { .. } | D::OutOfRange { .. } | D::HashLength { .. } => 1,
+        D::UnknownEventType { .. } | D::MissingField { .. } | D::BatchShape { .. } | D::TrailingBytes { .. } => 2,
+        _ => 3,
+    }
+}
+
+fn sglang_error_kind(e: &cortex_events_sglang::DecodeError) -> usize {
+    use cortex_events_sglang::DecodeError as D;
+    match e {
+        D::Truncated { .. } => 0,
+        D::UnexpectedType { .. } | D::OutOfRange { .. } => 1,
+        D::UnknownEventType { .. } | D::MissingField { .. } | D::BatchShape { .. } | D::TrailingBytes { .. } => 2,
+        _ => 3,
+    }
+}

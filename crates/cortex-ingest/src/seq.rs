@@ -1,0 +1,634 @@
+//! The per-holder sequence state machine: pure transitions, no sockets, no clocks.
+//!
+//! Every engine stamps each published batch with a sequence number that starts at 0 per
+//! publisher process and grows by one per batch. Comparing it with the last applied one tells
+//! duplicates (drop), gaps (replay or rebuild) and restarts (clear) apart:
+//!
+//! | observation | action | state after |
+//! |---|---|---|
+//! | seq = last + 1 | apply | unchanged (a STALE holder becomes READY: nothing was lost) |
+//! | 0 < seq ≤ last (duplicate or replay overlap) | drop, count | unchanged |
+//! | seq = 0 while a batch was applied (engine restarted; vLLM sends no AllBlocksCleared) | clear, apply | READY |
+//! | seq > last + 1 (gap) | ask the replay socket for last+1…; buffer live batches | SYNCING |
+//! | replay returns a contiguous range to its end marker | apply it, then the buffered batches, skipping duplicates | READY |
+//! | no replay socket, replay incomplete (first replayed seq later than asked, or a hole), or timeout | clear, apply the buffered batches from a contiguous point | READY (cold) |
+//! | first batch after start has seq > 0 | replay from 0 if possible, else start cold | SYNCING → READY |
+//! | socket disconnected, or silent while the engine reports running requests | count | STALE |
+//! | a payload that does not decode | clear, continue with the next batch | READY (cold) |
+//!
+//! Key decision: a gap is never papered over. A lost batch may have held removes, so applying the
+//! next batch as if nothing happened could make the ledger report blocks the engine no longer
+//! has (an over-count, which misroutes). Clearing only under-counts, so READY after a clear is
+//! safe; the replay socket, when the engine has one, avoids even that loss.
+//!
+//! The machine is generic over the payload type so that its table is tested without ZeroMQ; the
+//! runtime feeds it [`zmq::Message`]s and executes the [`Effect`]s it returns in order.
+
+use std::collections::VecDeque;
+
+/// A holder's state as the event plane sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum HolderState {
+    /// Following its engine in order: exact routing may use it.
+    Ready,
+    /// Catching up (replaying, or waiting for the first batch).
+    Syncing,
+    /// Something is suspect (disconnected, silent): exact routing only if configured.
+    Stale,
+}
+
+impl HolderState {
+    /// Lower-case name for logs and metrics.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            HolderState::Ready => "ready",
+            HolderState::Syncing => "syncing",
+            HolderState::Stale => "stale",
+        }
+    }
+}
+
+/// Why a holder changed state or lost its ledger entries; every transition is logged and counted
+/// with one of these.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// A sequence gap was seen.
+    Gap,
+    /// The publisher restarted (sequence back to 0).
+    Restart,
+    /// Replay could not fill the gap (no socket, or the range had left the engine's buffer).
+    ReplayFailed,
+    /// Replay did not finish in time.
+    ReplayTimeout,
+    /// Replay filled the gap.
+    ReplayOk,
+    /// The first batch seen was not seq 0 and there was no way to replay from 0.
+    ColdStart,
+    /// The socket reported a disconnection.
+    Disconnected,
+    /// No event for too long while the engine reported running requests.
+    Silent,
+    /// Events resumed in order after a suspicion.
+    Resumed,
+    /// A payload did not decode: its events are lost.
+    Undecodable,
+}
+
+impl Reason {
+    /// Every reason, for metrics initialisation.
+    pub const ALL: [Reason; 10] = [
+        Reason::Gap,
+        Reason::Restart,
+        Reason::ReplayFailed,
+        Reason::ReplayTimeout,
+        Reason::ReplayOk,
+        Reason::ColdStart,
+        Reason::Disconnected,
+        Reason::Silent,
+        Reason::Resumed,
+        Reason::Undecodable,
+    ];
+
+    /// Snake-case name for logs and metrics labels.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Reason::Gap => "gap",
+            Reason::Restart => "restart",
+            Reason::ReplayFailed => "replay_failed",
+            Reason::ReplayTimeout => "replay_timeout",
+            Reason::ReplayOk => "replay_ok",
+            Reason::ColdStart => "cold_start",
+            Reason::Disconnected => "disconnected",
+            Reason::Silent => "silent",
+            Reason::Resumed => "resumed",
+            Reason::Undecodable => "undecodable",
+        }
+    }
+}
+
+/// What the runtime must do, in order.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Effect<P> {
+    /// Decode and apply this batch to the ledger.
+    Apply {
+        /// The batch's sequence number.
+        seq: u64,
+        /// The payload.
+        payload: P,
+    },
+    /// Drop every ledger entry of the holder.
+    Clear(Reason),
+    /// Ask the engine's replay socket for every buffered batch from `from` on. Replies of an
+    /// earlier request must be discarded (the runtime opens a fresh socket per request).
+    RequestReplay {
+        /// First sequence number wanted.
+        from: u64,
+    },
+    /// A duplicate batch was dropped.
+    Duplicate {
+        /// Its sequence number.
+        seq: u64,
+    },
+    /// The holder's state changed.
+    State(HolderState, Reason),
+}
+
+/// An input of the machine.
+#[derive(Debug)]
+pub enum Input<P> {
+    /// A live batch from the SUB socket.
+    Live {
+        /// Sequence number.
+        seq: u64,
+        /// Payload.
+        payload: P,
+    },
+    /// A batch replayed by the engine.
+    Replayed {
+        /// Sequence number.
+        seq: u64,
+        /// Payload.
+        payload: P,
+    },
+    /// The replay's end marker.
+    ReplayEnd,
+    /// The replay did not end in time.
+    ReplayTimeout,
+    /// The batch just applied did not decode (its events are lost).
+    Undecodable,
+    /// The socket reported a disconnection.
+    Disconnected,
+    /// No event for too long while the engine reported running requests.
+    Silent,
+}
+
+/// Whether the engine offers a replay socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replay {
+    /// It does.
+    Available,
+    /// It does not (vLLM's default): gaps are repaired by clearing.
+    Unavailable,
+}
+
+/// Where the machine is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Applying live batches.
+    Live,
+    /// Waiting for a replay from `asked` whose next expected batch is `next`.
+    Replaying { asked: u64, next: u64, first: bool },
+}
+
+/// One holder's sequence tracking. See the module docs for the table it implements.
+#[derive(Debug)]
+pub struct Sequencer<P> {
+    replay: Replay,
+    /// Last applied sequence number; `None` before the first batch and after a cold reset.
+    last: Option<u64>,
+    /// After a cold reset with nothing to apply: take the next live batch as the new baseline
+    /// (asking for a replay from 0 again would only repeat the failure).
+    cold: bool,
+    phase: Phase,
+    state: HolderState,
+    buffered: VecDeque<(u64, P)>,
+    max_buffered: usize,
+}
+
+impl<P> Sequencer<P> {
+    /// A machine for a holder just added: SYNCING until its first batch.
+    #[must_use]
+    pub fn new(replay: Replay, max_buffered: usize) -> Self {
+        Sequencer {
+            replay,
+            last: None,
+            cold: false,
+            phase: Phase::Live,
+            state: HolderState::Syncing,
+            buffered: VecDeque::new(),
+            max_buffered: max_buffered.max(1),
+        }
+    }
+
+    /// The current state.
+    #[must_use]
+    pub const fn state(&self) -> HolderState {
+        self.state
+    }
+
+    /// The last applied sequence number.
+    #[must_use]
+    pub const fn last(&self) -> Option<u64> {
+        self.last
+    }
+
+    /// Whether a replay is outstanding (the runtime arms its timeout while this is true).
+    #[must_use]
+    pub const fn replaying(&self) -> bool {
+        matches!(self.phase, Phase::Replaying { .. })
+    }
+
+    /// Live batches held while replaying.
+    #[must_use]
+    pub fn buffered(&self) -> usize {
+        self.buffered.len()
+    }
+
+    /// Feeds one input; the effects to execute are appended to `out` in order.
+    pub fn step(&mut self, input: Input<P>, out: &mut Vec<Effect<P>>) {
+        match input {
+            Input::Live { seq, payload } => self.live(seq, payload, out),
+            Input::Replayed { seq, payload } => self.replayed(seq, payload, out),
+            Input::ReplayEnd => self.replay_end(out),
+            Input::ReplayTimeout => {
+                if self.replaying() {
+                    self.fall_back(Reason::ReplayTimeout, out);
+                }
+            }
+            Input::Undecodable => {
+                // The batch's events are lost: rebuild from the next one.
+                out.push(Effect::Clear(Reason::Undecodable));
+                self.set_state(HolderState::Ready, Reason::Undecodable, out);
+            }
+            Input::Disconnected => self.suspect(Reason::Disconnected, out),
+            Input::Silent => self.suspect(Reason::Silent, out),
+        }
+    }
+
+    fn live(&mut self, seq: u64, payload: P, out: &mut Vec<Effect<P>>) {
+        if let Phase::Replaying { .. } = self.phase {
+            if seq == 0 && (self.last.is_some() || !self.buffered.is_empty()) {
+                // The engine restarted during the replay: its old history is gone.
+                self.phase = Phase::Live;
+                self.buffered.clear();
+                self.restart(seq, payload, out);
+                return;
+            }
+            if self.buffered.len() >= self.max_buffered {
+                // Too much to hold: give up the replay, keep what is contiguous.
+                self.buffered.push_back((seq, payload));
+                self.fall_back(Reason::ReplayFailed, out);
+                return;
+            }
+            self.buffered.push_back((seq, payload));
+            return;
+        }
+        match self.last {
+            None => {
+                if seq == 0 || self.cold {
+                    self.apply(seq, payload, out);
+                    self.set_state(HolderState::Ready, Reason::Resumed, out);
+                } else if self.replay == Replay::Available {
+                    self.start_replay(0, Reason::ColdStart, out);
+                    self.buffered.push_back((seq, payload));
+                } else {
+                    // Nothing before this batch can be had: start from here. Blocks stored
+                    // earlier are simply not known (an under-count).
+                    self.apply(seq, payload, out);
+                    self.set_state(HolderState::Ready, Reason::ColdStart, out);
+                }
+            }
+            Some(last) => {
+                if seq == 0 {
+                    self.restart(seq, payload, out);
+                } else if seq == last.wrapping_add(1) {
+                    self.apply(seq, payload, out);
+                    if self.state != HolderState::Ready {
+                        self.set_state(HolderState::Ready, Reason::Resumed, out);
+                    }
+                } else if seq <= last {
+                    out.push(Effect::Duplicate { seq });
+                } else if self.replay == Replay::Available {
+                    self.start_replay(last + 1, Reason::Gap, out);
+                    self.buffered.push_back((seq, payload));
+                } else {
+                    out.push(Effect::Clear(Reason::Gap));
+                    self.apply(seq, payload, out);
+                    self.set_state(HolderState::Ready, Reason::ReplayFailed, out);
+                }
+            }
+        }
+    }
+
+    fn restart(&mut self, seq: u64, payload: P, out: &mut Vec<Effect<P>>) {
+        out.push(Effect::Clear(Reason::Restart));
+        self.apply(seq, payload, out);
+        self.set_state(HolderState::Ready, Reason::Restart, out);
+    }
+
+    fn start_replay(&mut self, from: u64, why: Reason, out: &mut Vec<Effect<P>>) {
+        self.phase = Phase::Replaying { asked: from, next: from, first: true };
+        out.push(Effect::RequestReplay { from });
+        self.set_state(HolderState::Syncing, why, out);
+    }
+
+    fn replayed(&mut self, seq: u64, payload: P, out: &mut Vec<Effect<P>>) {
+        let Phase::Replaying { asked, next, first } = self.phase else {
+            // A late reply of a finished replay: the runtime should have discarded it.
+            return;
+        };
+        if first && seq > asked {
+            // The range left the engine's ring buffer: the gap cannot be filled.
+            self.buffered.push_front((seq, payload));
+            self.fall_back(Reason::ReplayFailed, out);
+            return;
+        }
+        if seq < next {
+            out.push(Effect::Duplicate { seq });
+        } else if seq == next {
+            self.apply(seq, payload, out);
+            self.phase = Phase::Replaying { asked, next: seq + 1, first: false };
+        } else {
+            self.buffered.push_front((seq, payload));
+            self.fall_back(Reason::ReplayFailed, out);
+        }
+        if let Phase::Replaying { asked, next, .. } = self.phase {
+            self.phase = Phase::Replaying { asked, next, first: false };
+        }
+    }
+
+    fn replay_end(&mut self, out: &mut Vec<Effect<P>>) {
+        if !self.replaying() {
+            return;
+        }
+        self.phase = Phase::Live;
+        // Catch up with what arrived live meanwhile.
+        while let Some((seq, payload)) = self.buffered.pop_front() {
+            match self.last {
+                Some(last) if seq <= last => out.push(Effect::Duplicate { seq }),
+                Some(last) if seq != last + 1 => {
+                    // Still a hole (lost while replaying): rebuild from here.
+                    self.buffered.push_front((seq, payload));
+                    self.fall_back(Reason::ReplayFailed, out);
+                    return;
+                }
+                None if seq != 0 => {
+                    self.buffered.push_front((seq, payload));
+                    self.fall_back(Reason::ReplayFailed, out);
+                    return;
+                }
+                _ => self.apply(seq, payload, out),
+            }
+        }
+        self.set_state(HolderState::Ready, Reason::ReplayOk, out);
+    }
+
+    /// Clears the holder and applies the longest contiguous run that ends with the newest
+    /// buffered batch; READY (cold) afterwards.
+    fn fall_back(&mut self, why: Reason, out: &mut Vec<Effect<P>>) {
+        self.phase = Phase::Live;
+        out.push(Effect::Clear(why));
+        let mut keep_from = 0;
+        let mut items: Vec<(u64, P)> = self.buffered.drain(..).collect();
+        items.sort_by_key(|(seq, _)| *seq);
+        items.dedup_by_key(|(seq, _)| *seq);
+        for i in 1..items.len() {
+            if items[i].0 != items[i - 1].0 + 1 {
+                keep_from = i;
+            }
+        }
+        self.last = None;
+        self.cold = true;
+        for (seq, payload) in items.into_iter().skip(keep_from) {
+            self.apply(seq, payload, out);
+        }
+        self.set_state(HolderState::Ready, why, out);
+    }
+
+    fn suspect(&mut self, why: Reason, out: &mut Vec<Effect<P>>) {
+        if self.state == HolderState::Ready {
+            self.set_state(HolderState::Stale, why, out);
+        }
+    }
+
+    fn apply(&mut self, seq: u64, payload: P, out: &mut Vec<Effect<P>>) {
+        self.last = Some(seq);
+        self.cold = false;
+        out.push(Effect::Apply { seq, payload });
+    }
+
+    fn set_state(&mut self, state: HolderState, why: Reason, out: &mut Vec<Effect<P>>) {
+        if self.state != state || why != Reason::Resumed {
+            self.state = state;
+            out.push(Effect::State(state, why));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type E = Effect<u64>;
+
+    fn run(m: &mut Sequencer<u64>, input: Input<u64>) -> Vec<E> {
+        let mut out = Vec::new();
+        m.step(input, &mut out);
+        out
+    }
+
+    fn live(m: &mut Sequencer<u64>, seq: u64) -> Vec<E> {
+        run(m, Input::Live { seq, payload: seq })
+    }
+
+    fn applied(effects: &[E]) -> Vec<u64> {
+        effects.iter().filter_map(|e| if let Effect::Apply { seq, .. } = e { Some(*seq) } else { None }).collect()
+    }
+
+    fn ready_at(replay: Replay, last: u64) -> Sequencer<u64> {
+        let mut m = Sequencer::new(replay, 100);
+        for s in 0..=last {
+            live(&mut m, s);
+        }
+        assert_eq!(m.state(), HolderState::Ready);
+        m
+    }
+
+    #[test]
+    fn in_order_applies() {
+        let mut m = Sequencer::new(Replay::Unavailable, 100);
+        let e = live(&mut m, 0);
+        assert_eq!(e, vec![Effect::Apply { seq: 0, payload: 0 }, Effect::State(HolderState::Ready, Reason::Resumed)]);
+        assert_eq!(live(&mut m, 1), vec![Effect::Apply { seq: 1, payload: 1 }]);
+    }
+
+    #[test]
+    fn duplicates_are_dropped() {
+        let mut m = ready_at(Replay::Unavailable, 5);
+        assert_eq!(live(&mut m, 3), vec![Effect::Duplicate { seq: 3 }]);
+        assert_eq!(live(&mut m, 5), vec![Effect::Duplicate { seq: 5 }]);
+        assert_eq!(m.last(), Some(5));
+    }
+
+    #[test]
+    fn restart_clears_then_applies() {
+        let mut m = ready_at(Replay::Available, 5);
+        let e = live(&mut m, 0);
+        assert_eq!(
+            e,
+            vec![
+                Effect::Clear(Reason::Restart),
+                Effect::Apply { seq: 0, payload: 0 },
+                Effect::State(HolderState::Ready, Reason::Restart)
+            ]
+        );
+        assert_eq!(live(&mut m, 1), vec![Effect::Apply { seq: 1, payload: 1 }]);
+    }
+
+    #[test]
+    fn gap_with_replay_fills_in_order() {
+        let mut m = ready_at(Replay::Available, 3);
+        let e = live(&mut m, 7);
+        assert_eq!(e, vec![Effect::RequestReplay { from: 4 }, Effect::State(HolderState::Syncing, Reason::Gap)]);
+        // Live batches keep arriving while the replay runs.
+        assert!(live(&mut m, 8).is_empty());
+        let mut effects = Vec::new();
+        for s in 4..=7 {
+            effects.extend(run(&mut m, Input::Replayed { seq: s, payload: s }));
+        }
+        effects.extend(run(&mut m, Input::ReplayEnd));
+        assert_eq!(applied(&effects), vec![4, 5, 6, 7, 8]);
+        assert!(effects.contains(&Effect::Duplicate { seq: 7 }));
+        assert_eq!(effects.last(), Some(&Effect::State(HolderState::Ready, Reason::ReplayOk)));
+        assert!(!effects.iter().any(|e| matches!(e, Effect::Clear(_))));
+    }
+
+    #[test]
+    fn gap_without_replay_clears() {
+        let mut m = ready_at(Replay::Unavailable, 3);
+        let e = live(&mut m, 7);
+        assert_eq!(
+            e,
+            vec![
+                Effect::Clear(Reason::Gap),
+                Effect::Apply { seq: 7, payload: 7 },
+                Effect::State(HolderState::Ready, Reason::ReplayFailed)
+            ]
+        );
+    }
+
+    #[test]
+    fn incomplete_replay_falls_back_cold() {
+        let mut m = ready_at(Replay::Available, 3);
+        live(&mut m, 9);
+        live(&mut m, 10);
+        // The engine no longer has 4..: its first replayed batch is 6.
+        let e = run(&mut m, Input::Replayed { seq: 6, payload: 6 });
+        assert_eq!(e[0], Effect::Clear(Reason::ReplayFailed));
+        // Kept: the contiguous run ending with the newest buffered batch (9, 10).
+        assert_eq!(applied(&e), vec![9, 10]);
+        assert_eq!(m.state(), HolderState::Ready);
+        assert!(!m.replaying());
+        // A late reply of the abandoned replay is ignored.
+        assert!(run(&mut m, Input::Replayed { seq: 7, payload: 7 }).is_empty());
+        assert_eq!(live(&mut m, 11), vec![Effect::Apply { seq: 11, payload: 11 }]);
+    }
+
+    #[test]
+    fn replay_timeout_falls_back_cold() {
+        let mut m = ready_at(Replay::Available, 3);
+        live(&mut m, 5);
+        let e = run(&mut m, Input::ReplayTimeout);
+        assert_eq!(
+            e,
+            vec![
+                Effect::Clear(Reason::ReplayTimeout),
+                Effect::Apply { seq: 5, payload: 5 },
+                Effect::State(HolderState::Ready, Reason::ReplayTimeout)
+            ]
+        );
+        // A timeout after the replay ended does nothing.
+        assert!(run(&mut m, Input::ReplayTimeout).is_empty());
+    }
+
+    #[test]
+    fn first_batch_not_zero_replays_from_zero() {
+        let mut m = Sequencer::new(Replay::Available, 100);
+        let e = live(&mut m, 4);
+        assert_eq!(e, vec![Effect::RequestReplay { from: 0 }, Effect::State(HolderState::Syncing, Reason::ColdStart)]);
+        let mut effects = Vec::new();
+        for s in 0..=4 {
+            effects.extend(run(&mut m, Input::Replayed { seq: s, payload: s }));
+        }
+        effects.extend(run(&mut m, Input::ReplayEnd));
+        assert_eq!(applied(&effects), vec![0, 1, 2, 3, 4]);
+        assert_eq!(m.state(), HolderState::Ready);
+    }
+
+    #[test]
+    fn first_batch_not_zero_without_replay_starts_cold() {
+        let mut m = Sequencer::new(Replay::Unavailable, 100);
+        let e = live(&mut m, 4);
+        assert_eq!(e, vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::ColdStart)]);
+    }
+
+    #[test]
+    fn failed_replay_with_nothing_buffered_takes_the_next_batch_as_baseline() {
+        let mut m = ready_at(Replay::Available, 3);
+        live(&mut m, 9);
+        let e = run(&mut m, Input::Replayed { seq: 20, payload: 20 });
+        // 9 and 20 are not contiguous: the newest run is [20].
+        assert_eq!(applied(&e), vec![20]);
+        assert_eq!(live(&mut m, 21), vec![Effect::Apply { seq: 21, payload: 21 }]);
+        let mut m = ready_at(Replay::Available, 3);
+        live(&mut m, 9);
+        let e = run(&mut m, Input::ReplayTimeout);
+        assert_eq!(applied(&e), vec![9]);
+        let mut m = Sequencer::new(Replay::Available, 100);
+        live(&mut m, 4);
+        let e = run(&mut m, Input::ReplayEnd); // nothing replayed from 0
+        assert_eq!(applied(&e), vec![4]);
+    }
+
+    #[test]
+    fn restart_during_replay_wins() {
+        let mut m = ready_at(Replay::Available, 3);
+        live(&mut m, 6);
+        let e = live(&mut m, 0);
+        assert_eq!(e[0], Effect::Clear(Reason::Restart));
+        assert_eq!(applied(&e), vec![0]);
+        assert!(!m.replaying());
+    }
+
+    #[test]
+    fn hole_after_replay_falls_back() {
+        let mut m = ready_at(Replay::Available, 3);
+        live(&mut m, 5);
+        live(&mut m, 8); // 6 and 7 lost while replaying
+        let mut e = run(&mut m, Input::Replayed { seq: 4, payload: 4 });
+        e.extend(run(&mut m, Input::Replayed { seq: 5, payload: 5 }));
+        e.extend(run(&mut m, Input::ReplayEnd));
+        assert_eq!(applied(&e), vec![4, 5, 8]);
+        assert!(e.contains(&Effect::Clear(Reason::ReplayFailed)));
+    }
+
+    #[test]
+    fn suspicion_and_resumption() {
+        let mut m = ready_at(Replay::Available, 3);
+        assert_eq!(run(&mut m, Input::Silent), vec![Effect::State(HolderState::Stale, Reason::Silent)]);
+        assert!(run(&mut m, Input::Disconnected).is_empty(), "already stale");
+        let e = live(&mut m, 4);
+        assert_eq!(e, vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::Resumed)]);
+    }
+
+    #[test]
+    fn undecodable_batch_clears() {
+        let mut m = ready_at(Replay::Available, 3);
+        let e = run(&mut m, Input::Undecodable);
+        assert_eq!(e[0], Effect::Clear(Reason::Undecodable));
+        assert_eq!(live(&mut m, 4), vec![Effect::Apply { seq: 4, payload: 4 }]);
+    }
+
+    #[test]
+    fn buffer_overflow_gives_up_replay() {
+        let mut m = Sequencer::new(Replay::Available, 2);
+        live(&mut m, 0);
+        live(&mut m, 5);
+        live(&mut m, 6);
+        let e = live(&mut m, 7);
+        assert_eq!(e[0], Effect::Clear(Reason::ReplayFailed));
+        assert_eq!(applied(&e), vec![5, 6, 7]);
+    }
+}

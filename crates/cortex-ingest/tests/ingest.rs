@@ -1,0 +1,476 @@
+//! The event plane against a fake engine on loopback: a test XPUB (so the test sees the
+//! subscription arrive before publishing) and ROUTER play the engine, with the golden frames and
+//! with synthetic streams in the engines' real framing. Every row of the sequence table is
+//! exercised; tests wait on observable state (the subscription, the applied sequence number),
+//! never on sleeps.
+
+#![allow(clippy::unwrap_used)] // test helpers: a failed setup step should panic
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cortex_events_vllm::{Version, WireBatch, WireBlockStored, WireEvent, WireHash};
+use cortex_hash::kv::{DpRank, HolderId, WorkerId};
+use cortex_hash::{Engine, Namespace};
+use cortex_ingest::{HolderSource, HolderState, Ingest, IngestConfig, Reason, Unlabeled, Wire};
+use cortex_radix::{Ledger, LedgerConfig, OverlapScores, QueryOptions};
+
+const WAIT: Duration = Duration::from_secs(10);
+const MODEL: &str = "test-model";
+
+fn golden(path: &str) -> serde_json::Value {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../golden").join(path);
+    serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap()
+}
+
+fn unhex(s: &serde_json::Value) -> Vec<u8> {
+    hex::decode(s.as_str().unwrap()).unwrap()
+}
+
+/// How the fake engine frames replay replies.
+#[derive(Clone, Copy, PartialEq)]
+enum ReplayFraming {
+    /// vLLM ≥ 0.26 and SGLang: ["", topic, seq, payload].
+    WithTopic,
+    /// vLLM ≤ 0.25: ["", seq, payload].
+    NoTopic,
+}
+
+/// A fake engine: an XPUB for live batches and, optionally, a ROUTER for replay.
+struct FakeEngine {
+    _ctx: zmq::Context,
+    publish: zmq::Socket,
+    router: Option<zmq::Socket>,
+    framing: ReplayFraming,
+    topic: Vec<u8>,
+    history: Vec<(u64, Vec<u8>)>,
+    pub_endpoint: String,
+    replay_endpoint: Option<String>,
+}
+
+impl FakeEngine {
+    fn new(topic: &str, replay: Option<ReplayFraming>) -> Self {
+        let ctx = zmq::Context::new();
+        let publish = ctx.socket(zmq::XPUB).unwrap();
+        publish.set_sndhwm(0).unwrap();
+        publish.set_linger(0).unwrap();
+        publish.bind("tcp://127.0.0.1:*").unwrap();
+        let pub_endpoint = publish.get_last_endpoint().unwrap().unwrap();
+        let (router, replay_endpoint) = match replay {
+            Some(_) => {
+                let r = ctx.socket(zmq::ROUTER).unwrap();
+                r.set_linger(0).unwrap();
+                r.bind("tcp://127.0.0.1:*").unwrap();
+                let e = r.get_last_endpoint().unwrap().unwrap();
+                (Some(r), Some(e))
+            }
+            None => (None, None),
+        };
+        FakeEngine {
+            _ctx: ctx,
+            publish,
+            router,
+            framing: replay.unwrap_or(ReplayFraming::WithTopic),
+            topic: topic.as_bytes().to_vec(),
+            history: Vec::new(),
+            pub_endpoint,
+            replay_endpoint,
+        }
+    }
+
+    fn source(&self, holder: HolderId, wire: Wire) -> HolderSource {
+        HolderSource {
+            holder,
+            wire,
+            model: MODEL.into(),
+            unlabeled: Unlabeled::Plain,
+            publish: self.pub_endpoint.clone(),
+            replay: self.replay_endpoint.clone(),
+            topic: String::from_utf8(self.topic.clone()).unwrap(),
+            capacity_blocks: 10_000,
+            content_deterministic: true,
+        }
+    }
+
+    /// Blocks until a subscriber's subscription message reaches the XPUB.
+    fn wait_subscribed(&self) {
+        self.publish.set_rcvtimeo(WAIT.as_millis() as i32).unwrap();
+        let msg = self.publish.recv_bytes(0).expect("no subscription arrived");
+        assert_eq!(msg[0], 1, "expected a subscribe message");
+    }
+
+    /// Publishes a batch with sequence number `seq` (recorded for replay).
+    fn publish(&mut self, seq: u64, payload: &[u8]) {
+        self.history.push((seq, payload.to_vec()));
+        self.send_live(seq, payload);
+    }
+
+    /// Sends without recording (a batch the engine "lost" on the wire is recorded but not sent:
+    /// see [`FakeEngine::record_only`]).
+    fn send_live(&self, seq: u64, payload: &[u8]) {
+        self.publish.send_multipart([&self.topic[..], &seq.to_be_bytes()[..], payload], 0).unwrap();
+    }
+
+    /// Records a batch in the replay buffer without publishing it: a batch lost on the wire.
+    fn record_only(&mut self, seq: u64, payload: &[u8]) {
+        self.history.push((seq, payload.to_vec()));
+    }
+
+    /// Answers one replay request (blocking until it arrives), like the engines' ROUTER does.
+    fn serve_replay(&self) -> u64 {
+        let router = self.router.as_ref().expect("no replay socket");
+        router.set_rcvtimeo(WAIT.as_millis() as i32).unwrap();
+        let req = router.recv_multipart(0).expect("no replay request arrived");
+        assert_eq!(req.len(), 3, "identity, empty delimiter, start seq");
+        assert!(req[1].is_empty());
+        let from = u64::from_be_bytes(req[2].as_slice().try_into().unwrap());
+        let id = &req[0];
+        for (seq, payload) in self.history.iter().filter(|(s, _)| *s >= from) {
+            let seq = seq.to_be_bytes();
+            match self.framing {
+                ReplayFraming::WithTopic => {
+                    router.send_multipart([&id[..], b"", &self.topic[..], &seq[..], payload], 0).unwrap()
+                }
+                ReplayFraming::NoTopic => router.send_multipart([&id[..], b"", &seq[..], payload], 0).unwrap(),
+            }
+        }
+        let end = u64::MAX.to_be_bytes();
+        match self.framing {
+            ReplayFraming::WithTopic => router.send_multipart([&id[..], b"", b"", &end[..], b""], 0).unwrap(),
+            ReplayFraming::NoTopic => router.send_multipart([&id[..], b"", &end[..], b""], 0).unwrap(),
+        }
+        from
+    }
+
+    /// Receives one replay request and does not answer it.
+    fn ignore_replay(&self) {
+        let router = self.router.as_ref().expect("no replay socket");
+        router.set_rcvtimeo(WAIT.as_millis() as i32).unwrap();
+        router.recv_multipart(0).expect("no replay request arrived");
+    }
+}
+
+struct Setup {
+    ledger: Arc<Ledger>,
+    ingest: Ingest,
+}
+
+fn setup(cfg: IngestConfig) -> Setup {
+    let ledger = Ledger::new(LedgerConfig::default());
+    let ingest = Ingest::start(Arc::clone(&ledger), cfg).unwrap();
+    Setup { ledger, ingest }
+}
+
+fn holder(w: u32, r: u16) -> HolderId {
+    HolderId::new(WorkerId(w), DpRank(r))
+}
+
+fn wait_seq(s: &Setup, h: HolderId, seq: u64) {
+    assert!(
+        s.ingest.wait_for(h, WAIT, |st| st.last_seq == seq && st.state == HolderState::Ready),
+        "holder never applied seq {seq}: {:?}",
+        s.ingest.status(h)
+    );
+}
+
+/// A synthetic vLLM stream: batch `i` stores block `i` of the token sequence `0..`, chained on
+/// block `i - 1`; engine hash of block `i` is `1000 + i`.
+fn vllm_block_batch(i: u64) -> Vec<u8> {
+    let tokens: Vec<u32> = (i as u32 * 16..i as u32 * 16 + 16).collect();
+    let stored = WireBlockStored {
+        block_hashes: vec![WireHash::Uint(1000 + i)],
+        parent_block_hash: i.checked_sub(1).map(|p| WireHash::Uint(1000 + p)),
+        token_ids: tokens,
+        block_size: 16,
+        medium: Some("GPU"),
+        ..WireBlockStored::default()
+    };
+    let batch = WireBatch { ts: 1.0, events: vec![WireEvent::BlockStored(stored)], data_parallel_rank: Some(0) };
+    cortex_events_vllm::encode(&batch, Version::LATEST).unwrap()
+}
+
+/// How many leading blocks of the synthetic stream `h` holds, as a query sees it.
+fn synthetic_overlap(ledger: &Ledger, h: HolderId, blocks: u32) -> u32 {
+    let ns = Namespace::new(Engine::Vllm, 16, MODEL, None);
+    let tokens: Vec<u32> = (0..blocks * 16).collect();
+    let seq = ns.seq_hashes(None, &tokens);
+    let mut out = OverlapScores::default();
+    ledger.query(&seq, QueryOptions::default(), &mut out);
+    out.get(h).map_or(0, |o| o.gpu_blocks)
+}
+
+#[test]
+fn sglang_golden_stream_both_ranks() {
+    let doc = golden("sglang/wire_topic_kv.json");
+    let s = setup(IngestConfig::default());
+    for rank in doc["ranks"].as_array().unwrap() {
+        let r = rank["attn_dp_rank"].as_u64().unwrap() as u16;
+        let mut engine = FakeEngine::new("kv", None);
+        let h = holder(1, r);
+        s.ingest.add_holder(engine.source(h, Wire::Sglang)).unwrap();
+        engine.wait_subscribed();
+        // Publish up to (not including) the eviction steps: seq 0..=5.
+        let msgs: Vec<&serde_json::Value> = rank["messages"].as_array().unwrap().iter().collect();
+        for m in msgs.iter().take(6) {
+            let frames = m["frames_hex"].as_array().unwrap();
+            let seq = m["seq"].as_u64().unwrap();
+            engine.publish(seq, &unhex(&frames[2]));
+        }
+        wait_seq(&s, h, 5);
+        // A's 64 tokens (100..140 then 300..324; rank 1's capture adds 10000) are 4 pages of 16
+        // in the base namespace.
+        let ns = Namespace::new(Engine::Sglang, 16, MODEL, None);
+        let off = 10_000 * u32::from(r);
+        let a: Vec<u32> = (100 + off..140 + off).chain(300 + off..324 + off).collect();
+        let mut out = OverlapScores::default();
+        s.ledger.query(&ns.seq_hashes(None, &a), QueryOptions::default(), &mut out);
+        assert_eq!(out.get(h).map(|o| o.gpu_blocks), Some(4), "rank {r}");
+        // C is A's first 32 tokens under salt "tenant-a": 2 blocks in the salted lineage only.
+        s.ledger.query(&ns.seq_hashes(Some("tenant-a"), &a[..32]), QueryOptions::default(), &mut out);
+        assert_eq!(out.get(h).map(|o| o.gpu_blocks), Some(2));
+        // The rest: eviction steps, then the reset.
+        for m in msgs.iter().skip(6) {
+            let frames = m["frames_hex"].as_array().unwrap();
+            engine.publish(m["seq"].as_u64().unwrap(), &unhex(&frames[2]));
+        }
+        wait_seq(&s, h, 8);
+        s.ledger.query(&ns.seq_hashes(None, &a), QueryOptions::default(), &mut out);
+        assert_eq!(out.get(h), None, "after AllBlocksCleared nothing is held");
+        let st = s.ingest.status(h).unwrap();
+        assert_eq!(st.decode_errors_total(), 0);
+        assert_eq!(st.rank_mismatches, 0);
+        assert_eq!(st.batches, 9);
+    }
+}
+
+#[test]
+fn vllm_golden_blockpool_stream() {
+    let doc = golden("vllm/blockpool_golden.json");
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(2, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    let steps = doc.as_array().unwrap();
+    for step in &steps[..2] {
+        engine.publish(step["step"].as_u64().unwrap(), &unhex(&step["frames_hex"][2]));
+    }
+    wait_seq(&s, h, 1);
+    // Request A: tokens 1..=48 are three blocks.
+    let ns = Namespace::new(Engine::Vllm, 16, MODEL, None);
+    let a: Vec<u32> = (1..=48).collect();
+    let mut out = OverlapScores::default();
+    s.ledger.query(&ns.seq_hashes(None, &a), QueryOptions::default(), &mut out);
+    assert_eq!(out.get(h).map(|o| o.gpu_blocks), Some(3));
+    for step in &steps[2..4] {
+        engine.publish(step["step"].as_u64().unwrap(), &unhex(&step["frames_hex"][2]));
+    }
+    wait_seq(&s, h, 3);
+    // The eviction removed all of A.
+    s.ledger.query(&ns.seq_hashes(None, &a), QueryOptions::default(), &mut out);
+    assert_eq!(out.get(h), None);
+    assert_eq!(s.ingest.status(h).unwrap().blocks_removed, 4);
+}
+
+#[test]
+fn gap_is_filled_by_replay() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("kv-events", Some(ReplayFraming::WithTopic));
+    let h = holder(3, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    for i in 0..3 {
+        engine.publish(i, &vllm_block_batch(i));
+    }
+    wait_seq(&s, h, 2);
+    // Batches 3 and 4 are lost on the wire; 5 arrives and reveals the gap.
+    engine.record_only(3, &vllm_block_batch(3));
+    engine.record_only(4, &vllm_block_batch(4));
+    engine.publish(5, &vllm_block_batch(5));
+    assert_eq!(engine.serve_replay(), 3);
+    wait_seq(&s, h, 5);
+    assert_eq!(synthetic_overlap(&s.ledger, h, 6), 6, "every block is back, in order");
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.transitions(Reason::Gap), 1);
+    assert_eq!(st.transitions(Reason::ReplayOk), 1);
+    assert_eq!(st.clears, 0);
+    assert!(st.duplicates >= 1, "batch 5 came live and replayed");
+}
+
+#[test]
+fn gap_without_replay_clears_and_continues() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(4, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    for i in 0..3 {
+        engine.publish(i, &vllm_block_batch(i));
+    }
+    wait_seq(&s, h, 2);
+    engine.publish(5, &vllm_block_batch(5));
+    wait_seq(&s, h, 5);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.clears, 1);
+    assert_eq!(st.transitions(Reason::ReplayFailed), 1);
+    // Cleared: the prefix is gone (block 5's parent is unknown, so it waits as an orphan).
+    assert_eq!(synthetic_overlap(&s.ledger, h, 6), 0);
+}
+
+#[test]
+fn replay_timeout_rebuilds_cold() {
+    let cfg = IngestConfig { replay_timeout: Duration::from_millis(200), ..IngestConfig::default() };
+    let s = setup(cfg);
+    let mut engine = FakeEngine::new("", Some(ReplayFraming::WithTopic));
+    let h = holder(5, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    engine.publish(0, &vllm_block_batch(0));
+    wait_seq(&s, h, 0);
+    engine.publish(4, &vllm_block_batch(4));
+    engine.ignore_replay();
+    assert!(s.ingest.wait_for(h, WAIT, |st| st.transitions(Reason::ReplayTimeout) == 1));
+    wait_seq(&s, h, 4);
+    assert_eq!(s.ingest.status(h).unwrap().clears, 1);
+}
+
+#[test]
+fn incomplete_replay_rebuilds_cold() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", Some(ReplayFraming::WithTopic));
+    let h = holder(6, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    engine.publish(0, &vllm_block_batch(0));
+    wait_seq(&s, h, 0);
+    // The engine's ring buffer no longer holds 1..3: it replays from 4.
+    engine.history.clear();
+    engine.record_only(4, &vllm_block_batch(4));
+    engine.publish(5, &vllm_block_batch(5));
+    engine.serve_replay();
+    wait_seq(&s, h, 5);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.transitions(Reason::ReplayFailed), 1);
+    assert_eq!(st.clears, 1);
+}
+
+#[test]
+fn restart_clears_and_reapplies() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(7, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    for i in 0..4 {
+        engine.publish(i, &vllm_block_batch(i));
+    }
+    wait_seq(&s, h, 3);
+    assert_eq!(synthetic_overlap(&s.ledger, h, 4), 4);
+    // The engine restarts: sequence back to 0, no AllBlocksCleared (vLLM), new content.
+    engine.publish(0, &vllm_block_batch(0));
+    assert!(s.ingest.wait_for(h, WAIT, |st| st.transitions(Reason::Restart) == 1 && st.last_seq == 0));
+    assert_eq!(synthetic_overlap(&s.ledger, h, 4), 1, "only what the restarted engine stored");
+}
+
+#[test]
+fn duplicates_are_dropped() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(8, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    for i in 0..3 {
+        engine.publish(i, &vllm_block_batch(i));
+    }
+    engine.send_live(1, &vllm_block_batch(1));
+    engine.publish(3, &vllm_block_batch(3));
+    wait_seq(&s, h, 3);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.duplicates, 1);
+    assert_eq!(st.batches, 4);
+    assert_eq!(synthetic_overlap(&s.ledger, h, 4), 4);
+}
+
+#[test]
+fn malformed_payload_is_counted_and_the_stream_continues() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(9, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    engine.publish(0, &vllm_block_batch(0));
+    engine.publish(1, b"\x93\xcb not msgpack");
+    engine.publish(2, &vllm_block_batch(2));
+    wait_seq(&s, h, 2);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.decode_errors_total(), 1);
+    assert_eq!(st.transitions(Reason::Undecodable), 1);
+    assert_eq!(st.clears, 1, "the lost batch may have held removes");
+}
+
+#[test]
+fn first_batch_after_start_replays_from_zero_without_topic_frame() {
+    // vLLM ≤ 0.25 replies without the topic frame.
+    let doc = golden("vllm/zmq_golden_vllm-0.23.0.json");
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("kv-events", Some(ReplayFraming::NoTopic));
+    let payloads: Vec<Vec<u8>> = doc["live"].as_array().unwrap().iter().map(|m| unhex(&m["frames_hex"][2])).collect();
+    assert!(payloads.len() >= 3);
+    // The gateway starts after the engine published batches 0 and 1.
+    engine.record_only(0, &payloads[0]);
+    engine.record_only(1, &payloads[1]);
+    let h = holder(10, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    engine.publish(2, &payloads[2]);
+    assert_eq!(engine.serve_replay(), 0);
+    wait_seq(&s, h, 2);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.batches, 3);
+    assert_eq!(st.transitions(Reason::ColdStart), 1);
+    assert_eq!(st.transitions(Reason::ReplayOk), 1);
+}
+
+#[test]
+fn removed_worker_gets_no_late_events() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(11, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    engine.publish(0, &vllm_block_batch(0));
+    wait_seq(&s, h, 0);
+    s.ingest.remove_worker(WorkerId(11)).unwrap();
+    assert!(s.ingest.status(h).is_none());
+    engine.publish(1, &vllm_block_batch(1));
+    assert_eq!(synthetic_overlap(&s.ledger, h, 2), 0);
+    assert!(s.ledger.dump(h).is_none());
+    // The worker comes back: it starts SYNCING again and follows a fresh stream.
+    let mut engine = FakeEngine::new("", None);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    engine.publish(0, &vllm_block_batch(0));
+    wait_seq(&s, h, 0);
+    assert_eq!(synthetic_overlap(&s.ledger, h, 2), 1);
+}
+
+#[test]
+fn silence_while_busy_is_stale_until_events_resume() {
+    let cfg = IngestConfig { silence_timeout: Duration::from_millis(100), ..IngestConfig::default() };
+    let s = setup(cfg);
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(12, 0);
+    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    engine.publish(0, &vllm_block_batch(0));
+    wait_seq(&s, h, 0);
+    s.ingest.report_running(h, 3);
+    assert!(s.ingest.wait_for(h, WAIT, |st| st.state == HolderState::Stale));
+    assert_eq!(s.ledger.readiness(h), Some(cortex_radix::Readiness::Stale));
+    assert_eq!(synthetic_overlap(&s.ledger, h, 1), 0, "a STALE holder is not counted by default");
+    engine.publish(1, &vllm_block_batch(1));
+    wait_seq(&s, h, 1);
+    assert_eq!(s.ingest.status(h).unwrap().transitions(Reason::Silent), 1);
+    assert_eq!(synthetic_overlap(&s.ledger, h, 2), 2);
+}
