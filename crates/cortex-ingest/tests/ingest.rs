@@ -16,6 +16,9 @@ use cortex_hash::{Engine, Namespace};
 use cortex_ingest::{HolderSource, HolderState, Ingest, IngestConfig, Reason, Unlabeled, Wire};
 use cortex_radix::{Ledger, LedgerConfig, OverlapScores, QueryOptions};
 
+mod support;
+use support::{FakeEngine, ReplayFraming};
+
 const WAIT: Duration = Duration::from_secs(10);
 const MODEL: &str = "test-model";
 
@@ -28,126 +31,17 @@ fn unhex(s: &serde_json::Value) -> Vec<u8> {
     hex::decode(s.as_str().unwrap()).unwrap()
 }
 
-/// How the fake engine frames replay replies.
-#[derive(Clone, Copy, PartialEq)]
-enum ReplayFraming {
-    /// vLLM ≥ 0.26 and SGLang: ["", topic, seq, payload].
-    WithTopic,
-    /// vLLM ≤ 0.25: ["", seq, payload].
-    NoTopic,
-}
-
-/// A fake engine: an XPUB for live batches and, optionally, a ROUTER for replay.
-struct FakeEngine {
-    _ctx: zmq::Context,
-    publish: zmq::Socket,
-    router: Option<zmq::Socket>,
-    framing: ReplayFraming,
-    topic: Vec<u8>,
-    history: Vec<(u64, Vec<u8>)>,
-    pub_endpoint: String,
-    replay_endpoint: Option<String>,
-}
-
-impl FakeEngine {
-    fn new(topic: &str, replay: Option<ReplayFraming>) -> Self {
-        let ctx = zmq::Context::new();
-        let publish = ctx.socket(zmq::XPUB).unwrap();
-        publish.set_sndhwm(0).unwrap();
-        publish.set_linger(0).unwrap();
-        publish.bind("tcp://127.0.0.1:*").unwrap();
-        let pub_endpoint = publish.get_last_endpoint().unwrap().unwrap();
-        let (router, replay_endpoint) = match replay {
-            Some(_) => {
-                let r = ctx.socket(zmq::ROUTER).unwrap();
-                r.set_linger(0).unwrap();
-                r.bind("tcp://127.0.0.1:*").unwrap();
-                let e = r.get_last_endpoint().unwrap().unwrap();
-                (Some(r), Some(e))
-            }
-            None => (None, None),
-        };
-        FakeEngine {
-            _ctx: ctx,
-            publish,
-            router,
-            framing: replay.unwrap_or(ReplayFraming::WithTopic),
-            topic: topic.as_bytes().to_vec(),
-            history: Vec::new(),
-            pub_endpoint,
-            replay_endpoint,
-        }
-    }
-
-    fn source(&self, holder: HolderId, wire: Wire) -> HolderSource {
-        HolderSource {
-            holder,
-            wire,
-            model: MODEL.into(),
-            unlabeled: Unlabeled::Plain,
-            publish: self.pub_endpoint.clone(),
-            replay: self.replay_endpoint.clone(),
-            topic: String::from_utf8(self.topic.clone()).unwrap(),
-            capacity_blocks: 10_000,
-            content_deterministic: true,
-        }
-    }
-
-    /// Blocks until a subscriber's subscription message reaches the XPUB.
-    fn wait_subscribed(&self) {
-        self.publish.set_rcvtimeo(WAIT.as_millis() as i32).unwrap();
-        let msg = self.publish.recv_bytes(0).expect("no subscription arrived");
-        assert_eq!(msg[0], 1, "expected a subscribe message");
-    }
-
-    /// Publishes a batch with sequence number `seq` (recorded for replay).
-    fn publish(&mut self, seq: u64, payload: &[u8]) {
-        self.history.push((seq, payload.to_vec()));
-        self.send_live(seq, payload);
-    }
-
-    /// Sends without recording (a batch the engine "lost" on the wire is recorded but not sent:
-    /// see [`FakeEngine::record_only`]).
-    fn send_live(&self, seq: u64, payload: &[u8]) {
-        self.publish.send_multipart([&self.topic[..], &seq.to_be_bytes()[..], payload], 0).unwrap();
-    }
-
-    /// Records a batch in the replay buffer without publishing it: a batch lost on the wire.
-    fn record_only(&mut self, seq: u64, payload: &[u8]) {
-        self.history.push((seq, payload.to_vec()));
-    }
-
-    /// Answers one replay request (blocking until it arrives), like the engines' ROUTER does.
-    fn serve_replay(&self) -> u64 {
-        let router = self.router.as_ref().expect("no replay socket");
-        router.set_rcvtimeo(WAIT.as_millis() as i32).unwrap();
-        let req = router.recv_multipart(0).expect("no replay request arrived");
-        assert_eq!(req.len(), 3, "identity, empty delimiter, start seq");
-        assert!(req[1].is_empty());
-        let from = u64::from_be_bytes(req[2].as_slice().try_into().unwrap());
-        let id = &req[0];
-        for (seq, payload) in self.history.iter().filter(|(s, _)| *s >= from) {
-            let seq = seq.to_be_bytes();
-            match self.framing {
-                ReplayFraming::WithTopic => {
-                    router.send_multipart([&id[..], b"", &self.topic[..], &seq[..], payload], 0).unwrap()
-                }
-                ReplayFraming::NoTopic => router.send_multipart([&id[..], b"", &seq[..], payload], 0).unwrap(),
-            }
-        }
-        let end = u64::MAX.to_be_bytes();
-        match self.framing {
-            ReplayFraming::WithTopic => router.send_multipart([&id[..], b"", b"", &end[..], b""], 0).unwrap(),
-            ReplayFraming::NoTopic => router.send_multipart([&id[..], b"", &end[..], b""], 0).unwrap(),
-        }
-        from
-    }
-
-    /// Receives one replay request and does not answer it.
-    fn ignore_replay(&self) {
-        let router = self.router.as_ref().expect("no replay socket");
-        router.set_rcvtimeo(WAIT.as_millis() as i32).unwrap();
-        router.recv_multipart(0).expect("no replay request arrived");
+fn source(engine: &FakeEngine, holder: HolderId, wire: Wire) -> HolderSource {
+    HolderSource {
+        holder,
+        wire,
+        model: MODEL.into(),
+        unlabeled: Unlabeled::Plain,
+        publish: engine.pub_endpoint.clone(),
+        replay: engine.replay_endpoint.clone(),
+        topic: String::from_utf8(engine.topic.clone()).unwrap(),
+        capacity_blocks: 10_000,
+        content_deterministic: true,
     }
 }
 
@@ -208,7 +102,7 @@ fn sglang_golden_stream_both_ranks() {
         let r = rank["attn_dp_rank"].as_u64().unwrap() as u16;
         let mut engine = FakeEngine::new("kv", None);
         let h = holder(1, r);
-        s.ingest.add_holder(engine.source(h, Wire::Sglang)).unwrap();
+        s.ingest.add_holder(source(&engine, h, Wire::Sglang)).unwrap();
         engine.wait_subscribed();
         // Publish up to (not including) the eviction steps: seq 0..=5.
         let msgs: Vec<&serde_json::Value> = rank["messages"].as_array().unwrap().iter().collect();
@@ -250,7 +144,7 @@ fn vllm_golden_blockpool_stream() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(2, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     let steps = doc.as_array().unwrap();
     for step in &steps[..2] {
@@ -278,7 +172,7 @@ fn gap_is_filled_by_replay() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("kv-events", Some(ReplayFraming::WithTopic));
     let h = holder(3, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     for i in 0..3 {
         engine.publish(i, &vllm_block_batch(i));
@@ -303,7 +197,7 @@ fn gap_without_replay_clears_and_continues() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(4, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     for i in 0..3 {
         engine.publish(i, &vllm_block_batch(i));
@@ -324,7 +218,7 @@ fn replay_timeout_rebuilds_cold() {
     let s = setup(cfg);
     let mut engine = FakeEngine::new("", Some(ReplayFraming::WithTopic));
     let h = holder(5, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
@@ -340,7 +234,7 @@ fn incomplete_replay_rebuilds_cold() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", Some(ReplayFraming::WithTopic));
     let h = holder(6, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
@@ -360,7 +254,7 @@ fn restart_clears_and_reapplies() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(7, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     for i in 0..4 {
         engine.publish(i, &vllm_block_batch(i));
@@ -378,7 +272,7 @@ fn duplicates_are_dropped() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(8, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     for i in 0..3 {
         engine.publish(i, &vllm_block_batch(i));
@@ -397,7 +291,7 @@ fn malformed_payload_is_counted_and_the_stream_continues() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(9, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     engine.publish(0, &vllm_block_batch(0));
     engine.publish(1, b"\x93\xcb not msgpack");
@@ -421,7 +315,7 @@ fn first_batch_after_start_replays_from_zero_without_topic_frame() {
     engine.record_only(0, &payloads[0]);
     engine.record_only(1, &payloads[1]);
     let h = holder(10, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     engine.publish(2, &payloads[2]);
     assert_eq!(engine.serve_replay(), 0);
@@ -437,7 +331,7 @@ fn removed_worker_gets_no_late_events() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(11, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
@@ -448,7 +342,7 @@ fn removed_worker_gets_no_late_events() {
     assert!(s.ledger.dump(h).is_none());
     // The worker comes back: it starts SYNCING again and follows a fresh stream.
     let mut engine = FakeEngine::new("", None);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
@@ -461,7 +355,7 @@ fn silence_while_busy_is_stale_until_events_resume() {
     let s = setup(cfg);
     let mut engine = FakeEngine::new("", None);
     let h = holder(12, 0);
-    s.ingest.add_holder(engine.source(h, Wire::Vllm)).unwrap();
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
