@@ -1,0 +1,45 @@
+//! Ground truth: exactly which blocks a rank holds, for tests that audit a gateway's ledger.
+//!
+//! Key decision: the snapshot is taken from the engine model itself (vLLM's physical blocks,
+//! duplicates included; SGLang's radix pages), not reconstructed from the events, so a ledger
+//! built from the event stream can be checked against it.
+
+use cortex_hash::kv::EngineHash;
+
+/// One cached block (vLLM: one physical block; SGLang: one radix page).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeldBlock {
+    /// The hash as published (`EngineHash::from_digest` of vLLM's digest; SGLang's signed value).
+    pub hash: EngineHash,
+    /// vLLM with `int_block_hashes` off: the full digest published as `bin`.
+    pub digest: Option<Vec<u8>>,
+    /// The block before it in its chain, `None` at the root.
+    pub parent: Option<EngineHash>,
+    /// The block's tokens (for SGLang bigram pages, the raw window: one more token than units).
+    pub tokens: Vec<u32>,
+    /// Referenced by a running (or leased) request, hence not evictable.
+    pub in_use: bool,
+    /// The LoRA adapter's name, if the block belongs to one.
+    pub lora_name: Option<String>,
+    /// The cache salt of the chain the block belongs to.
+    pub cache_salt: Option<String>,
+}
+
+/// What one rank holds and how its event stream stands.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankState {
+    /// The DP rank.
+    pub rank: u16,
+    /// Every cached block.
+    pub blocks: Vec<HeldBlock>,
+    /// A subscriber whose subscription matches the topic is connected to the PUB.
+    pub subscribed: bool,
+    /// The last sequence number published (or dropped by a fault), if any.
+    pub last_seq: Option<u64>,
+    /// Requests running.
+    pub running: usize,
+    /// Requests waiting.
+    pub waiting: usize,
+    /// The rank's virtual clock.
+    pub virtual_time: std::time::Duration,
+}
