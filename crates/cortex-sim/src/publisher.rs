@@ -64,6 +64,7 @@ pub(crate) struct RankPub {
     watch: tokio::sync::watch::Sender<bool>,
     last_seq: AtomicU64,
     replay_on: AtomicBool,
+    replay_ignored: AtomicU64,
 }
 
 impl RankPub {
@@ -74,6 +75,7 @@ impl RankPub {
             watch: tokio::sync::watch::Sender::new(false),
             last_seq: AtomicU64::new(NO_SEQ),
             replay_on: AtomicBool::new(true),
+            replay_ignored: AtomicU64::new(0),
         }
     }
 
@@ -261,6 +263,11 @@ impl Publisher {
         (v != NO_SEQ).then_some(v)
     }
 
+    /// Replay requests left unanswered (malformed, or replay off).
+    pub(crate) fn replay_ignored(&self, rank: u16) -> u64 {
+        self.ranks.get(usize::from(rank)).map_or(0, |r| r.replay_ignored.load(Ordering::SeqCst))
+    }
+
     /// Blocks until a matching subscriber is connected to `rank`'s PUB.
     pub(crate) fn wait_subscribed(&self, rank: u16, timeout: Duration) -> Result<(), SimError> {
         let r = self.ranks.get(usize::from(rank)).ok_or(SimError::NoSuchRank {
@@ -419,6 +426,7 @@ impl Thread {
         let Some(router) = &self.socks[r].router else { return };
         while let Ok(frames) = router.recv_multipart(zmq::DONTWAIT) {
             if !self.state[r].replay_on.load(Ordering::SeqCst) || frames.len() != 3 {
+                self.state[r].replay_ignored.fetch_add(1, Ordering::SeqCst);
                 continue;
             }
             let id = &frames[0];

@@ -36,6 +36,8 @@ pub struct RankState {
     pub subscribed: bool,
     /// The last sequence number published (or dropped by a fault), if any.
     pub last_seq: Option<u64>,
+    /// Replay requests left unanswered (malformed, or sent while replay was off).
+    pub replay_ignored: u64,
     /// Requests running.
     pub running: usize,
     /// Requests waiting.

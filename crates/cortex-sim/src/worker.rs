@@ -61,6 +61,7 @@ impl Shared {
             blocks: r.held_blocks(),
             subscribed: self.publisher.as_ref().is_some_and(|p| p.subscribed(rank)),
             last_seq: self.publisher.as_ref().and_then(|p| p.last_seq(rank)),
+            replay_ignored: self.publisher.as_ref().map_or(0, |p| p.replay_ignored(rank)),
             running: load.running,
             waiting: load.waiting,
             virtual_time: load.now,

@@ -526,7 +526,7 @@ async fn run(shared: Arc<Shared>, ctx: Ctx, items: Vec<Item>) -> Result<Resp, Cu
     }
     let headers = timing_headers(&ctx, tracks.first().and_then(|t| t.stats.as_ref()));
     if ctx.stream {
-        let (btx, brx) = mpsc::unbounded_channel::<Chunk>();
+        let (btx, brx) = mpsc::channel::<Chunk>(64);
         let mut resp = Response::new(SimBody::Stream(brx));
         resp.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
         resp.headers_mut().insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -729,18 +729,17 @@ async fn pump(
     mut tracks: Vec<Track>,
     pending: Vec<(usize, ReqEvent)>,
     mut rx: mpsc::UnboundedReceiver<(usize, ReqEvent)>,
-    out: mpsc::UnboundedSender<Chunk>,
+    out: mpsc::Sender<Chunk>,
     die_after: Option<usize>,
     shared: Arc<Shared>,
 ) {
-    let send = |v: &Value| out.send(Chunk::Data(sse(&v.to_string()))).is_ok();
     if ctx.kind == Kind::Chat {
         for i in 0..tracks.len() {
             let role = json!({
                 "id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model,
                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
             });
-            if !send(&role) {
+            if !send(&out, &role).await {
                 return;
             }
         }
@@ -760,12 +759,12 @@ async fn pump(
         match ev {
             (i, ReqEvent::Token { id, text }) => {
                 if let Some(prev) = held[i].take() {
-                    if !send(&chunk(&ctx, i, &tracks[i], &prev, false, &shared)) {
+                    if !send(&out, &chunk(&ctx, i, &tracks[i], &prev, false, &shared)).await {
                         return;
                     }
                     sent += 1;
                     if die_after.is_some_and(|d| sent >= d) {
-                        let _ = out.send(Chunk::Cut);
+                        cut(&out).await;
                         return;
                     }
                 }
@@ -779,10 +778,10 @@ async fn pump(
                 tracks[i].done = true;
                 let last = held[i].take().unwrap_or_default();
                 if die_after.is_some() {
-                    let _ = out.send(Chunk::Cut);
+                    cut(&out).await;
                     return;
                 }
-                if !send(&chunk(&ctx, i, &tracks[i], &last, true, &shared)) {
+                if !send(&out, &chunk(&ctx, i, &tracks[i], &last, true, &shared)).await {
                     return;
                 }
                 if tracks.iter().all(|t| t.done) {
@@ -796,14 +795,14 @@ async fn pump(
                     Failure::TransferTimeout => "KV transfer failed",
                     Failure::Aborted => "request aborted",
                 };
-                let _ = send(&json!({"error": {"message": msg, "type": "InternalServerError", "param": null, "code": 500}}));
-                let _ = out.send(Chunk::Data(bytes::Bytes::from_static(SSE_DONE)));
+                let _ = send(&out, &json!({"error": {"message": msg, "type": "InternalServerError", "param": null, "code": 500}})).await;
+                let _ = out.send(Chunk::Data(bytes::Bytes::from_static(SSE_DONE))).await;
                 return;
             }
         }
     }
     if !tracks.iter().all(|t| t.done) {
-        let _ = out.send(Chunk::Cut);
+        cut(&out).await;
         return;
     }
     if ctx.include_usage && ctx.kind != Kind::Generate {
@@ -815,7 +814,22 @@ async fn pump(
         u.insert("model".to_owned(), json!(ctx.model));
         u.insert("choices".to_owned(), json!([]));
         u.insert("usage".to_owned(), usage(&tracks));
-        let _ = send(&Value::Object(u));
+        let _ = send(&out, &Value::Object(u)).await;
     }
-    let _ = out.send(Chunk::Data(bytes::Bytes::from_static(SSE_DONE)));
+    let _ = out.send(Chunk::Data(bytes::Bytes::from_static(SSE_DONE))).await;
+}
+
+async fn send(out: &mpsc::Sender<Chunk>, v: &Value) -> bool {
+    out.send(Chunk::Data(sse(&v.to_string()))).await.is_ok()
+}
+
+/// Cuts the connection once hyper has taken (and so written) every chunk sent before: the
+/// connection task runs on the same single-threaded runtime, so once the channel is drained and
+/// this task runs again, the chunks are on the socket.
+async fn cut(out: &mpsc::Sender<Chunk>) {
+    while out.capacity() < out.max_capacity() && !out.is_closed() {
+        tokio::task::yield_now().await;
+    }
+    tokio::task::yield_now().await;
+    let _ = out.send(Chunk::Cut).await;
 }

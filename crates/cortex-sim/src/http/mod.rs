@@ -61,7 +61,7 @@ pub(crate) enum Chunk {
 /// A response body: complete, or streamed from a channel.
 pub(crate) enum SimBody {
     Full(Option<Bytes>),
-    Stream(mpsc::UnboundedReceiver<Chunk>),
+    Stream(mpsc::Receiver<Chunk>),
 }
 
 impl Body for SimBody {

@@ -111,7 +111,10 @@ pub(crate) fn open_stream(addr: SocketAddr, path: &str, body: &Value) -> (TcpStr
 }
 
 fn parse(raw: &[u8]) -> HttpResponse {
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("response head");
+    let Some(split) = raw.windows(4).position(|w| w == b"\r\n\r\n") else {
+        // The connection closed before a response head (a cut connection).
+        return HttpResponse { status: 0, headers: Vec::new(), body: raw.to_vec(), complete: false };
+    };
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
     let mut lines = head.split("\r\n");
     let status: u16 = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).expect("status");
