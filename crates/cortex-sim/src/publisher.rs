@@ -10,8 +10,8 @@
 //! - Frames and sequence numbers are the engines': `[topic, seq u64 BE, payload]`, seq from 0 per
 //!   publisher, +1 per non-empty batch; the ring keeps the last `buffer_steps` batches; replay
 //!   answers `[id, "", topic, seq, payload]…` then `[id, "", "", FF×8, ""]` (vLLM ≥ 0.26 and
-//!   SGLang) or the same without the topic frame (vLLM ≤ 0.25); a request that is not exactly
-//!   `[id, "", start_seq]` gets no reply.
+//!   SGLang ≥ 0.5.20) or the same without the topic frame (vLLM ≤ 0.25, SGLang 0.5.19); a request
+//!   that is not exactly `[id, "", start_seq]` gets no reply.
 //! - The engine hands over encoded payloads through a channel and rings an inproc doorbell, so
 //!   the thread sleeps in `zmq::poll` until there is work.
 //! - Faults live here: dropping the next N batches (their sequence numbers are consumed, so
@@ -41,7 +41,7 @@ const NO_SEQ: u64 = u64::MAX;
 pub(crate) enum ReplayFraming {
     /// `[id, "", topic, seq, payload]`, end `[id, "", "", FF×8, ""]` (vLLM ≥ 0.26, SGLang).
     WithTopic,
-    /// `[id, "", seq, payload]`, end `[id, "", FF×8, ""]` (vLLM ≤ 0.25).
+    /// `[id, "", seq, payload]`, end `[id, "", FF×8, ""]` (vLLM ≤ 0.25, SGLang 0.5.19).
     WithoutTopic,
 }
 

@@ -141,8 +141,12 @@ impl SimWorker {
         let model = load_model(&cfg)?;
         let publisher = if cfg.events.enabled {
             let ctx = zmq::Context::new();
+            // Replies gained a topic frame in vLLM 0.26; SGLang 0.5.19 replied without it too.
             let framing = match &cfg.engine {
                 EngineConfig::Vllm(o) if o.version < cortex_events_vllm::Version::new(0, 26, 0) => {
+                    ReplayFraming::WithoutTopic
+                }
+                EngineConfig::Sglang(o) if o.encoding == cortex_events_sglang::Encoding::Arrays => {
                     ReplayFraming::WithoutTopic
                 }
                 _ => ReplayFraming::WithTopic,

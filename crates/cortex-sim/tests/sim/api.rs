@@ -272,3 +272,52 @@ fn client_disconnect_aborts_the_request() {
     let _ = Duration::ZERO;
     w.shutdown();
 }
+
+#[test]
+fn older_vllm_releases_publish_arrays_and_replay_without_topic() {
+    use cortex_sim::formats::VllmVersion;
+    let mut cfg = SimConfig::new(cortex_sim::EngineConfig::Vllm(cortex_sim::VllmOptions {
+        version: VllmVersion::new(0, 23, 0),
+        ..cortex_sim::VllmOptions::default()
+    }));
+    cfg.events.topic = "kv-events".to_owned();
+    let w = SimWorker::start(cfg).expect("worker");
+    assert_eq!(get(w.http_addr(), "/kv_event_sources").status, 404, "added in 0.31");
+    let ctx = zmq::Context::new();
+    let ep = w.event_endpoints()[0];
+    let s = sub(&ctx, ep.publish, b"kv-events");
+    w.wait_subscribed(0, TIMEOUT).expect("subscribed");
+    post(w.http_addr(), "/v1/completions", &json!({"prompt": ids(16), "max_tokens": 1}));
+    let live = recv(&s);
+    assert_eq!(live[0], b"kv-events");
+    // [ts, [["BlockStored", …]], 0]: a positional event (fixarray 0x9c = 12 elements in 0.23).
+    assert_eq!(&live[2][10..12], &[0x91, 0x9c], "{}", hex::encode(&live[2]));
+    let batch = cortex_events_vllm::decode_wire(&live[2]).expect("batch");
+    let cortex_events_vllm::WireEvent::BlockStored(st) = &batch.events[0] else { panic!("{batch:?}") };
+    assert_eq!((st.group_idx, st.kv_cache_spec_kind, st.session_id), (Some(0), Some("full_attention"), None));
+    let d = crate::support::dealer(&ctx, ep.replay.expect("replay"));
+    let got = crate::support::replay(&d, 0);
+    assert_eq!(got[0], vec![Vec::new(), 0u64.to_be_bytes().to_vec(), live[2].clone()], "≤ 0.25: no topic frame");
+    assert_eq!(got[1], vec![Vec::new(), vec![0xff; 8], Vec::new()]);
+    w.shutdown();
+}
+
+#[test]
+fn a_worker_can_run_another_template_and_block_size() {
+    let default = SimWorker::start(SimConfig::vllm()).expect("worker");
+    let mut cfg = SimConfig::vllm();
+    cfg.chat_template = Some("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}".to_owned());
+    cfg.block_size = 32;
+    let other = SimWorker::start(cfg).expect("worker");
+    let msgs = json!({"messages": [{"role": "user", "content": "Hello there, how are you?"}]});
+    let a = post(default.http_addr(), "/tokenize", &msgs).json();
+    let b = post(other.http_addr(), "/tokenize", &msgs).json();
+    assert_ne!(a["tokens"], b["tokens"], "different templates render different prompts");
+    assert_eq!(b["tokens"], json!(other.model().encode("user: Hello there, how are you?\n", false).expect("tokens")));
+    let m = get(other.http_addr(), "/metrics").text();
+    assert!(m.contains("vllm:cache_config_info{block_size=\"32\""));
+    post(other.http_addr(), "/v1/completions", &json!({"prompt": ids(64), "max_tokens": 1}));
+    assert!(other.held_blocks(0).expect("rank").iter().all(|b| b.tokens.len() == 32));
+    default.shutdown();
+    other.shutdown();
+}
