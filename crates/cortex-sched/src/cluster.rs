@@ -155,11 +155,15 @@ impl WorkerEntry {
     }
 }
 
-/// A holder's slot in a snapshot.
-#[derive(Clone, Copy, Debug)]
+/// A holder's slot in a snapshot: everything a decision reads per holder that does not change
+/// between rebuilds, copied next to the holder id so the scan touches one sequential array plus
+/// the live state.
+#[derive(Clone, Debug)]
 pub(crate) struct HolderSlot {
     pub(crate) holder: HolderId,
-    pub(crate) worker: u32,
+    pub(crate) health: Health,
+    pub(crate) capacity: Capacity,
+    pub(crate) state: Arc<WorkerState>,
 }
 
 #[derive(Debug)]
@@ -170,6 +174,21 @@ struct Pool {
     end: u32,
 }
 
+/// A pool of holders as a decision sees it: the slice, and where each worker's rank 0 sits in it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PoolRef<'a> {
+    pub(crate) id: u32,
+    pub(crate) holders: &'a [HolderSlot],
+}
+
+/// Where a worker's holders are: its pool and the index of its rank 0 within that pool.
+#[derive(Clone, Copy, Debug)]
+struct Placement {
+    pool: u32,
+    offset: u32,
+    ranks: u16,
+}
+
 /// An immutable view of the cluster.
 #[derive(Debug)]
 pub struct Snapshot {
@@ -177,6 +196,11 @@ pub struct Snapshot {
     workers: Vec<WorkerEntry>,
     holders: Vec<HolderSlot>,
     pools: Vec<Pool>,
+    /// Per worker entry (same order as `workers`).
+    placement: Vec<Placement>,
+    /// Worker id → entry index, when ids are dense enough for a table (`u32::MAX`: absent);
+    /// empty otherwise (binary search on `workers`).
+    by_id: Vec<u32>,
 }
 
 impl Snapshot {
@@ -197,19 +221,24 @@ impl Snapshot {
                 WorkerEntry { spec: spec.clone(), health: *health, state }
             })
             .collect();
-        let mut keyed: Vec<(&str, Role, HolderSlot)> = workers
+        let mut keyed: Vec<(&str, Role, usize, HolderSlot)> = workers
             .iter()
             .enumerate()
             .flat_map(|(i, w)| {
                 (0..w.spec.ranks()).map(move |r| {
-                    let slot = HolderSlot { holder: HolderId::new(w.spec.id, DpRank(r)), worker: i as u32 };
-                    (w.spec.model.as_str(), w.spec.role, slot)
+                    let slot = HolderSlot {
+                        holder: HolderId::new(w.spec.id, DpRank(r)),
+                        health: w.health,
+                        capacity: w.spec.capacity,
+                        state: Arc::clone(&w.state),
+                    };
+                    (w.spec.model.as_str(), w.spec.role, i, slot)
                 })
             })
             .collect();
-        keyed.sort_by(|a, b| (a.0, a.1, a.2.holder).cmp(&(b.0, b.1, b.2.holder)));
+        keyed.sort_by(|a, b| (a.0, a.1, a.3.holder).cmp(&(b.0, b.1, b.3.holder)));
         let mut pools: Vec<Pool> = Vec::new();
-        for (i, (model, role, _)) in keyed.iter().enumerate() {
+        for (i, (model, role, _, _)) in keyed.iter().enumerate() {
             match pools.last_mut() {
                 Some(p) if &*p.model == *model && p.role == *role => p.end = i as u32 + 1,
                 _ => pools.push(Pool {
@@ -220,8 +249,27 @@ impl Snapshot {
                 }),
             }
         }
-        let holders = keyed.into_iter().map(|(_, _, s)| s).collect();
-        Snapshot { version, workers, holders, pools }
+        let mut placement = vec![Placement { pool: 0, offset: 0, ranks: 0 }; workers.len()];
+        for (pid, p) in pools.iter().enumerate() {
+            for (i, (_, _, w, h)) in keyed[p.start as usize..p.end as usize].iter().enumerate() {
+                if h.holder.rank.0 == 0 {
+                    let ranks = workers[*w].spec.ranks();
+                    placement[*w] = Placement { pool: pid as u32, offset: i as u32, ranks };
+                }
+            }
+        }
+        let holders: Vec<HolderSlot> = keyed.into_iter().map(|(_, _, _, s)| s).collect();
+        let max_id = workers.last().map_or(0, |w| w.spec.id.0 as usize);
+        let by_id = if max_id < 4 * workers.len() + 64 {
+            let mut t = vec![u32::MAX; max_id + 1];
+            for (i, w) in workers.iter().enumerate() {
+                t[w.spec.id.0 as usize] = i as u32;
+            }
+            t
+        } else {
+            Vec::new()
+        };
+        Snapshot { version, workers, holders, pools, placement, by_id }
     }
 
     /// Increases by one at every rebuild.
@@ -239,7 +287,24 @@ impl Snapshot {
     /// The worker `id`.
     #[must_use]
     pub fn worker(&self, id: WorkerId) -> Option<&WorkerEntry> {
-        self.workers.binary_search_by_key(&id, |w| w.spec.id).ok().map(|i| &self.workers[i])
+        self.worker_index(id).map(|i| &self.workers[i])
+    }
+
+    #[inline]
+    fn worker_index(&self, id: WorkerId) -> Option<usize> {
+        if self.by_id.is_empty() {
+            self.workers.binary_search_by_key(&id, |w| w.spec.id).ok()
+        } else {
+            self.by_id.get(id.0 as usize).filter(|&&i| i != u32::MAX).map(|&i| i as usize)
+        }
+    }
+
+    /// The index of `holder` within pool `pool` (what the ledger's per-holder answer maps to).
+    #[inline]
+    pub(crate) fn index_in_pool(&self, pool: u32, holder: HolderId) -> Option<usize> {
+        let w = self.worker_index(holder.worker)?;
+        let p = self.placement[w];
+        (p.pool == pool && holder.rank.0 < p.ranks).then(|| (p.offset + u32::from(holder.rank.0)) as usize)
     }
 
     /// Number of holders (worker × rank) over all pools.
@@ -249,16 +314,12 @@ impl Snapshot {
     }
 
     /// The holders serving `model` in `role`, sorted by holder id.
-    pub(crate) fn pool(&self, model: &str, role: Role) -> Option<&[HolderSlot]> {
+    pub(crate) fn pool(&self, model: &str, role: Role) -> Option<PoolRef<'_>> {
         self.pools
             .iter()
-            .find(|p| p.role == role && &*p.model == model)
-            .map(|p| &self.holders[p.start as usize..p.end as usize])
-    }
-
-    #[inline]
-    pub(crate) fn entry(&self, slot: &HolderSlot) -> &WorkerEntry {
-        &self.workers[slot.worker as usize]
+            .enumerate()
+            .find(|(_, p)| p.role == role && &*p.model == model)
+            .map(|(i, p)| PoolRef { id: i as u32, holders: &self.holders[p.start as usize..p.end as usize] })
     }
 
     /// Books `candidate` (one request and its `prefill_tokens`) at `now`. `None` if its worker or
@@ -473,12 +534,20 @@ mod tests {
         c.upsert(spec(1, "a", Role::Regular, 1), Health::Healthy);
         let s = c.load();
         assert_eq!(s.holder_count(), 5);
-        let ids =
-            |p: &[HolderSlot]| p.iter().map(|h| (h.holder.worker.0, h.holder.rank.0)).collect::<Vec<_>>();
+        let ids = |p: PoolRef<'_>| {
+            p.holders.iter().map(|h| (h.holder.worker.0, h.holder.rank.0)).collect::<Vec<_>>()
+        };
         assert_eq!(ids(s.pool("a", Role::Regular).expect("pool")), vec![(1, 0), (2, 0), (2, 1)]);
         assert_eq!(ids(s.pool("a", Role::Decode).expect("pool")), vec![(3, 0)]);
         assert_eq!(ids(s.pool("b", Role::Regular).expect("pool")), vec![(5, 0)]);
         assert!(s.pool("b", Role::Prefill).is_none());
+        let a = s.pool("a", Role::Regular).expect("pool").id;
+        let d = s.pool("a", Role::Decode).expect("pool").id;
+        assert_eq!(s.index_in_pool(a, HolderId::new(WorkerId(2), DpRank(1))), Some(2));
+        assert_eq!(s.index_in_pool(a, HolderId::new(WorkerId(2), DpRank(2))), None, "no rank 2");
+        assert_eq!(s.index_in_pool(d, HolderId::new(WorkerId(2), DpRank(0))), None, "other pool");
+        assert_eq!(s.index_in_pool(d, HolderId::new(WorkerId(3), DpRank(0))), Some(0));
+        assert_eq!(s.index_in_pool(a, HolderId::new(WorkerId(99), DpRank(0))), None);
         assert!(s.pool("c", Role::Regular).is_none());
     }
 

@@ -20,7 +20,7 @@ use cortex_hash::SeqHash;
 use cortex_hash::kv::HolderId;
 use cortex_radix::OverlapScores;
 
-use crate::cluster::{Capacity, Role};
+use crate::cluster::Role;
 use crate::config::PolicyKind;
 use crate::failure::FailureClass;
 use crate::state::LedgerState;
@@ -182,13 +182,13 @@ impl<'a> Request<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub struct Score {
     /// The affinity term (α·matched tokens for the default scorer).
-    pub affinity: f64,
+    pub affinity: f32,
     /// The active-request term (−β·active requests).
-    pub load: f64,
+    pub load: f32,
     /// The queue term (−γ·expected queue latency in ms).
-    pub queue: f64,
+    pub queue: f32,
     /// The sum the ranking used.
-    pub total: f64,
+    pub total: f32,
 }
 
 /// Why a holder of the pool may not take this request.
@@ -247,27 +247,32 @@ pub struct Candidate {
     /// Expected queue latency in milliseconds: the larger of this gateway's booked prefill work
     /// still ahead (its virtual prefill clock) and the engine-reported waiting prefill tokens
     /// over the holder's prefill throughput.
-    pub queue_latency_ms: f64,
+    pub queue_latency_ms: f32,
     /// Whether the holder's load signal counted as present (always under booked-only signals).
     pub load_reported: bool,
     /// KV usage fraction from a fresh engine report.
     pub kv_usage: Option<f32>,
-    /// The holder's capacity (from its worker's registration).
-    pub capacity: Capacity,
     /// The holder's ledger state.
     pub ledger: LedgerState,
     /// The score breakdown (zero for excluded candidates and liveness-only policies).
     pub score: Score,
     /// Why it may not take the request; `None` for admissible candidates.
     pub excluded: Option<Exclusion>,
-    /// Sort key (ascending) built by the policy.
-    pub(crate) key: (u64, u64),
+    /// Sort key (ascending) built by the policy (see `scheduler::key`).
+    pub(crate) key: u64,
 }
 
 /// The result of a decision, in a buffer the caller lends and reuses.
+///
+/// The candidates stay where the decision wrote them (pool order); the ranking is a sorted array
+/// of keys that index them, so ranking 512 holders moves 4 KiB of keys, not 60 KiB of candidates.
 #[derive(Clone, Debug)]
 pub struct Ranking {
     pub(crate) candidates: Vec<Candidate>,
+    /// Sort keys, admissible first; the low 20 bits of each index `candidates`. The first
+    /// `RANKED` admissible ones are sorted; all of them when `sorted`.
+    pub(crate) order: Vec<u64>,
+    pub(crate) sorted: bool,
     pub(crate) admissible: usize,
     pub(crate) mode: MatchMode,
     pub(crate) reason: Option<FallbackReason>,
@@ -287,6 +292,8 @@ impl Ranking {
     pub fn with_capacity(holders: usize) -> Self {
         Ranking {
             candidates: Vec::with_capacity(holders),
+            order: Vec::with_capacity(holders),
+            sorted: true,
             admissible: 0,
             mode: MatchMode::FallbackRoundRobin,
             reason: None,
@@ -296,34 +303,51 @@ impl Ranking {
 
     pub(crate) fn reset(&mut self, policy: PolicyKind) {
         self.candidates.clear();
+        self.order.clear();
+        self.sorted = true;
         self.admissible = 0;
         self.mode = MatchMode::FallbackRoundRobin;
         self.reason = None;
         self.policy = policy;
     }
 
-    /// Admissible candidates, best first: book the first, the next on retry.
+    fn iter_keys<'a>(&'a self, keys: &'a [u64]) -> Iter<'a> {
+        Iter { candidates: &self.candidates, keys: keys.iter() }
+    }
+
+    /// Admissible candidates, best first: book the first, the next on retry. The first
+    /// [`RANKED`](crate::RANKED) are in rank order; beyond them the order is unspecified until
+    /// [`Ranking::sort_all`].
     #[must_use]
-    pub fn admissible(&self) -> &[Candidate] {
-        &self.candidates[..self.admissible]
+    pub fn admissible(&self) -> Iter<'_> {
+        self.iter_keys(&self.order[..self.admissible])
     }
 
     /// The best candidate.
     #[must_use]
     pub fn first(&self) -> Option<&Candidate> {
-        self.admissible().first()
+        self.admissible().next()
     }
 
-    /// Excluded holders of the pool, with why.
+    /// Excluded holders of the pool, with why, in pool order.
     #[must_use]
-    pub fn excluded(&self) -> &[Candidate] {
-        &self.candidates[self.admissible..]
+    pub fn excluded(&self) -> Iter<'_> {
+        self.iter_keys(&self.order[self.admissible..])
+    }
+
+    /// Puts every admissible candidate in rank order (the debug view; a decision orders only the
+    /// first [`RANKED`](crate::RANKED)). Sorts in place; no allocation.
+    pub fn sort_all(&mut self) {
+        if !self.sorted {
+            self.order[..self.admissible].sort_unstable();
+            self.sorted = true;
+        }
     }
 
     /// Every holder of the pool: admissible ones in rank order, then excluded ones.
     #[must_use]
-    pub fn all(&self) -> &[Candidate] {
-        &self.candidates
+    pub fn all(&self) -> Iter<'_> {
+        self.iter_keys(&self.order)
     }
 
     /// The chain level of the decision.
@@ -349,5 +373,38 @@ impl Ranking {
     #[must_use]
     pub fn cache_hit_tokens(&self) -> u32 {
         self.first().map_or(0, |c| c.matched_tokens)
+    }
+}
+
+/// Candidates of a [`Ranking`] in order.
+#[derive(Clone, Debug)]
+pub struct Iter<'a> {
+    candidates: &'a [Candidate],
+    keys: std::slice::Iter<'a, u64>,
+}
+
+impl<'a> Iterator for Iter<'a> {
+    type Item = &'a Candidate;
+
+    #[inline]
+    fn next(&mut self) -> Option<&'a Candidate> {
+        self.keys.next().map(|&k| &self.candidates[(k & crate::scheduler::INDEX_MASK) as usize])
+    }
+
+    #[inline]
+    fn nth(&mut self, n: usize) -> Option<&'a Candidate> {
+        self.keys.nth(n).map(|&k| &self.candidates[(k & crate::scheduler::INDEX_MASK) as usize])
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.keys.size_hint()
+    }
+}
+
+impl ExactSizeIterator for Iter<'_> {}
+
+impl DoubleEndedIterator for Iter<'_> {
+    fn next_back(&mut self) -> Option<Self::Item> {
+        self.keys.next_back().map(|&k| &self.candidates[(k & crate::scheduler::INDEX_MASK) as usize])
     }
 }

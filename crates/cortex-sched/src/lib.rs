@@ -96,7 +96,7 @@ pub use decision::{
     CacheView, Candidate, Exclusion, FallbackReason, MatchMode, Ranking, Request, Score, Untrusted,
 };
 pub use failure::{BreakerConfig, BreakerState, Cooldowns, FailureClass};
-pub use scheduler::{SchedError, Scheduler};
+pub use scheduler::{MAX_POOL_HOLDERS, RANKED, SchedError, Scheduler};
 pub use scorer::{ScoreInput, Scorer, WeightedScorer};
 pub use state::{Booking, EngineLoad, LedgerState, RankLoad, WorkerState};
 pub use time::{MonotonicClock, Timestamp};

@@ -21,7 +21,7 @@ use std::sync::{Mutex, PoisonError};
 use cortex_hash::kv::HolderId;
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::cluster::{Health, HolderSlot, Snapshot};
+use crate::cluster::{Health, HolderSlot, PoolRef, Snapshot};
 use crate::config::{
     Assignment, BoundedLoad, ConfigError, LoadSignals, ManualConfig, PolicyConfig, PrefixHashConfig,
     SchedConfig, UnreadyHolders,
@@ -99,11 +99,29 @@ fn holder_bits(h: HolderId) -> u64 {
     (u64::from(h.worker.0) << 16) | u64::from(h.rank.0)
 }
 
-/// Maps `x` to a u64 that sorts ascending as `x` sorts *descending* (NaN last).
-fn desc_key(x: f64) -> u64 {
-    let x = if x.is_nan() { f64::NEG_INFINITY } else { x };
+/// Sort keys are one `u64`: a 32-bit primary, a 12-bit secondary (tie-break), and the 20-bit
+/// pool index (added by `order`). Policies build the first two with `key`.
+const fn sort_key(primary: u32, secondary: u64) -> u64 {
+    ((primary as u64) << 32) | ((secondary & 0xfff) << 20)
+}
+
+pub(crate) const INDEX_MASK: u64 = (1 << 20) - 1;
+
+/// How many admissible candidates a decision puts in rank order (the rest follow unordered until
+/// [`Ranking::sort_all`]). A proxy never retries that often.
+pub const RANKED: usize = 16;
+
+/// The largest pool a decision considers (the sort key's index field); holders beyond it, in
+/// holder-id order, are ignored. A million holders in one (model, role) pool is far beyond any
+/// cluster this gateway fronts.
+pub const MAX_POOL_HOLDERS: usize = 1 << 20;
+
+/// Maps `x` to a u32 that sorts ascending as `x` sorts *descending* (NaN last). Scores are f32
+/// (a relative precision of 6e-8): closer scores are ties, broken by the secondary key. Finite scores map above 2, so 0 and 1 stay free for `power_of_two`'s pair.
+fn desc_key(x: f32) -> u32 {
+    let x = if x.is_nan() { f32::NEG_INFINITY } else { x };
     let b = x.to_bits();
-    let asc = if b >> 63 == 1 { !b } else { b | (1 << 63) };
+    let asc = if b >> 31 == 1 { !b } else { b | (1 << 31) };
     !asc
 }
 
@@ -161,8 +179,9 @@ impl<S: Scorer> Scheduler<S> {
     pub fn decide(&self, snap: &Snapshot, req: &Request<'_>, out: &mut Ranking) -> Result<(), SchedError> {
         let rt = &self.pools[req.role.index()];
         out.reset(rt.policy.kind());
-        let pool = snap.pool(req.model, req.role).ok_or(SchedError::NoPool)?;
-        let (admissible, reported) = self.gather(snap, pool, req, out);
+        let mut pool = snap.pool(req.model, req.role).ok_or(SchedError::NoPool)?;
+        pool.holders = &pool.holders[..pool.holders.len().min(MAX_POOL_HOLDERS)];
+        let (admissible, reported, booked) = self.gather(pool.holders, req, out);
         if admissible == 0 {
             Self::order(out);
             return Err(SchedError::NoneAdmissible);
@@ -174,13 +193,14 @@ impl<S: Scorer> Scheduler<S> {
             LoadSignals::EngineReports { .. } => Signals::Partial,
         };
         match rt.policy {
-            PolicyConfig::CacheAware => self.cache_aware(pool, req, signals, out),
+            PolicyConfig::CacheAware => self.cache_aware(snap, pool, req, signals, (admissible, booked), out),
             PolicyConfig::LeastLoad => {
-                self.least_load(req, signals, self.config.bounded_load, FallbackReason::Policy, out)
+                let cap = self.config.bounded_load.map(|b| Self::cap(b, admissible, booked));
+                self.least_load(pool.holders, req, signals, cap, FallbackReason::Policy, out);
             }
             PolicyConfig::PowerOfTwo => match signals {
                 Signals::Missing => self.rotate(rt, FallbackReason::LoadSignalsMissing, out),
-                _ => self.p2c(req, FallbackReason::Policy, out),
+                _ => self.p2c(pool.holders, req, FallbackReason::Policy, out),
             },
             PolicyConfig::RoundRobin => self.rotate(rt, FallbackReason::Policy, out),
             PolicyConfig::Random => {
@@ -198,35 +218,37 @@ impl<S: Scorer> Scheduler<S> {
                 None => self.rotate(rt, FallbackReason::NoRoutingKey, out),
             },
             PolicyConfig::Manual(m) => match req.routing_key {
-                Some(key) => self.manual(rt, m, xxh3_64(key), req, out),
+                Some(key) => self.manual(pool.holders, rt, m, xxh3_64(key), req, out),
                 None => self.rotate(rt, FallbackReason::NoRoutingKey, out),
             },
-            PolicyConfig::PrefixHash(ph) => self.prefix_hash(ph, req, signals, out),
+            PolicyConfig::PrefixHash(ph) => {
+                self.prefix_hash(
+                    pool.holders,
+                    ph,
+                    req,
+                    signals,
+                    Self::cap(ph.bound, admissible, booked),
+                    out,
+                );
+            }
         }
         Self::order(out);
         Ok(())
     }
 
     /// The candidate filter and the load facts: one candidate per holder of the pool, in pool
-    /// order. Returns (admissible, admissible with a load signal).
-    fn gather(
-        &self,
-        snap: &Snapshot,
-        pool: &[HolderSlot],
-        req: &Request<'_>,
-        out: &mut Ranking,
-    ) -> (usize, usize) {
+    /// order. Returns (admissible, admissible with a load signal, bookings on the admissible).
+    fn gather(&self, pool: &[HolderSlot], req: &Request<'_>, out: &mut Ranking) -> (usize, usize, u64) {
         let now = req.now;
         let max_age = match self.config.load_signals {
             LoadSignals::Booked => None,
             LoadSignals::EngineReports { max_age } => Some(max_age),
         };
-        let (mut admissible, mut reported) = (0, 0);
-        for (i, slot) in pool.iter().enumerate() {
-            let entry = snap.entry(slot);
-            let st = entry.state();
+        let (mut admissible, mut reported, mut booked_total) = (0, 0, 0u64);
+        for slot in pool {
+            let st = &*slot.state;
             let Some(rs) = st.rank_state(slot.holder.rank) else { continue };
-            let excluded = match entry.health() {
+            let excluded = match slot.health {
                 Health::Unhealthy => Some(Exclusion::Unhealthy),
                 Health::Draining => Some(Exclusion::Draining),
                 Health::Healthy => match st.cooldown(now) {
@@ -237,8 +259,9 @@ impl<S: Scorer> Scheduler<S> {
             };
             let booked = rs.booked_requests();
             let mut active = booked;
-            let mut queue_ms = rs.prefill_backlog(now).as_secs_f64() * 1000.0;
-            let capacity = entry.spec().capacity;
+            // Through i64: a single conversion instruction (backlogs are far below 2^63 ns).
+            let mut queue_ms = rs.prefill_backlog_ns(now).min(i64::MAX as u64) as i64 as f64 * 1e-6;
+            let capacity = slot.capacity;
             let mut kv_usage = None;
             let load_reported = match max_age {
                 None => true,
@@ -256,6 +279,7 @@ impl<S: Scorer> Scheduler<S> {
             if excluded.is_none() {
                 admissible += 1;
                 reported += usize::from(load_reported);
+                booked_total += u64::from(booked);
             }
             out.candidates.push(Candidate {
                 holder: slot.holder,
@@ -264,70 +288,102 @@ impl<S: Scorer> Scheduler<S> {
                 prefill_tokens: req.prompt_tokens,
                 active_requests: active,
                 booked_requests: booked,
-                queue_latency_ms: queue_ms,
+                queue_latency_ms: queue_ms as f32,
                 load_reported,
                 kv_usage,
-                capacity,
                 ledger: rs.ledger(),
                 score: Score::default(),
                 excluded,
-                key: (0, i as u64),
+                key: 0,
             });
         }
-        (admissible, reported)
+        (admissible, reported, booked_total)
     }
 
     /// Admissible first in key order, excluded after in pool order; sets `out.admissible`.
+    /// Sorts the keys (each carrying its candidate's index); the candidates do not move.
+    ///
+    /// Only the first [`RANKED`] admissible candidates are put in order (what a proxy can use:
+    /// the first and its retries); the rest follow in no particular order until
+    /// [`Ranking::sort_all`] (the debug view) orders them. Selecting them is O(n); a full sort
+    /// was a sixth of a 64-holder decision.
     fn order(out: &mut Ranking) {
-        for c in &mut out.candidates {
-            if c.excluded.is_some() {
-                c.key.0 = u64::MAX;
+        out.order.clear();
+        for (i, c) in out.candidates.iter().enumerate() {
+            if c.excluded.is_none() {
+                out.order.push(c.key | i as u64);
             }
         }
-        out.candidates.sort_unstable_by_key(|c| c.key);
-        out.admissible = out.candidates.iter().take_while(|c| c.excluded.is_none()).count();
+        let admissible = out.order.len();
+        for (i, c) in out.candidates.iter().enumerate() {
+            if c.excluded.is_some() {
+                out.order.push(i as u64);
+            }
+        }
+        let ranked = &mut out.order[..admissible];
+        if ranked.len() > RANKED {
+            ranked.select_nth_unstable(RANKED - 1);
+            ranked[..RANKED].sort_unstable();
+        } else {
+            ranked.sort_unstable();
+        }
+        out.admissible = admissible;
+        out.sorted = admissible <= RANKED;
     }
 
-    /// Scores every admissible candidate (counting its `affinity_tokens`) and keys it by score;
-    /// ties are broken by a random rotation so that equal holders share a burst.
-    fn score_all(&self, req: &Request<'_>, out: &mut Ranking) {
+    /// Scores every admissible candidate and keys it by score; ties are broken by a random
+    /// rotation so that equal holders share a burst. With `counted`, the score counts each
+    /// candidate's matched tokens (its `affinity_tokens`); otherwise none. Returns the index of
+    /// the best candidate.
+    fn score_all(
+        &self,
+        pool: &[HolderSlot],
+        req: &Request<'_>,
+        counted: bool,
+        out: &mut Ranking,
+    ) -> Option<usize> {
         let n = out.candidates.len() as u64;
         let offset = self.random() % n.max(1);
+        let mut best: Option<(u64, usize)> = None;
         for (i, c) in out.candidates.iter_mut().enumerate() {
             if c.excluded.is_some() {
                 continue;
             }
+            c.affinity_tokens = if counted { c.matched_tokens } else { 0 };
             c.score = self.scorer.score(&ScoreInput {
                 holder: c.holder,
                 matched_tokens: c.affinity_tokens,
                 prompt_tokens: req.prompt_tokens,
                 active_requests: c.active_requests,
-                queue_latency_ms: c.queue_latency_ms,
+                queue_latency_ms: f64::from(c.queue_latency_ms),
                 kv_usage: c.kv_usage,
-                capacity: c.capacity,
+                capacity: pool[i].capacity,
             });
-            c.key = (desc_key(c.score.total), (i as u64 + n - offset) % n);
+            // (i + n − offset) mod n without a division: i, offset < n.
+            let t = i as u64 + n - offset;
+            c.key = sort_key(desc_key(c.score.total), if t >= n { t - n } else { t });
+            if best.is_none_or(|(k, _)| c.key < k) {
+                best = Some((c.key, i));
+            }
         }
+        best.map(|(_, i)| i)
     }
 
-    fn over_watermark(&self, c: &Candidate) -> bool {
+    fn over_watermark(&self, c: &Candidate, capacity: crate::cluster::Capacity) -> bool {
         let w = self.config.watermark;
-        let limit = (w.inflight_fraction * f64::from(c.capacity.max_running_requests)).ceil().max(1.0);
-        f64::from(c.active_requests) >= limit || c.queue_latency_ms >= w.queue_latency.as_secs_f64() * 1000.0
+        let limit = (w.inflight_fraction * f64::from(capacity.max_running_requests)).ceil().max(1.0);
+        f64::from(c.active_requests) >= limit
+            || f64::from(c.queue_latency_ms) >= w.queue_latency.as_secs_f64() * 1000.0
     }
 
-    /// Excludes admissible holders with `booked ≥ ⌈(1+ε)·(Σbooked + 1)/n⌉`. At least one holder
-    /// stays: the least booked has at most the mean, which is below the cap.
-    fn bound(b: BoundedLoad, out: &mut Ranking) {
-        let (mut n, mut total) = (0u64, 0u64);
-        for c in out.candidates.iter().filter(|c| c.excluded.is_none()) {
-            n += 1;
-            total += u64::from(c.booked_requests);
-        }
-        if n == 0 {
-            return;
-        }
-        let cap = ((1.0 + b.epsilon) * (total + 1) as f64 / n as f64).ceil() as u64;
+    /// The load bound `⌈(1+ε)·(Σbooked + 1)/n⌉` over `n` admissible holders with `Σbooked`
+    /// bookings. Holders at or above it are excluded; at least one stays, since the least booked
+    /// has at most the mean, which is below the cap.
+    fn cap(b: BoundedLoad, admissible: usize, booked: u64) -> u64 {
+        ((1.0 + b.epsilon) * (booked + 1) as f64 / admissible.max(1) as f64).ceil() as u64
+    }
+
+    fn bound(cap: u64, out: &mut Ranking) {
         let cap32 = u32::try_from(cap).unwrap_or(u32::MAX);
         for c in out.candidates.iter_mut().filter(|c| c.excluded.is_none()) {
             if u64::from(c.booked_requests) >= cap {
@@ -336,19 +392,27 @@ impl<S: Scorer> Scheduler<S> {
         }
     }
 
-    fn cache_aware(&self, pool: &[HolderSlot], req: &Request<'_>, signals: Signals, out: &mut Ranking) {
+    fn cache_aware(
+        &self,
+        snap: &Snapshot,
+        pool: PoolRef<'_>,
+        req: &Request<'_>,
+        signals: Signals,
+        (mut admissible, mut booked): (usize, u64),
+        out: &mut Ranking,
+    ) {
         match signals {
             Signals::Missing => {
                 let rt = &self.pools[req.role.index()];
                 return self.rotate(rt, FallbackReason::LoadSignalsMissing, out);
             }
-            Signals::Partial => return self.p2c(req, FallbackReason::LoadSignalsPartial, out),
+            Signals::Partial => return self.p2c(pool.holders, req, FallbackReason::LoadSignalsPartial, out),
             Signals::Complete => {}
         }
         let mut distrust = match req.cache {
             CacheView::Overlap { scores, block_tokens } => {
                 for o in scores.iter() {
-                    let Ok(i) = pool.binary_search_by_key(&o.holder, |s| s.holder) else { continue };
+                    let Some(i) = snap.index_in_pool(pool.id, o.holder) else { continue };
                     let c = &mut out.candidates[i];
                     // Never a guessed hit: a holder whose ledger is not READY gets no credit even
                     // if the ledger answered for it.
@@ -372,31 +436,36 @@ impl<S: Scorer> Scheduler<S> {
                     .filter(|c| c.excluded.is_none() && c.ledger != LedgerState::Ready)
                 {
                     c.excluded = Some(Exclusion::LedgerNotReady);
+                    admissible -= 1;
+                    booked -= u64::from(c.booked_requests);
                 }
             } else {
                 distrust = Some(FallbackReason::LedgerNotReady);
             }
         }
-        if let Some(b) = self.config.bounded_load {
-            Self::bound(b, out);
-        }
-        let any_hit = out.candidates.iter().any(|c| c.matched_tokens > 0);
-        // The best cache holder among the admissible: most matched tokens, then fewest active.
-        let over_watermark = out
-            .candidates
-            .iter()
-            .filter(|c| c.excluded.is_none() && c.matched_tokens > 0)
-            .max_by_key(|c| (c.matched_tokens, std::cmp::Reverse(c.active_requests)))
-            .is_some_and(|c| self.over_watermark(c));
-        let counted = distrust.is_none() && !over_watermark;
-        if counted {
-            for c in &mut out.candidates {
-                c.affinity_tokens = c.matched_tokens;
+        // One pass: the load bound, any hit at all (bound-excluded included), and the best cache
+        // holder among the admissible (most matched tokens, then fewest active).
+        let cap = self.config.bounded_load.map(|b| Self::cap(b, admissible, booked));
+        let cap32 = cap.map_or(u32::MAX, |c| u32::try_from(c).unwrap_or(u32::MAX));
+        let mut any_hit = false;
+        let mut best: Option<(usize, u32, u32)> = None;
+        for (i, c) in out.candidates.iter_mut().enumerate() {
+            if c.excluded.is_none() && cap.is_some_and(|cap| u64::from(c.booked_requests) >= cap) {
+                c.excluded = Some(Exclusion::BoundedLoad { cap: cap32 });
+            }
+            any_hit |= c.matched_tokens > 0;
+            if c.excluded.is_none()
+                && c.matched_tokens > 0
+                && best.is_none_or(|(_, m, a)| (c.matched_tokens, a) > (m, c.active_requests))
+            {
+                best = Some((i, c.matched_tokens, c.active_requests));
             }
         }
-        self.score_all(req, out);
-        let top = out.candidates.iter().filter(|c| c.excluded.is_none()).min_by_key(|c| c.key);
-        let top_hit = top.is_some_and(|c| c.affinity_tokens > 0);
+        let over_watermark =
+            best.is_some_and(|(i, _, _)| self.over_watermark(&out.candidates[i], pool.holders[i].capacity));
+        let counted = distrust.is_none() && !over_watermark;
+        let top = self.score_all(pool.holders, req, counted, out);
+        let top_hit = top.is_some_and(|i| out.candidates[i].affinity_tokens > 0);
         (out.mode, out.reason) = match distrust {
             Some(r) => (MatchMode::LoadAware, Some(r)),
             None if over_watermark => (MatchMode::LoadAware, Some(FallbackReason::Watermark)),
@@ -408,9 +477,10 @@ impl<S: Scorer> Scheduler<S> {
 
     fn least_load(
         &self,
+        pool: &[HolderSlot],
         req: &Request<'_>,
         signals: Signals,
-        bound: Option<BoundedLoad>,
+        cap: Option<u64>,
         reason: FallbackReason,
         out: &mut Ranking,
     ) {
@@ -419,12 +489,12 @@ impl<S: Scorer> Scheduler<S> {
                 let rt = &self.pools[req.role.index()];
                 self.rotate(rt, FallbackReason::LoadSignalsMissing, out);
             }
-            Signals::Partial => self.p2c(req, FallbackReason::LoadSignalsPartial, out),
+            Signals::Partial => self.p2c(pool, req, FallbackReason::LoadSignalsPartial, out),
             Signals::Complete => {
-                if let Some(b) = bound {
-                    Self::bound(b, out);
+                if let Some(cap) = cap {
+                    Self::bound(cap, out);
                 }
-                self.score_all(req, out);
+                self.score_all(pool, req, false, out);
                 out.mode = MatchMode::LoadAware;
                 out.reason = Some(reason);
             }
@@ -432,23 +502,22 @@ impl<S: Scorer> Scheduler<S> {
     }
 
     /// Power of two choices over the load score; the rest follow by score for retries.
-    fn p2c(&self, req: &Request<'_>, reason: FallbackReason, out: &mut Ranking) {
-        self.score_all(req, out);
+    fn p2c(&self, pool: &[HolderSlot], req: &Request<'_>, reason: FallbackReason, out: &mut Ranking) {
+        self.score_all(pool, req, false, out);
         let n = out.candidates.iter().filter(|c| c.excluded.is_none()).count() as u64;
         let r = self.random();
         let a = r % n;
         let b = if n > 1 { (a + 1 + (r >> 32) % (n - 1)) % n } else { a };
         let (ia, ib) = (self.nth_admissible(out, a), self.nth_admissible(out, b));
-        let (win, lose) =
-            if out.candidates[ib].key.0 < out.candidates[ia].key.0 { (ib, ia) } else { (ia, ib) };
+        let (win, lose) = if out.candidates[ib].key < out.candidates[ia].key { (ib, ia) } else { (ia, ib) };
         for (i, c) in out.candidates.iter_mut().enumerate() {
             if c.excluded.is_none() {
                 c.key = if i == win {
-                    (0, 0)
+                    sort_key(0, 0)
                 } else if i == lose {
-                    (1, 0)
+                    sort_key(1, 0)
                 } else {
-                    (2, c.key.0)
+                    c.key // a score key, above 2
                 };
             }
         }
@@ -470,7 +539,7 @@ impl<S: Scorer> Scheduler<S> {
         let n = out.candidates.iter().filter(|c| c.excluded.is_none()).count() as u64;
         let start = start % n.max(1);
         for (j, c) in out.candidates.iter_mut().filter(|c| c.excluded.is_none()).enumerate() {
-            c.key = ((j as u64 + n - start) % n, 0);
+            c.key = sort_key(((j as u64 + n - start) % n) as u32, 0);
         }
     }
 
@@ -489,13 +558,21 @@ impl<S: Scorer> Scheduler<S> {
     fn rendezvous(&self, key: u64, out: &mut Ranking) {
         for c in out.candidates.iter_mut().filter(|c| c.excluded.is_none()) {
             let w = mix(key ^ mix(holder_bits(c.holder)));
-            c.key = (!w, holder_bits(c.holder));
+            c.key = sort_key(!(w >> 32) as u32, w);
         }
     }
 
-    fn manual(&self, rt: &PoolRuntime, m: ManualConfig, key: u64, req: &Request<'_>, out: &mut Ranking) {
+    fn manual(
+        &self,
+        pool: &[HolderSlot],
+        rt: &PoolRuntime,
+        m: ManualConfig,
+        key: u64,
+        req: &Request<'_>,
+        out: &mut Ranking,
+    ) {
         // Load scores order the rest (and pick new assignments under `MinLoad`).
-        self.score_all(req, out);
+        self.score_all(pool, req, false, out);
         let mut map = rt.sticky.lock().unwrap_or_else(PoisonError::into_inner);
         let current = map
             .get(&key)
@@ -520,18 +597,26 @@ impl<S: Scorer> Scheduler<S> {
         map.insert(key, Sticky { holder: out.candidates[chosen].holder, last_used: req.now });
         drop(map);
         for (i, c) in out.candidates.iter_mut().enumerate().filter(|(_, c)| c.excluded.is_none()) {
-            c.key = if i == chosen { (0, 0) } else { (1, c.key.0) };
+            c.key = if i == chosen { sort_key(0, 0) } else { c.key };
         }
         out.mode = MatchMode::FallbackRoundRobin;
         out.reason = Some(FallbackReason::Policy);
     }
 
-    fn prefix_hash(&self, ph: PrefixHashConfig, req: &Request<'_>, signals: Signals, out: &mut Ranking) {
+    fn prefix_hash(
+        &self,
+        pool: &[HolderSlot],
+        ph: PrefixHashConfig,
+        req: &Request<'_>,
+        signals: Signals,
+        cap: u64,
+        out: &mut Ranking,
+    ) {
         let Some(last) = req.prefix.len().checked_sub(1) else {
-            return self.least_load(req, signals, Some(ph.bound), FallbackReason::NoPrefix, out);
+            return self.least_load(pool, req, signals, Some(cap), FallbackReason::NoPrefix, out);
         };
         let idx = last.min(ph.prefix_blocks as usize - 1);
-        Self::bound(ph.bound, out);
+        Self::bound(cap, out);
         self.rendezvous(req.prefix[idx].to_bits(), out);
         out.mode = MatchMode::LoadAware;
         out.reason = Some(FallbackReason::Policy);

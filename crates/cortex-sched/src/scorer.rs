@@ -53,7 +53,12 @@ impl Scorer for WeightedScorer {
         let affinity = w.alpha_per_token * f64::from(i.matched_tokens);
         let load = -w.beta_per_request * f64::from(i.active_requests);
         let queue = -w.gamma_per_ms * i.queue_latency_ms;
-        Score { affinity, load, queue, total: affinity + load + queue }
+        Score {
+            affinity: affinity as f32,
+            load: load as f32,
+            queue: queue as f32,
+            total: (affinity + load + queue) as f32,
+        }
     }
 }
 

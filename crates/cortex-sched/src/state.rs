@@ -98,20 +98,21 @@ pub struct RankLoad {
     pub engine: Option<(EngineLoad, Duration)>,
 }
 
-/// One data-parallel rank's atomics.
+/// One data-parallel rank's atomics. `repr(C)`: the fields every decision reads come first.
 #[derive(Debug)]
+#[repr(C)]
 pub(crate) struct RankState {
-    booked_requests: AtomicU32,
-    booked_prefill_tokens: AtomicU64,
     /// Nanoseconds: the virtual clock of booked prefill work (see `RankLoad`).
     prefill_busy_until: AtomicU64,
+    booked_requests: AtomicU32,
+    ledger: AtomicU8,
+    booked_prefill_tokens: AtomicU64,
     running: AtomicU32,
     waiting: AtomicU32,
     waiting_prefill_tokens: AtomicU64,
     kv_usage_ppm: AtomicU32,
     /// Nanoseconds of the last report plus one; 0 = never reported.
     reported_at: AtomicU64,
-    ledger: AtomicU8,
 }
 
 impl RankState {
@@ -141,11 +142,11 @@ impl RankState {
         self.booked_prefill_tokens.load(Ordering::Relaxed)
     }
 
-    /// Expected wait for this gateway's booked prefill work at `now`.
+    /// Expected wait for this gateway's booked prefill work at `now`, in nanoseconds.
     #[inline]
-    pub(crate) fn prefill_backlog(&self, now: Timestamp) -> Duration {
+    pub(crate) fn prefill_backlog_ns(&self, now: Timestamp) -> u64 {
         // Relaxed: an estimate; see `booked_requests`.
-        Timestamp::from_nanos(self.prefill_busy_until.load(Ordering::Relaxed)).saturating_since(now)
+        self.prefill_busy_until.load(Ordering::Relaxed).saturating_sub(now.as_nanos())
     }
 
     // Relaxed: a state flag read as a hint; the ledger's own query is the authority on data.
@@ -208,16 +209,24 @@ fn breaker_parts(w: u64) -> (u64, u64, u64) {
 const EWMA_NONE: u64 = u64::MAX;
 
 /// One worker's fast state, shared by every snapshot that contains the worker id.
+///
+/// Layout (`repr(C)`, cache-line aligned): what every decision reads — cooldown, breaker, then
+/// rank 0's bookings and ledger state — sits in the first 64 bytes; ranks 1.. are boxed; cold
+/// fields follow.
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub struct WorkerState {
-    ranks: Box<[RankState]>,
     /// Nanoseconds; the worker is skipped while `now < cooldown_until`.
     cooldown_until: AtomicU64,
+    breaker: AtomicU64,
+    /// Rank 0 lives in the same allocation as the worker's own fields (most workers have one
+    /// rank); ranks 1.. are boxed.
+    rank0: RankState,
+    more_ranks: Box<[RankState]>,
     /// The class of the failure that set the current cooldown (0: none).
     cooldown_class: AtomicU8,
     /// The class of the last failure of any kind (0: none).
     last_failure: AtomicU8,
-    breaker: AtomicU64,
     breaker_opened_at: AtomicU64,
     ewma_ttft_us: AtomicU64,
     ewma_itl_us: AtomicU64,
@@ -227,7 +236,8 @@ pub struct WorkerState {
 impl WorkerState {
     pub(crate) fn new(dp_size: u16, policy: HealthPolicy) -> Self {
         WorkerState {
-            ranks: (0..dp_size.max(1)).map(|_| RankState::new()).collect(),
+            rank0: RankState::new(),
+            more_ranks: (1..dp_size.max(1)).map(|_| RankState::new()).collect(),
             cooldown_until: AtomicU64::new(0),
             cooldown_class: AtomicU8::new(0),
             last_failure: AtomicU8::new(0),
@@ -242,12 +252,15 @@ impl WorkerState {
     /// Number of data-parallel ranks.
     #[must_use]
     pub fn dp_size(&self) -> u16 {
-        self.ranks.len() as u16
+        self.more_ranks.len() as u16 + 1
     }
 
     #[inline]
     pub(crate) fn rank_state(&self, rank: DpRank) -> Option<&RankState> {
-        self.ranks.get(usize::from(rank.0))
+        match rank.0 {
+            0 => Some(&self.rank0),
+            r => self.more_ranks.get(usize::from(r) - 1),
+        }
     }
 
     /// Records an engine load report for `rank` (false: no such rank).
@@ -496,7 +509,7 @@ impl Booking {
         if self.prefill_tokens == 0 {
             return;
         }
-        let r = &self.state.ranks[usize::from(self.holder.rank.0)];
+        let Some(r) = self.state.rank_state(self.holder.rank) else { return };
         // Relaxed: see `new`.
         let left =
             r.booked_prefill_tokens.fetch_sub(self.prefill_tokens, Ordering::Relaxed) - self.prefill_tokens;
@@ -537,7 +550,9 @@ impl Drop for Booking {
         // runs out (at most that request's own prefill time).
         self.release_prefill(None);
         // Relaxed: see `new`. The rank was checked in `new`; a state's rank count never changes.
-        self.state.ranks[usize::from(self.holder.rank.0)].booked_requests.fetch_sub(1, Ordering::Relaxed);
+        if let Some(r) = self.state.rank_state(self.holder.rank) {
+            r.booked_requests.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -584,16 +599,13 @@ mod tests {
         let mut a = Booking::new(s.clone(), holder(0), 1000, 10_000, ms(0)).expect("rank");
         let mut b = Booking::new(s.clone(), holder(0), 1000, 10_000, ms(50)).expect("rank");
         assert_eq!(busy(&s), ms(200), "queued behind the first");
-        assert_eq!(
-            s.rank_state(DpRank(0)).expect("rank").prefill_backlog(ms(150)),
-            Duration::from_millis(50)
-        );
+        assert_eq!(s.rank_state(DpRank(0)).expect("rank").prefill_backlog_ns(ms(150)), 50_000_000);
         // The engine is faster than nominal: the first token at 60 ms leaves 1,000 tokens booked.
         a.first_token(ms(60));
         assert_eq!(busy(&s), ms(160));
         b.first_token(ms(200)); // slower this time: the clock is never pushed later
         assert_eq!(busy(&s), ms(160));
-        assert_eq!(s.rank_state(DpRank(0)).expect("rank").prefill_backlog(ms(200)), Duration::ZERO);
+        assert_eq!(s.rank_state(DpRank(0)).expect("rank").prefill_backlog_ns(ms(200)), 0);
         // Idle: a new booking starts from now.
         let c = Booking::new(s.clone(), holder(0), 500, 10_000, ms(1000)).expect("rank");
         assert_eq!(busy(&s), ms(1050));

@@ -118,7 +118,7 @@ fn exact_kv_events_when_ready_and_hit() {
     assert_eq!(r.cache_hit_tokens(), 1600);
     // The whole pool is ranked; the next best cache holder is second.
     assert_eq!(r.admissible().len(), 4);
-    assert_eq!(r.admissible()[1].holder, h(1));
+    assert_eq!(r.admissible().nth(1).expect("nth").holder, h(1));
 }
 
 #[test]
@@ -128,7 +128,7 @@ fn load_aware_when_no_hit_picks_least_loaded() {
     let r = f.decide();
     assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::NoHit)));
     assert_eq!(r.mode().as_str(), "load_aware");
-    let order: Vec<_> = r.admissible().iter().map(|c| c.holder).collect();
+    let order: Vec<_> = r.admissible().map(|c| c.holder).collect();
     assert_eq!(order, vec![h(1), h(2), h(0)]);
     assert_eq!(r.cache_hit_tokens(), 0);
 }
@@ -142,7 +142,7 @@ fn load_aware_when_the_hit_is_overruled_by_load() {
     assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::HitOverruled)));
     assert_eq!(r.first().expect("first").holder, h(0));
     // The hit is still shown on the candidate that had it.
-    let w1 = r.admissible().iter().find(|c| c.holder == h(1)).expect("w1");
+    let w1 = r.admissible().find(|c| c.holder == h(1)).expect("w1");
     assert_eq!((w1.matched_tokens, w1.affinity_tokens), (16, 16));
 }
 
@@ -160,9 +160,7 @@ fn untrusted_requests_never_get_a_guessed_hit() {
         let r = &f.out;
         assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(reason)), "{u:?}");
         assert!(
-            r.all()
-                .iter()
-                .all(|c| c.matched_tokens == 0 && c.affinity_tokens == 0 && c.prefill_tokens == PROMPT)
+            r.all().all(|c| c.matched_tokens == 0 && c.affinity_tokens == 0 && c.prefill_tokens == PROMPT)
         );
         assert_ne!(r.first().expect("first").holder, h(0), "still load-aware");
         assert_eq!(
@@ -185,7 +183,7 @@ fn a_holder_whose_ledger_is_not_ready_gets_no_credit() {
         f.state(1).set_ledger(DpRank(0), state);
         f.hits(&[(h(1), 100)]);
         let r = f.decide();
-        let w1 = r.all().iter().find(|c| c.holder == h(1)).expect("w1");
+        let w1 = r.all().find(|c| c.holder == h(1)).expect("w1");
         assert_eq!((w1.matched_tokens, w1.ledger, w1.excluded), (0, state, None), "{state:?}");
         assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::NoHit)));
     }
@@ -200,7 +198,10 @@ fn unready_holders_excluded_when_configured() {
     let r = f.decide();
     assert_eq!(r.admissible().len(), 2);
     assert_eq!(r.excluded().len(), 1);
-    assert_eq!((r.excluded()[0].holder, r.excluded()[0].excluded), (h(1), Some(Exclusion::LedgerNotReady)));
+    assert_eq!(
+        (r.excluded().next().expect("next").holder, r.excluded().next().expect("next").excluded),
+        (h(1), Some(Exclusion::LedgerNotReady))
+    );
     // No READY holder at all: load-routed over everyone, and said so.
     for w in [0, 2] {
         f.state(w).set_ledger(DpRank(0), LedgerState::Syncing);
@@ -208,6 +209,19 @@ fn unready_holders_excluded_when_configured() {
     let r = f.decide();
     assert_eq!(r.admissible().len(), 3);
     assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::LedgerNotReady)));
+}
+
+#[test]
+fn the_bound_counts_only_holders_left_after_the_ledger_filter() {
+    // w0 READY with 5 bookings, w1 syncing and idle. Over both, the cap would be ⌈1.25·6/2⌉ = 4
+    // and exclude w0 too; over w0 alone it is 8.
+    let cfg = SchedConfig { unready_holders: UnreadyHolders::Excluded, ..SchedConfig::default() };
+    let mut f = Fixture::new(2, cfg);
+    f.state(1).set_ledger(DpRank(0), LedgerState::Syncing);
+    f.load(h(0), 5, 0).hits(&[(h(0), 10)]);
+    let r = f.decide();
+    assert_eq!(r.first().expect("w0 stays").holder, h(0));
+    assert_eq!(r.mode(), MatchMode::ExactKvEvents);
 }
 
 fn engine_reports() -> SchedConfig {
@@ -237,13 +251,13 @@ fn fallback_p2c_when_load_signals_are_partly_missing() {
         (MatchMode::FallbackP2c, Some(FallbackReason::LoadSignalsPartial))
     );
     assert_eq!(f.out.mode().as_str(), "fallback_p2c");
-    let missing = f.out.all().iter().find(|c| c.holder == h(2)).expect("w2");
+    let missing = f.out.all().find(|c| c.holder == h(2)).expect("w2");
     assert!(!missing.load_reported);
     // The cache is not used in this branch, even with a hit.
     let overlap = f.overlap.clone();
     f.decide_with(CacheView::Overlap { scores: &overlap, block_tokens: BLOCK }, ms(1600)).expect("ok");
     assert_eq!(f.out.mode(), MatchMode::FallbackP2c);
-    assert!(f.out.all().iter().all(|c| c.affinity_tokens == 0));
+    assert!(f.out.all().all(|c| c.affinity_tokens == 0));
 }
 
 #[test]
@@ -258,7 +272,7 @@ fn fallback_round_robin_when_only_liveness_is_known() {
             (MatchMode::FallbackRoundRobin, Some(FallbackReason::LoadSignalsMissing))
         );
         assert_eq!(r.mode().as_str(), "fallback_round_robin");
-        assert!(r.all().iter().all(|c| c.affinity_tokens == 0));
+        assert!(r.all().all(|c| c.affinity_tokens == 0));
         firsts.push(r.first().expect("first").holder.worker.0);
     }
     assert_eq!(firsts, vec![0, 1, 2, 0, 1, 2]);
@@ -272,7 +286,7 @@ fn engine_reports_feed_the_load_terms() {
     f.hits(&[]);
     let r = f.decide();
     assert_eq!(r.first().expect("first").holder, h(1));
-    let w0 = r.all().iter().find(|c| c.holder == h(0)).expect("w0");
+    let w0 = r.all().find(|c| c.holder == h(0)).expect("w0");
     assert_eq!((w0.active_requests, w0.booked_requests, w0.kv_usage), (9, 0, Some(0.5)));
 }
 
@@ -289,7 +303,7 @@ fn watermark_gives_up_affinity_for_the_request() {
         let mut f = Fixture::with_specs(specs.clone().collect(), no_bound());
         f.load(h(1), n, prefill).hits(&[(h(1), 128)]);
         let r = f.decide();
-        let w1 = *r.all().iter().find(|c| c.holder == h(1)).expect("w1");
+        let w1 = *r.all().find(|c| c.holder == h(1)).expect("w1");
         if watermark {
             assert_eq!(
                 (r.mode(), r.reason()),
@@ -313,7 +327,7 @@ fn bounded_load_caps_the_best_holder() {
     let r = f.decide();
     assert_eq!(r.excluded().len(), 1);
     assert_eq!(
-        (r.excluded()[0].holder, r.excluded()[0].excluded),
+        (r.excluded().next().expect("next").holder, r.excluded().next().expect("next").excluded),
         (h(0), Some(Exclusion::BoundedLoad { cap: 5 }))
     );
     assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::HitOverruled)));
@@ -372,7 +386,7 @@ fn cooldown_classes_exclude_for_their_duration() {
         let overlap = f.overlap.clone();
         let at = |f: &mut Fixture, t: Timestamp| {
             f.decide_with(CacheView::Overlap { scores: &overlap, block_tokens: BLOCK }, t).expect("ok");
-            f.out.all().iter().find(|c| c.holder == h(0)).expect("w0").excluded
+            f.out.all().find(|c| c.holder == h(0)).expect("w0").excluded
         };
         match cooldown {
             Some(d) => {
@@ -401,7 +415,7 @@ fn health_breaker_and_none_admissible() {
     }
     // Cooldown of server errors is 1 s; the breaker stays open 60 s.
     f.decide_with(CacheView::Untrusted(Untrusted::TokenizerFailed), ms(5_000)).expect("w3 left");
-    let why: Vec<_> = f.out.excluded().iter().map(|c| (c.holder.worker.0, c.excluded)).collect();
+    let why: Vec<_> = f.out.excluded().map(|c| (c.holder.worker.0, c.excluded)).collect();
     assert_eq!(
         why,
         vec![
@@ -416,10 +430,13 @@ fn health_breaker_and_none_admissible() {
     assert_eq!(err, Err(SchedError::NoneAdmissible));
     assert_eq!(f.out.admissible().len(), 0);
     assert_eq!(f.out.excluded().len(), 4, "the debug view still lists every holder");
-    assert_eq!(f.out.excluded()[3].excluded, Some(Exclusion::CoolingDown(FailureClass::RateLimited)));
+    assert_eq!(
+        f.out.excluded().nth(3).expect("nth").excluded,
+        Some(Exclusion::CoolingDown(FailureClass::RateLimited))
+    );
     // After the open period, the breaker lets trial requests through.
     f.decide_with(CacheView::Untrusted(Untrusted::TokenizerFailed), ms(70_000)).expect("half-open");
-    assert!(f.out.admissible().iter().any(|c| c.holder == h(2)));
+    assert!(f.out.admissible().any(|c| c.holder == h(2)));
 }
 
 #[test]
@@ -438,7 +455,7 @@ fn retry_takes_the_next_candidate_after_a_failure() {
     let mut f = Fixture::new(3, SchedConfig::default());
     f.hits(&[(h(2), 100), (h(0), 50)]);
     let snap = f.cluster.load();
-    let ranked: Vec<Candidate> = f.decide().admissible().to_vec();
+    let ranked: Vec<Candidate> = f.decide().admissible().copied().collect();
     assert_eq!(ranked.iter().map(|c| c.holder).collect::<Vec<_>>(), vec![h(2), h(0), h(1)]);
     let b = snap.book(&ranked[0], ms(10)).expect("book");
     b.fail(FailureClass::ServerError, ms(20));
@@ -519,7 +536,7 @@ fn power_of_two_never_picks_the_worse_of_its_pair() {
     for _ in 0..3000 {
         let r = f.decide();
         assert_eq!((r.mode(), r.reason()), (MatchMode::FallbackP2c, Some(FallbackReason::Policy)));
-        let (a, b) = (r.admissible()[0], r.admissible()[1]);
+        let (a, b) = (r.admissible().next().expect("next"), r.admissible().nth(1).expect("nth"));
         assert!(a.active_requests <= b.active_requests);
         counts[a.holder.worker.0 as usize] += 1;
     }
@@ -535,7 +552,7 @@ fn least_load_is_load_only_and_bounded() {
     let r = f.decide();
     assert_eq!(r.first().expect("first").holder, h(1));
     assert_eq!((r.mode(), r.reason()), (MatchMode::LoadAware, Some(FallbackReason::Policy)));
-    assert!(r.all().iter().all(|c| c.matched_tokens == 0));
+    assert!(r.all().all(|c| c.matched_tokens == 0));
 }
 
 #[test]
@@ -621,7 +638,7 @@ fn prefix_hash_is_sticky_per_prefix_and_bounded() {
     f.load(a, 5, 0);
     let b = pick(&mut f, &chain(1, 10));
     assert_ne!(b, a);
-    assert_eq!(f.out.excluded()[0].excluded, Some(Exclusion::BoundedLoad { cap: 2 }));
+    assert_eq!(f.out.excluded().next().expect("next").excluded, Some(Exclusion::BoundedLoad { cap: 2 }));
     // No full block: least load, and said so.
     assert_ne!(pick(&mut f, &[]), a);
     assert_eq!(f.out.reason(), Some(FallbackReason::NoPrefix));
@@ -646,7 +663,7 @@ fn prefill_and_decode_pools_use_their_own_policies() {
     assert_eq!(f.out.all().len(), 2, "only the prefill pool");
     f.sched.decide(&snap, &Request::new(MODEL, Role::Decode, ms(1), PROMPT, cache), &mut f.out).expect("ok");
     assert_eq!((f.out.policy(), f.out.mode()), (PolicyKind::PowerOfTwo, MatchMode::FallbackP2c));
-    assert!(f.out.all().iter().all(|c| c.holder.worker.0 >= 2 && c.matched_tokens == 0));
+    assert!(f.out.all().all(|c| c.holder.worker.0 >= 2 && c.matched_tokens == 0));
 }
 
 /// A custom scorer: prefers the highest worker id, ignoring everything else.
@@ -654,7 +671,7 @@ struct HighestId;
 
 impl Scorer for HighestId {
     fn score(&self, i: &ScoreInput) -> Score {
-        let total = f64::from(i.holder.worker.0);
+        let total = i.holder.worker.0 as f32;
         Score { total, ..Score::default() }
     }
 }
@@ -669,8 +686,27 @@ fn the_scorer_is_the_seam_and_cannot_bypass_the_filter() {
     let mut out = Ranking::with_capacity(3);
     let req = Request::new(MODEL, Role::Regular, ms(0), 10, CacheView::Untrusted(Untrusted::TokenizerFailed));
     sched.decide(&cluster.load(), &req, &mut out).expect("ok");
-    assert_eq!(out.admissible().iter().map(|c| c.holder.worker.0).collect::<Vec<_>>(), vec![2, 1, 0]);
+    assert_eq!(out.admissible().map(|c| c.holder.worker.0).collect::<Vec<_>>(), vec![2, 1, 0]);
     cluster.set_health(WorkerId(2), Health::Unhealthy);
     sched.decide(&cluster.load(), &req, &mut out).expect("ok");
     assert_eq!(out.first().expect("first").holder, h(1));
+}
+
+#[test]
+fn the_first_ranked_are_in_order_and_sort_all_orders_the_rest() {
+    let n = 40u32;
+    let mut f = Fixture::new(n, no_bound());
+    // Worker w has (w * 7) % 40 bookings: all distinct, so the load order is strict.
+    for w in 0..n {
+        f.load(h(w), (w * 7) % n, 0);
+    }
+    f.hits(&[]);
+    f.decide();
+    let loads = |r: &Ranking| r.admissible().map(|c| c.booked_requests).collect::<Vec<_>>();
+    let got = loads(&f.out);
+    assert_eq!(got.len(), n as usize);
+    assert_eq!(&got[..RANKED], &(0..RANKED as u32).collect::<Vec<_>>()[..]);
+    assert!(got[RANKED..].iter().all(|&l| l >= RANKED as u32), "the rest are all worse");
+    f.out.sort_all();
+    assert_eq!(loads(&f.out), (0..n).collect::<Vec<_>>());
 }

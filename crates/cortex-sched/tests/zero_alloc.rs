@@ -1,0 +1,161 @@
+//! The decision path allocates nothing when the caller lends the result buffer: a counting global
+//! allocator (per thread, so the test harness's own threads do not count) around snapshot load,
+//! decision, booking, first token and completion, for every policy but `manual` (whose sticky
+//! map inserts a key per new routing key, by design).
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
+use cortex_hash::kv::{DpRank, HolderId, WorkerId};
+use cortex_hash::{Engine, SeqHash};
+use cortex_radix::{Overlap, OverlapScores};
+use cortex_sched::*;
+
+struct Counting;
+
+thread_local! {
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
+
+// SAFETY: defers to the system allocator; only counts calls on the current thread.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract as ours.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as ours.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
+        // SAFETY: same contract as ours.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocations<R>(f: impl FnOnce() -> R) -> (R, u64) {
+    let before = ALLOCS.with(Cell::get);
+    let r = f();
+    (r, ALLOCS.with(Cell::get) - before)
+}
+
+#[test]
+fn the_counter_sees_allocations() {
+    let (v, n) = allocations(|| vec![1u8; 10]);
+    assert_eq!((v.len(), n), (10, 1));
+}
+
+#[test]
+fn decision_path_allocates_nothing() {
+    const WORKERS: u32 = 64;
+    let policies = [
+        PolicyConfig::CacheAware,
+        PolicyConfig::RoundRobin,
+        PolicyConfig::Random,
+        PolicyConfig::PowerOfTwo,
+        PolicyConfig::LeastLoad,
+        PolicyConfig::ConsistentHashing,
+        PolicyConfig::PrefixHash(PrefixHashConfig::default()),
+    ];
+    let cluster = Cluster::new(HealthPolicy::default());
+    for i in 0..WORKERS {
+        let spec = WorkerSpec {
+            dp_size: if i % 8 == 0 { 2 } else { 1 },
+            ..WorkerSpec::new(WorkerId(i), "m", Engine::Vllm)
+        };
+        cluster.upsert(spec, Health::Healthy);
+    }
+    let snap = cluster.load();
+    for w in snap.workers() {
+        for r in 0..w.state().dp_size() {
+            w.state().set_ledger(DpRank(r), LedgerState::Ready);
+        }
+    }
+    drop(snap);
+    let mut ranking = Ranking::with_capacity(2 * WORKERS as usize);
+    let mut overlap = OverlapScores::with_capacity(2 * WORKERS as usize);
+    let prefix: Vec<SeqHash> = (0..80).map(SeqHash::from_bits).collect();
+    let mut bookings = Vec::with_capacity(64);
+    // Booked signals: the exact and load-aware branches; engine reports that some ranks never
+    // send: the p2c branch.
+    let signals =
+        [LoadSignals::Booked, LoadSignals::EngineReports { max_age: std::time::Duration::from_secs(5) }];
+    for (p, load_signals) in policies.into_iter().flat_map(|p| signals.map(|s| (p, s))) {
+        let config = SchedConfig {
+            pools: PoolPolicies { regular: p, prefill: p, decode: p },
+            load_signals,
+            ..SchedConfig::default()
+        };
+        let mut modes = [0u32; 4];
+        let sched = Scheduler::new(config).expect("config");
+        let mut round =
+            |i: u64, ranking: &mut Ranking, overlap: &mut OverlapScores, bookings: &mut Vec<Booking>| {
+                let now = Timestamp::from_millis(i);
+                // Engine reports for most holders (some missing: the p2c branch), a ledger answer.
+                let snap = cluster.load();
+                for w in snap.workers().iter().filter(|w| u64::from(w.spec().id.0) % 7 != i % 3) {
+                    let load = EngineLoad {
+                        running: (i % 5) as u32,
+                        waiting: 1,
+                        waiting_prefill_tokens: 100,
+                        kv_usage: 0.3,
+                    };
+                    w.state().report_load(DpRank(0), load, now);
+                }
+                overlap.begin(80);
+                for w in 0..WORKERS {
+                    if !(u64::from(w) + i).is_multiple_of(4) {
+                        let holder = HolderId::new(WorkerId(w), DpRank(0));
+                        let blocks = ((u64::from(w) * 7 + i) % 80) as u32;
+                        overlap.push(Overlap { holder, gpu_blocks: blocks, any_tier_blocks: blocks });
+                    }
+                }
+                let mut req = Request::new(
+                    "m",
+                    Role::Regular,
+                    now,
+                    1280,
+                    CacheView::Overlap { scores: overlap, block_tokens: 16 },
+                );
+                req.routing_key = Some(b"tenant-7");
+                req.prefix = &prefix[..(i % 80) as usize];
+                sched.decide(&snap, &req, ranking).expect("decide");
+                modes[ranking.mode() as usize] += 1;
+                let mut b = snap.book(ranking.first().expect("first"), now).expect("book");
+                b.first_token(now);
+                if i.is_multiple_of(2) {
+                    b.succeed(now);
+                } else {
+                    bookings.push(b); // keep some in flight
+                }
+                if bookings.len() > 40 {
+                    bookings.clear();
+                }
+            };
+        // Warm-up: the first epoch pin of this thread registers it (one allocation, once).
+        round(0, &mut ranking, &mut overlap, &mut bookings);
+        let ((), n) = allocations(|| {
+            for i in 1..500 {
+                round(i, &mut ranking, &mut overlap, &mut bookings);
+            }
+        });
+        assert_eq!(n, 0, "{} allocated {n} times in 499 decisions", p.kind());
+        bookings.clear();
+        if p == PolicyConfig::CacheAware {
+            let exact = MatchMode::ExactKvEvents as usize;
+            match load_signals {
+                LoadSignals::Booked => assert!(modes[exact] > 100, "{modes:?}"),
+                LoadSignals::EngineReports { .. } => {
+                    assert!(modes[MatchMode::FallbackP2c as usize] > 100, "{modes:?}")
+                }
+            }
+        }
+    }
+}
