@@ -41,7 +41,8 @@ fn batch(i: u64) -> Vec<u8> {
         medium: Some("GPU"),
         ..WireBlockStored::default()
     };
-    let b = WireBatch { ts: 0.0, events: vec![WireEvent::BlockStored(stored)], data_parallel_rank: Some(0) };
+    let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let b = WireBatch { ts, events: vec![WireEvent::BlockStored(stored)], data_parallel_rank: Some(0) };
     cortex_events_vllm::encode(&b, Version::LATEST).unwrap()
 }
 
@@ -150,7 +151,7 @@ fn gap_and_restart(payloads: &[Vec<u8>], gap: usize) -> (Duration, Duration) {
     let gap_time = t.elapsed();
     let t = Instant::now();
     engine.publish(0, &payloads[0]);
-    assert!(ingest.wait_for(h, WAIT, |s| s.last_seq == 0 && s.clears == 1));
+    assert!(ingest.wait_for(h, WAIT, |s| s.last_seq == 0 && s.clears == 1), "{:?}", ingest.status(h));
     (gap_time, t.elapsed())
 }
 

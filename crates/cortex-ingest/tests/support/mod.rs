@@ -39,6 +39,8 @@ impl FakeEngine {
         let (router, replay_endpoint) = match replay {
             Some(_) => {
                 let r = ctx.socket(zmq::ROUTER).unwrap();
+                // As vLLM >= 0.33 does (SNDHWM 2 * (buffer_steps + 1)): a long replay is not cut.
+                r.set_sndhwm(0).unwrap();
                 r.set_linger(0).unwrap();
                 r.bind("tcp://127.0.0.1:*").unwrap();
                 let e = r.get_last_endpoint().unwrap().unwrap();
