@@ -5,6 +5,7 @@
 
 pub mod ci;
 pub mod golden;
+pub mod radix;
 pub mod tidy;
 
 use std::path::PathBuf;

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use xtask::{ci, golden, tidy, workspace_root};
+use xtask::{ci, golden, radix, tidy, workspace_root};
 
 #[derive(Parser)]
 #[command(name = "cargo xtask", about = "Cortex's automation")]
@@ -29,6 +29,30 @@ enum Cmd {
         #[arg(long)]
         bless: bool,
     },
+    /// The ledger's loom models and their negative controls (own target dir, time-capped).
+    Loom {
+        /// Time cap per run, in seconds.
+        #[arg(long, default_value_t = 900)]
+        cap_secs: u64,
+    },
+    /// The ledger soak in release: 10^7 events with churn, memory within budget, no growth.
+    Soak {
+        /// Events to apply.
+        #[arg(long, default_value_t = 10_000_000)]
+        ops: u64,
+        /// Byte budget in MiB.
+        #[arg(long, default_value_t = 64)]
+        budget_mib: u64,
+    },
+    /// The ledger against dynamo-kv-router 1.6.1 (separate workspace peers/radix-bench).
+    BenchPeers {
+        /// Interleaved rounds per configuration.
+        #[arg(long, default_value_t = 5)]
+        rounds: u32,
+        /// Configurations, `holders x blocks` each.
+        #[arg(long, default_value = "8x10000,64x10000,8x100000")]
+        configs: String,
+    },
 }
 
 #[allow(clippy::print_stdout, clippy::print_stderr)]
@@ -37,6 +61,13 @@ fn main() -> Result<ExitCode> {
     let root = workspace_root();
     match cli.command {
         Cmd::Ci => ci::run(&root),
+        Cmd::Loom { cap_secs } => radix::loom(&root, std::time::Duration::from_secs(cap_secs)),
+        Cmd::Soak { ops, budget_mib } => {
+            radix::soak(&root, ops, budget_mib, std::time::Duration::from_secs(3600))
+        }
+        Cmd::BenchPeers { rounds, configs } => {
+            radix::bench_peers(&root, rounds, &configs, std::time::Duration::from_secs(3600))
+        }
         Cmd::Tidy => {
             let violations = tidy::run(&root)?;
             for v in &violations {

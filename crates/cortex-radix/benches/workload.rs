@@ -9,7 +9,7 @@
 //! are the blocks' `SeqHash` bits (router-computable, as Dynamo's harness uses), contents are
 //! the `BlockHash` bits (Dynamo's `LocalBlockHash`).
 
-#![allow(dead_code)]
+#![allow(dead_code, unreachable_pub, missing_docs)]
 
 use cortex_hash::kv::{BlockStored, EngineHash, KvEvent, Lineage, Medium, StoredBlock};
 use cortex_hash::{BlockHash, Engine, Namespace, SeqHash, chain};
@@ -64,7 +64,7 @@ impl Workload {
         let lineage = Lineage::new(ns, None);
         let chains = blocks_per_holder / CHAIN;
         let content = |h: u32, c: usize, i: usize| -> u64 {
-            if c % 2 == 0 {
+            if c.is_multiple_of(2) {
                 if i < SHARED {
                     splitmix(0x5AED ^ (i as u64) << 8)
                 } else {

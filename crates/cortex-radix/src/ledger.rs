@@ -25,17 +25,18 @@ pub(crate) const GROUP: u32 = 32;
 pub const MAX_HOLDERS: u32 = 1024;
 const GROUPS: usize = (MAX_HOLDERS / GROUP) as usize;
 
-/// The worst-case bytes one (holder, block) costs, used to turn the byte budget into a block
-/// budget: a 24-byte map bucket plus its control byte at the lowest load the map reaches (7/16),
-/// plus an unshared 16-byte table slot at its lowest load (2/5), rounded up.
-pub const WORST_BYTES_PER_BLOCK: usize = 104;
+/// How many positions ahead a query prefetches its lookups.
+const PREFETCH: usize = 8;
+
+/// The least bytes per block the budget arithmetic assumes (a table slot and a map bucket).
+const MIN_BYTES_PER_BLOCK: u64 = 40;
 
 /// Ledger-wide settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LedgerConfig {
-    /// Memory the ledger may use. Turned into a block budget ([`WORST_BYTES_PER_BLOCK`] per
-    /// block) shared among holders in proportion to their capacity; a holder over its share
-    /// evicts its least recently stored blocks.
+    /// Memory the ledger may use. While over it, a writer whose holder holds more than its
+    /// capacity-proportional share of the blocks that fit the budget (at the current average
+    /// bytes per block) evicts its least recently stored blocks down to that share.
     pub byte_budget: usize,
     /// Extra blocks a holder may keep beyond its engine capacity before the ledger evicts, in
     /// percent of that capacity. Only lost removes make a holder exceed its capacity; when it
@@ -451,7 +452,19 @@ impl Ledger {
         let mut gpu_len = [[0u32; GROUP as usize]; 2];
         let mut gpu_len_big: Option<Box<[[u32; GROUP as usize]]>> = None;
         let mut ended = seq.len();
+        for s in seq.iter().take(PREFETCH) {
+            for st in states.iter() {
+                inner.table.prefetch(table_key(s.to_bits(), st.0), &guard);
+            }
+        }
         'walk: for (i, s) in seq.iter().enumerate() {
+            if let Some(ahead) = seq.get(i + PREFETCH) {
+                for st in states.iter() {
+                    if st.2 != 0 {
+                        inner.table.prefetch(table_key(ahead.to_bits(), st.0), &guard);
+                    }
+                }
+            }
             let mut any_left = 0u32;
             for (si, st) in states.iter_mut().enumerate() {
                 if st.2 == 0 {
@@ -657,11 +670,20 @@ impl Inner {
             + GROUPS * 8
     }
 
-    /// The block budget of a holder of capacity `cap`: its share of the byte budget.
-    fn budget_blocks(&self, cap: u32) -> usize {
-        let total_cap = self.counters.capacity.load(StdOrdering::Relaxed).max(1);
-        let blocks = (self.cfg.byte_budget / WORST_BYTES_PER_BLOCK) as u128;
-        (blocks * u128::from(cap) / u128::from(total_cap)) as usize
+    /// When the ledger is over its byte budget: the block count a holder of capacity `cap` is
+    /// cut down to — its capacity-proportional share of the blocks the budget holds at the
+    /// current average bytes per block, with 1/16 headroom. `None` within budget.
+    fn budget_blocks(&self, cap: u32) -> Option<usize> {
+        let live = self.live_bytes();
+        if live <= self.cfg.byte_budget {
+            return None;
+        }
+        let r = StdOrdering::Relaxed;
+        let blocks = self.counters.blocks.load(r).max(1);
+        let per_block = (live as u64 / blocks).max(MIN_BYTES_PER_BLOCK);
+        let allowed = self.cfg.byte_budget as u64 / per_block * 15 / 16;
+        let total_cap = self.counters.capacity.load(r).max(1);
+        Some((u128::from(allowed) * u128::from(cap) / u128::from(total_cap)) as usize)
     }
 }
 
@@ -1136,10 +1158,15 @@ impl Cx<'_> {
             let n = self.evict(p, self.me.cfg.capacity_blocks as usize);
             self.inner.counters.evictions_capacity.fetch_add(n, StdOrdering::Relaxed);
         }
-        let budget = self.inner.budget_blocks(self.me.cfg.capacity_blocks);
-        if p.entries.len() > budget {
+        if let Some(budget) = self.inner.budget_blocks(self.me.cfg.capacity_blocks)
+            && p.entries.len() > budget
+        {
             let n = self.evict(p, budget);
             self.inner.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
+            // Give the memory back now, or the budget would keep evicting.
+            p.entries.shrink_to(budget + budget / 4);
+            p.orphans.shrink_to_fit();
+            p.waiting.shrink_to_fit();
         }
     }
 

@@ -44,6 +44,5 @@ mod table;
 pub use ledger::{
     ApplyOutcome, DumpBlock, DumpState, EarlyExit, HolderConfig, HolderDump, HolderFilter, HolderWriter,
     Ledger, LedgerConfig, LedgerError, LedgerStats, MAX_HOLDERS, QueryOptions, Readiness,
-    WORST_BYTES_PER_BLOCK,
 };
 pub use overlap::{Overlap, OverlapScores};

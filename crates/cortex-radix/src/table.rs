@@ -36,16 +36,27 @@ const MIN_CAP: usize = 16;
 const MIN_CAP: usize = 4;
 
 /// Bytes of one slot.
-pub(crate) const SLOT_BYTES: usize = std::mem::size_of::<Slot>();
+pub(crate) const SLOT_BYTES: usize = 16;
 
-struct Slot {
-    key: AtomicU64,
-    bits: AtomicU64,
+/// Slots per bucket: one 64-byte cache line holds four keys and their bits, so a lookup
+/// usually touches one line.
+const LANES: usize = 4;
+
+#[cfg_attr(not(loom), repr(C, align(64)))]
+struct Bucket {
+    keys: [AtomicU64; LANES],
+    bits: [AtomicU64; LANES],
 }
 
-/// One shard's probing array.
+/// A slot: one key and its bits.
+struct Slot<'a> {
+    key: &'a AtomicU64,
+    bits: &'a AtomicU64,
+}
+
+/// One shard's probing array: slots in cache-line buckets, probed slot by slot.
 pub(crate) struct Table {
-    slots: Box<[Slot]>,
+    buckets: Box<[Bucket]>,
     /// Set when the table is retired and reclaimed (loom builds only: the loom models check that
     /// no reader ever reads a reclaimed table).
     #[cfg(loom)]
@@ -55,30 +66,55 @@ pub(crate) struct Table {
 impl Table {
     fn new(cap: usize) -> Table {
         Table {
-            slots: (0..cap).map(|_| Slot { key: AtomicU64::new(EMPTY), bits: AtomicU64::new(0) }).collect(),
+            buckets: (0..cap.div_ceil(LANES))
+                .map(|_| Bucket {
+                    keys: std::array::from_fn(|_| AtomicU64::new(EMPTY)),
+                    bits: std::array::from_fn(|_| AtomicU64::new(0)),
+                })
+                .collect(),
             #[cfg(loom)]
             reclaimed: crate::sync::AtomicBool::new(false),
         }
     }
 
     fn cap(&self) -> usize {
-        self.slots.len()
+        self.buckets.len() * LANES
     }
 
-    /// Where `key`'s probe starts: the key's bits below the shard bits, scaled to the capacity
-    /// (multiply-shift, so capacities need not be powers of two).
     #[inline]
-    fn home(key: u64, cap: usize) -> usize {
-        (((key << SHARD_BITS) as u128 * cap as u128) >> 64) as usize
+    fn slot(&self, i: usize) -> Slot<'_> {
+        let b = &self.buckets[i / LANES];
+        Slot { key: &b.keys[i % LANES], bits: &b.bits[i % LANES] }
+    }
+
+    /// Where `key`'s probe starts: the first slot of its home bucket, the bucket chosen from the
+    /// key's bits below the shard bits, scaled to the bucket count (multiply-shift, so counts
+    /// need not be powers of two).
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        ((((key << SHARD_BITS) as u128 * self.buckets.len() as u128) >> 64) as usize) * LANES
+    }
+
+    /// Hints the CPU to fetch `key`'s home bucket.
+    #[inline]
+    fn prefetch(&self, key: u64) {
+        let bucket: *const Bucket = &self.buckets[self.home(key) / LANES];
+        #[cfg(all(target_arch = "x86_64", not(loom)))]
+        // SAFETY: a prefetch is only a hint; it never faults, and the address is in bounds.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(bucket.cast::<i8>());
+        }
+        #[cfg(not(all(target_arch = "x86_64", not(loom))))]
+        let _ = bucket;
     }
 
     /// The reader's lookup: the holder bits of `key`, `None` if absent.
     #[inline]
     fn find(&self, key: u64) -> Option<u64> {
         let cap = self.cap();
-        let mut i = Self::home(key, cap);
+        let mut i = self.home(key);
         loop {
-            let slot = &self.slots[i];
+            let slot = self.slot(i);
             // Acquire: pairs with the Release store that published the key, so the bits written
             // before it are visible to this thread.
             let k = slot.key.load(Ordering::Acquire);
@@ -106,11 +142,11 @@ impl Table {
     /// empty slot of its probe sequence.
     fn probe(&self, key: u64) -> Result<usize, usize> {
         let cap = self.cap();
-        let mut i = Self::home(key, cap);
+        let mut i = self.home(key);
         #[cfg(cortex_loom_bug = "reuse_dead")]
         let mut first_dead = None;
         loop {
-            let slot = &self.slots[i];
+            let slot = self.slot(i);
             // Relaxed: keys are only written under the shard lock, which this thread holds.
             let k = slot.key.load(Ordering::Relaxed);
             if k == key {
@@ -138,8 +174,9 @@ impl Table {
     fn fill(&self, key: u64, bits: u64) {
         let Err(i) = self.probe(key) else { return };
         // Relaxed: the table is published later with a Release pointer store.
-        self.slots[i].bits.store(bits, Ordering::Relaxed);
-        self.slots[i].key.store(key, Ordering::Relaxed);
+        let slot = self.slot(i);
+        slot.bits.store(bits, Ordering::Relaxed);
+        slot.key.store(key, Ordering::Relaxed);
     }
 }
 
@@ -202,6 +239,17 @@ impl SlotTable {
         self.lookup(key, guard).unwrap_or(0)
     }
 
+    /// Hints the CPU to fetch the cache line where `key`'s lookup starts (the query issues
+    /// these a few positions ahead, so that lookups overlap instead of waiting in turn).
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64, guard: &Guard) {
+        let shard = &self.shards[shard_of(key)];
+        // Acquire: as in `lookup`.
+        let table = shard.table.load(Ordering::Acquire, guard);
+        // SAFETY: as in `lookup`.
+        unsafe { table.deref() }.prefetch(key);
+    }
+
     /// The holder bits of `key`, `None` if the key is absent (a dead key reads `Some(0)`).
     #[inline]
     pub(crate) fn lookup(&self, key: u64, guard: &Guard) -> Option<u64> {
@@ -229,7 +277,7 @@ impl SlotTable {
         let mut table = unsafe { current.deref() };
         match table.probe(key) {
             Ok(i) => {
-                let slot = &table.slots[i];
+                let slot = table.slot(i);
                 // Relaxed: only the lock holder writes bits.
                 let old = slot.bits.load(Ordering::Relaxed);
                 let new = (old & !mask) | want;
@@ -268,7 +316,7 @@ impl SlotTable {
                         }
                     }
                 }
-                let slot = &table.slots[i];
+                let slot = table.slot(i);
                 #[cfg(cortex_loom_bug = "reuse_dead")]
                 let was_dead = slot.key.load(Ordering::Relaxed) != EMPTY;
                 #[cfg(cortex_loom_bug = "reuse_dead")]
@@ -307,7 +355,9 @@ impl SlotTable {
         let old_table = unsafe { old.deref() };
         let new_cap = (st.live * 2 + 2).max(MIN_CAP);
         let fresh = Table::new(new_cap);
-        for slot in old_table.slots.iter() {
+        let new_cap = fresh.cap();
+        for i in 0..old_table.cap() {
+            let slot = old_table.slot(i);
             // Relaxed: written only under the lock this thread holds.
             let (k, b) = (slot.key.load(Ordering::Relaxed), slot.bits.load(Ordering::Relaxed));
             if k != EMPTY && b != 0 {
