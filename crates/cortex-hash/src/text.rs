@@ -111,6 +111,10 @@ impl ChatTemplate {
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     digest: FileDigest,
+    /// Special tokens that split text into independently tokenized segments (see
+    /// [`TextTokenizer::encode_cached`]); empty when the self-check at load found that splitting
+    /// changes the result.
+    splitters: Splitters,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -136,7 +140,53 @@ impl TextTokenizer {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, TextError> {
         let inner =
             tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| TextError::TokenizerLoad(e.to_string()))?;
-        Ok(TextTokenizer { inner, digest: FileDigest::of(bytes) })
+        let mut tok = TextTokenizer { inner, digest: FileDigest::of(bytes), splitters: Splitters::default() };
+        let candidates = Splitters::from_added_tokens(&tok.inner);
+        if candidates.self_check(&tok) {
+            tok.splitters = candidates;
+        }
+        Ok(tok)
+    }
+
+    /// Whether [`TextTokenizer::encode_cached`] can reuse segments for this tokenizer (its special
+    /// tokens split text exactly; checked when it was loaded).
+    #[must_use]
+    pub fn segment_reuse(&self) -> bool {
+        !self.splitters.tokens.is_empty()
+    }
+
+    /// Token ids of `text` with [`SpecialTokens::Omit`] (a rendered chat prompt), reusing the
+    /// tokenization of segments seen before.
+    ///
+    /// A tokenizer extracts its special tokens before anything else, so the text between two
+    /// special tokens is tokenized independently of its neighbours: `tokens(text)` is the
+    /// concatenation of the tokens of its segments. A multi-turn conversation resends its whole
+    /// history, so every segment but the new turn is found in `cache`. The result is exactly
+    /// [`TextTokenizer::encode`]'s (property-tested, and verified on this tokenizer at load: a
+    /// tokenizer for which splitting would change the result never reuses).
+    ///
+    /// # Errors
+    /// [`TextError::Encode`].
+    pub fn encode_cached(&self, text: &str, cache: &SegmentCache) -> Result<Vec<Token>, TextError> {
+        if !self.segment_reuse() {
+            return self.encode(text, SpecialTokens::Omit);
+        }
+        let mut out = Vec::with_capacity(text.len() / 3);
+        for seg in self.splitters.segments(text) {
+            match seg {
+                Segment::Special(id) => out.push(id),
+                Segment::Text(piece) => {
+                    if let Some(ids) = cache.get(piece) {
+                        out.extend_from_slice(&ids);
+                    } else {
+                        let ids = self.encode(piece, SpecialTokens::Omit)?;
+                        out.extend_from_slice(&ids);
+                        cache.insert(piece, ids.into());
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Digest of the tokenizer file (a [`ModelProfile`](crate::profile::ModelProfile) field).
@@ -214,6 +264,181 @@ impl TokenizerConfig {
             _ => None,
         };
         Ok(TokenizerConfig { chat_template, bos_token: special("bos_token"), eos_token: special("eos_token") })
+    }
+}
+
+/// The special tokens a tokenizer extracts before anything else, usable as segment boundaries.
+struct Splitters {
+    /// (content, id), longest first so that a token that prefixes another never wins.
+    tokens: Vec<(String, Token)>,
+    /// First bytes of the tokens, to skip most positions with one lookup.
+    first: [bool; 256],
+}
+
+impl Default for Splitters {
+    fn default() -> Self {
+        Splitters { tokens: Vec::new(), first: [false; 256] }
+    }
+}
+
+enum Segment<'a> {
+    Special(Token),
+    Text(&'a str),
+}
+
+impl Splitters {
+    /// Added tokens that are special and carry no stripping, word or normalization option: the
+    /// ones every tokenizer splits on verbatim.
+    fn from_added_tokens(tok: &tokenizers::Tokenizer) -> Self {
+        let mut tokens: Vec<(String, Token)> = tok
+            .get_added_tokens_decoder()
+            .into_iter()
+            .filter(|(_, t)| t.special && !t.lstrip && !t.rstrip && !t.single_word && !t.normalized && !t.content.is_empty())
+            .map(|(id, t)| (t.content, id))
+            .collect();
+        tokens.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
+        let mut first = [false; 256];
+        for (t, _) in &tokens {
+            first[usize::from(t.as_bytes()[0])] = true;
+        }
+        Splitters { tokens, first }
+    }
+
+    fn segments<'a>(&'a self, text: &'a str) -> impl Iterator<Item = Segment<'a>> + 'a {
+        let bytes = text.as_bytes();
+        let mut pos = 0;
+        let mut start = 0;
+        let mut pending: Option<Token> = None;
+        std::iter::from_fn(move || {
+            if let Some(id) = pending.take() {
+                return Some(Segment::Special(id));
+            }
+            while pos < bytes.len() {
+                if self.first[usize::from(bytes[pos])] {
+                    if let Some((t, id)) = self.tokens.iter().find(|(t, _)| bytes[pos..].starts_with(t.as_bytes())) {
+                        let piece = &text[start..pos];
+                        pos += t.len();
+                        start = pos;
+                        if piece.is_empty() {
+                            return Some(Segment::Special(*id));
+                        }
+                        pending = Some(*id);
+                        return Some(Segment::Text(piece));
+                    }
+                }
+                pos += 1;
+            }
+            if start < bytes.len() {
+                let piece = &text[start..];
+                start = bytes.len();
+                return Some(Segment::Text(piece));
+            }
+            None
+        })
+    }
+
+    /// Whether segment-wise tokenization equals whole-text tokenization on a probe built from
+    /// the tokenizer's own special tokens.
+    fn self_check(&self, tok: &TextTokenizer) -> bool {
+        if self.tokens.is_empty() {
+            return false;
+        }
+        let pieces = ["Hello world", " \n  leading spaces", "tail\n\n", "Zürich 🦙 12,345.6 ", "\n"];
+        let mut probe = String::new();
+        for (i, (t, _)) in self.tokens.iter().take(8).enumerate() {
+            probe.push_str(pieces[i % pieces.len()]);
+            probe.push_str(t);
+        }
+        probe.push_str("end of probe");
+        let cache = SegmentCache::new(1 << 12);
+        let Ok(whole) = tok.encode(&probe, SpecialTokens::Omit) else { return false };
+        let mut out = Vec::new();
+        for seg in self.segments(&probe) {
+            match seg {
+                Segment::Special(id) => out.push(id),
+                Segment::Text(p) => match tok.encode(p, SpecialTokens::Omit) {
+                    Ok(ids) => out.extend(ids),
+                    Err(_) => return false,
+                },
+            }
+        }
+        drop(cache);
+        out == whole
+    }
+}
+
+/// A bounded cache of tokenized text segments, shared by the requests of one model.
+///
+/// Two generations: lookups promote entries into the young one; when the young one holds half
+/// the budget (in tokens) the old one is dropped and the young one ages. Every operation is O(1)
+/// and the cache never holds more than its budget plus one segment.
+pub struct SegmentCache {
+    inner: std::sync::Mutex<Generations>,
+    budget_tokens: usize,
+}
+
+#[derive(Default)]
+struct Generations {
+    young: std::collections::HashMap<u128, std::sync::Arc<[Token]>>,
+    old: std::collections::HashMap<u128, std::sync::Arc<[Token]>>,
+    young_tokens: usize,
+    hits: u64,
+    misses: u64,
+}
+
+impl std::fmt::Debug for SegmentCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SegmentCache").field("budget_tokens", &self.budget_tokens).finish_non_exhaustive()
+    }
+}
+
+impl SegmentCache {
+    /// A cache holding at most about `budget_tokens` token ids.
+    #[must_use]
+    pub fn new(budget_tokens: usize) -> Self {
+        SegmentCache { inner: std::sync::Mutex::new(Generations::default()), budget_tokens: budget_tokens.max(2) }
+    }
+
+    fn key(piece: &str) -> u128 {
+        xxhash_rust::xxh3::xxh3_128(piece.as_bytes())
+    }
+
+    fn get(&self, piece: &str) -> Option<std::sync::Arc<[Token]>> {
+        let key = Self::key(piece);
+        let mut g = self.inner.lock().ok()?;
+        if let Some(v) = g.young.get(&key).cloned() {
+            g.hits += 1;
+            return Some(v);
+        }
+        if let Some(v) = g.old.remove(&key) {
+            g.hits += 1;
+            g.young_tokens += v.len();
+            g.young.insert(key, v.clone());
+            self.age(&mut g);
+            return Some(v);
+        }
+        g.misses += 1;
+        None
+    }
+
+    fn insert(&self, piece: &str, ids: std::sync::Arc<[Token]>) {
+        let Ok(mut g) = self.inner.lock() else { return };
+        g.young_tokens += ids.len();
+        g.young.insert(Self::key(piece), ids);
+        self.age(&mut g);
+    }
+
+    fn age(&self, g: &mut Generations) {
+        if g.young_tokens >= self.budget_tokens / 2 {
+            g.old = std::mem::take(&mut g.young);
+            g.young_tokens = 0;
+        }
+    }
+
+    /// (hits, misses) since creation.
+    #[must_use]
+    pub fn hit_counts(&self) -> (u64, u64) {
+        self.inner.lock().map_or((0, 0), |g| (g.hits, g.misses))
     }
 }
 
@@ -361,6 +586,42 @@ mod tests {
         let t = ChatTemplate::new("{{ raise_exception('no system role') }}").unwrap();
         let err = t.render(&serde_json::json!({})).unwrap_err();
         assert!(err.to_string().contains("no system role"), "{err}");
+    }
+
+    #[test]
+    fn cached_encoding_equals_plain_encoding_on_real_conversations() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../golden");
+        let tok = TextTokenizer::from_file(dir.join("models/qwen3/tokenizer.json")).unwrap();
+        assert!(tok.segment_reuse(), "Qwen3's special tokens split text exactly");
+        let source = std::fs::read_to_string(dir.join("chat-templates/Qwen-Qwen3-0.6B.jinja")).unwrap();
+        let tpl = ChatTemplate::new(&source).unwrap();
+        let cases: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join("chat-templates/cases_qwen3.json")).unwrap()).unwrap();
+        let cache = SegmentCache::new(1 << 16);
+        for case in cases.as_array().unwrap() {
+            let text = tpl.render(case).unwrap();
+            let plain = tok.encode(&text, SpecialTokens::Omit).unwrap();
+            assert_eq!(tok.encode_cached(&text, &cache).unwrap(), plain);
+            // Second time around every segment comes from the cache.
+            assert_eq!(tok.encode_cached(&text, &cache).unwrap(), plain);
+        }
+        let (hits, misses) = cache.hit_counts();
+        assert!(hits >= misses, "hits {hits} misses {misses}");
+        // Text with no special token and text made only of special tokens.
+        for text in ["plain text, no specials", "<|im_start|><|im_end|>", "", "<|im_start|>"] {
+            assert_eq!(tok.encode_cached(text, &cache).unwrap(), tok.encode(text, SpecialTokens::Omit).unwrap());
+        }
+    }
+
+    #[test]
+    fn segment_cache_stays_within_budget() {
+        let cache = SegmentCache::new(100);
+        for i in 0..1000u32 {
+            cache.insert(&i.to_string(), vec![i; 10].into());
+        }
+        let g = cache.inner.lock().unwrap();
+        let held: usize = g.young.values().chain(g.old.values()).map(|v| v.len()).sum();
+        assert!(held <= 110, "{held}");
     }
 
     #[test]
