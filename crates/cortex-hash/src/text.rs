@@ -314,17 +314,17 @@ impl Splitters {
                 return Some(Segment::Special(id));
             }
             while pos < bytes.len() {
-                if self.first[usize::from(bytes[pos])] {
-                    if let Some((t, id)) = self.tokens.iter().find(|(t, _)| bytes[pos..].starts_with(t.as_bytes())) {
-                        let piece = &text[start..pos];
-                        pos += t.len();
-                        start = pos;
-                        if piece.is_empty() {
-                            return Some(Segment::Special(*id));
-                        }
-                        pending = Some(*id);
-                        return Some(Segment::Text(piece));
+                if self.first[usize::from(bytes[pos])]
+                    && let Some((t, id)) = self.tokens.iter().find(|(t, _)| bytes[pos..].starts_with(t.as_bytes()))
+                {
+                    let piece = &text[start..pos];
+                    pos += t.len();
+                    start = pos;
+                    if piece.is_empty() {
+                        return Some(Segment::Special(*id));
                     }
+                    pending = Some(*id);
+                    return Some(Segment::Text(piece));
                 }
                 pos += 1;
             }
@@ -350,7 +350,6 @@ impl Splitters {
             probe.push_str(t);
         }
         probe.push_str("end of probe");
-        let cache = SegmentCache::new(1 << 12);
         let Ok(whole) = tok.encode(&probe, SpecialTokens::Omit) else { return false };
         let mut out = Vec::new();
         for seg in self.segments(&probe) {
@@ -362,7 +361,6 @@ impl Splitters {
                 },
             }
         }
-        drop(cache);
         out == whole
     }
 }
