@@ -26,7 +26,7 @@ pub const MAX_HOLDERS: u32 = 1024;
 const GROUPS: usize = (MAX_HOLDERS / GROUP) as usize;
 
 /// How many positions ahead a query prefetches its lookups.
-const PREFETCH: usize = 8;
+const PREFETCH: usize = 16;
 
 /// The least bytes per block the budget arithmetic assumes (a table slot and a map bucket).
 const MIN_BYTES_PER_BLOCK: u64 = 40;
@@ -448,6 +448,10 @@ impl Ledger {
                 n_states += 1;
             }
         }
+        if n_states == 1 {
+            self.query_group(states[0].0, states[0].1, seq, opts, out, &guard);
+            return;
+        }
         let states = &mut states[..n_states];
         let mut gpu_len = [[0u32; GROUP as usize]; 2];
         let mut gpu_len_big: Option<Box<[[u32; GROUP as usize]]>> = None;
@@ -538,6 +542,70 @@ impl Ledger {
                 out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: ended as u32 });
                 d &= d - 1;
             }
+        }
+    }
+
+    /// [`Ledger::query`] when the counted holders all sit in one group (up to 32 holders): the
+    /// same walk with one table word per position and no per-group bookkeeping.
+    fn query_group(
+        &self,
+        g: u32,
+        mask: u32,
+        seq: &[SeqHash],
+        opts: QueryOptions,
+        out: &mut OverlapScores,
+        guard: &Guard,
+    ) {
+        let inner = &*self.inner;
+        let table = &inner.table;
+        let n = seq.len();
+        let emit = |out: &mut OverlapScores, b: u32, gpu: u32, any: u32| {
+            // Acquire: see `add_holder`.
+            let id = decode_id(inner.ids[(g * GROUP + b) as usize].load(Ordering::Acquire));
+            out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: any });
+        };
+        for s in seq.iter().take(PREFETCH) {
+            table.prefetch(table_key(s.to_bits(), g), guard);
+        }
+        let (mut gpu_act, mut any_act) = (mask, mask);
+        let mut gpu_len = [0u32; GROUP as usize];
+        let mut ended = n;
+        for i in 0..n {
+            if let Some(ahead) = seq.get(i + PREFETCH) {
+                table.prefetch(table_key(ahead.to_bits(), g), guard);
+            }
+            let bits = table.get(table_key(seq[i].to_bits(), g), guard);
+            let gpu = bits as u32 & gpu_act;
+            let any = (bits >> 32) as u32 & any_act;
+            let mut d = gpu_act & !gpu;
+            while d != 0 {
+                gpu_len[d.trailing_zeros() as usize] = i as u32;
+                d &= d - 1;
+            }
+            let mut d = any_act & !any;
+            while d != 0 {
+                let b = d.trailing_zeros();
+                if i > 0 {
+                    emit(out, b, gpu_len[b as usize], i as u32);
+                }
+                d &= d - 1;
+            }
+            gpu_act = gpu;
+            any_act = any;
+            if any == 0 {
+                return;
+            }
+            if opts.early_exit == EarlyExit::OneHolderLeft && any.count_ones() == 1 {
+                ended = i + 1;
+                break;
+            }
+        }
+        let mut d = any_act;
+        while d != 0 {
+            let b = d.trailing_zeros();
+            let gpu = if gpu_act & (1 << b) != 0 { ended as u32 } else { gpu_len[b as usize] };
+            emit(out, b, gpu, ended as u32);
+            d &= d - 1;
         }
     }
 

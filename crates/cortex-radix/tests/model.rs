@@ -458,6 +458,15 @@ enum Fault {
     DropOneRemove,
 }
 
+/// Where the real holders sit in the ledger's holder groups (32 holders per group).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Layout {
+    /// All in group 0 (the one-group fast path of the query).
+    Packed,
+    /// Spread over groups 0 and 1 by idle padding holders (the multi-group walk).
+    Spread,
+}
+
 struct Harness {
     u: Universe,
     ledger: std::sync::Arc<Ledger>,
@@ -469,6 +478,10 @@ struct Harness {
 
 impl Harness {
     fn new(fault: Fault) -> Self {
+        Self::with_layout(fault, Layout::Packed)
+    }
+
+    fn with_layout(fault: Fault, layout: Layout) -> Self {
         let ledger =
             Ledger::new(LedgerConfig { byte_budget: 1 << 40, capacity_slack_percent: SLACK_PERCENT });
         let mut h = Harness {
@@ -480,6 +493,16 @@ impl Harness {
             out: OverlapScores::default(),
         };
         for i in 0..HOLDERS.len() {
+            if layout == Layout::Spread {
+                // Idle, ready holders that never store: real holders land at slots 0, 12, 24, 36.
+                for pad in 0..11 {
+                    let id = HolderId::new(WorkerId(1000 + (i * 11 + pad) as u32), DpRank(0));
+                    let cfg = HolderConfig { capacity_blocks: 4, content_deterministic: false };
+                    let mut w = h.ledger.add_holder(id, cfg).expect("pad holder");
+                    w.set_readiness(Readiness::Ready);
+                    std::mem::forget(w);
+                }
+            }
             h.add(i);
         }
         h
@@ -609,6 +632,14 @@ fn run(ops: &[Op], fault: Fault) -> Result<(), String> {
     run_counting(ops, fault).0
 }
 
+fn run_spread(ops: &[Op]) -> Result<(), String> {
+    let mut h = Harness::with_layout(Fault::None, Layout::Spread);
+    for (i, op) in ops.iter().enumerate() {
+        h.step(op).map_err(|e| format!("after op {i} {op:?}: {e}"))?;
+    }
+    Ok(())
+}
+
 /// Runs `ops`; also says whether the fault was injected.
 fn run_counting(ops: &[Op], fault: Fault) -> (Result<(), String>, bool) {
     let mut h = Harness::new(fault);
@@ -626,6 +657,13 @@ proptest! {
     #[test]
     fn ledger_matches_the_reference(ops in prop::collection::vec(op_strategy(), 1..120)) {
         if let Err(e) = run(&ops, Fault::None) {
+            return Err(TestCaseError::fail(e));
+        }
+    }
+
+    #[test]
+    fn ledger_matches_the_reference_across_holder_groups(ops in prop::collection::vec(op_strategy(), 1..120)) {
+        if let Err(e) = run_spread(&ops) {
             return Err(TestCaseError::fail(e));
         }
     }
