@@ -31,10 +31,16 @@
 //! - **Locality against load**: the default [`WeightedScorer`] is
 //!   `α·matched_tokens − β·active_requests − γ·expected_queue_latency`; a high watermark gives up
 //!   affinity when the best holder is saturated; a load bound (consistent hashing with bounded
-//!   loads) caps every holder at ⌈(1+ε)·mean⌉ of this gateway's requests in flight.
+//!   loads) caps every holder at ⌈(1+ε)·mean⌉ of this gateway's requests in flight. The queue
+//!   latency is a per-rank *virtual prefill clock*: each booking adds its uncached tokens at the
+//!   holder's prefill rate, each first token pulls the clock back to what is still booked. (A
+//!   plain count of booked prefill tokens cannot tell a worker about to finish its prefill from
+//!   one that just started; the simulation showed the load terms then degenerate to a coin toss.)
 //! - **A ranked, explained result in a lent buffer** ([`Ranking`]): every holder of the pool with
 //!   its score breakdown and exclusion reason; data-parallel ranks are candidates of their own, so
-//!   a decision names a (worker, rank). Nothing on the default path allocates.
+//!   a decision names a (worker, rank). Only the first [`RANKED`] admissible candidates are put in
+//!   order (what a proxy can use); [`Ranking::sort_all`] orders the rest for the debug view.
+//!   Nothing on the default path allocates (a counting-allocator test checks it).
 //! - **SGLang parity by name** ([`PolicyKind`]): `cache_aware`, `round_robin`, `random`,
 //!   `power_of_two`, `least_load`, `consistent_hashing`, `manual`, `prefix_hash`; prefill, decode
 //!   and regular pools each pick their own ([`PoolPolicies`]).
@@ -77,6 +83,13 @@
 //! booking.first_token(Timestamp::from_millis(30)); // prefill tokens released, TTFT sampled
 //! booking.succeed(Timestamp::from_millis(900)); // request released, breaker told
 //! ```
+//!
+//! On a failure before the first byte reached the client, the proxy classifies it, records it
+//! through the booking (`booking.fail(FailureClass::RateLimited, now)`: cooldown, breaker) and
+//! takes the next candidate of the same ranking that [`Snapshot::admissible`] still accepts (the
+//! failure may have just cooled down a sibling rank's worker). Dropping a booking without an
+//! outcome (client gone) releases it without blaming the worker. A disaggregated request decides
+//! twice, with [`Role::Prefill`] and [`Role::Decode`], each pool under its own policy.
 
 pub mod cluster;
 pub mod config;

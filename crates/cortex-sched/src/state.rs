@@ -294,6 +294,7 @@ impl WorkerState {
 
     /// The cooldown in force at `now`: the class that started it and when it ends.
     #[must_use]
+    #[inline]
     pub fn cooldown(&self, now: Timestamp) -> Option<(FailureClass, Timestamp)> {
         // Relaxed: a deadline read as a hint; a just-started cooldown seen one request late is fine.
         let until = self.cooldown_until.load(Ordering::Relaxed);
@@ -316,6 +317,7 @@ impl WorkerState {
     /// The circuit breaker's state at `now`: an open breaker whose open period has ended reads as
     /// half-open (trial requests flow) until an outcome moves it.
     #[must_use]
+    #[inline]
     pub fn breaker(&self, now: Timestamp) -> BreakerState {
         // Acquire: pairs with the Release CAS that opened it, so `breaker_opened_at` is current.
         let (state, _, _) = breaker_parts(self.breaker.load(Ordering::Acquire));
@@ -327,6 +329,7 @@ impl WorkerState {
         }
     }
 
+    #[inline]
     fn open_expired(&self, now: Timestamp) -> bool {
         let Some(cfg) = self.policy.breaker else { return true };
         // Relaxed: ordered by the Acquire load of the breaker word in the callers.
@@ -478,6 +481,7 @@ impl Booking {
         r.booked_requests.fetch_add(1, Ordering::Relaxed);
         r.booked_prefill_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
         let work = prefill_tokens.saturating_mul(ns_per_token);
+        // Relaxed: an estimate (the virtual prefill clock); nothing is published through it.
         let _ = r.prefill_busy_until.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |busy| {
             Some(busy.max(now.as_nanos()).saturating_add(work))
         });
