@@ -93,11 +93,198 @@ pub(crate) fn mix64(mut x: u64) -> u64 {
 
 pub(crate) type Map<V> = HashMap<u64, V, BuildHasherDefault<MixHasher>>;
 
+/// Marks a vacant [`EngineMap`] slot (in the entry's state byte).
+const VACANT: u8 = u8::MAX;
+
+#[derive(Clone, Copy)]
+struct Slot {
+    key: u64,
+    e: Entry,
+}
+
+const EMPTY_SLOT: Slot =
+    Slot { key: 0, e: Entry { seq: 0, stamp: 0, gpu: 0, low: 0, state: VACANT, ns: NS_NONE } };
+
+/// A holder's blocks by engine hash: linear probing over 24-byte slots (key and entry side by
+/// side, so a probe touches one line), sized for the holder's capacity at 4/5 load, with
+/// backward-shift deletion (no tombstones) and a prefetch for a store's blocks.
+///
+/// Key decision: a general hash map would double past capacity and carry control bytes; a
+/// holder's block count is bounded by its capacity plus slack, so the map grows straight to the
+/// size that holds the capacity at 4/5 load, then by quarters.
+#[derive(Clone, Default)]
+pub(crate) struct EngineMap {
+    slots: Vec<Slot>,
+    len: usize,
+    /// Slots that hold the holder's capacity at 4/5 load.
+    target: usize,
+}
+
+impl EngineMap {
+    /// An empty map for a holder of `capacity` blocks (allocates nothing yet).
+    pub(crate) fn with_capacity_target(capacity: usize) -> EngineMap {
+        EngineMap { slots: Vec::new(), len: 0, target: (capacity + capacity / 4).max(16) }
+    }
+
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        ((u128::from(mix64(key)) * self.slots.len() as u128) >> 64) as usize
+    }
+
+    fn find(&self, key: u64) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let n = self.slots.len();
+        let mut i = self.home(key);
+        loop {
+            let s = &self.slots[i];
+            if s.e.state == VACANT {
+                return None;
+            }
+            if s.key == key {
+                return Some(i);
+            }
+            i += 1;
+            if i == n {
+                i = 0;
+            }
+        }
+    }
+
+    /// Hints the CPU to fetch `key`'s home slot.
+    #[inline]
+    pub(crate) fn prefetch(&self, key: u64) {
+        if self.slots.is_empty() {
+            return;
+        }
+        let slot: *const Slot = &self.slots[self.home(key)];
+        #[cfg(all(target_arch = "x86_64", not(loom)))]
+        // SAFETY: a prefetch is only a hint; it never faults, and the address is in bounds.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(slot.cast::<i8>());
+        }
+        #[cfg(not(all(target_arch = "x86_64", not(loom))))]
+        let _ = slot;
+    }
+
+    pub(crate) fn get(&self, key: &u64) -> Option<&Entry> {
+        self.find(*key).map(|i| &self.slots[i].e)
+    }
+
+    pub(crate) fn get_mut(&mut self, key: &u64) -> Option<&mut Entry> {
+        self.find(*key).map(|i| &mut self.slots[i].e)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Slots allocated.
+    pub(crate) fn capacity(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Inserts or replaces `key`'s entry.
+    pub(crate) fn insert(&mut self, key: u64, e: Entry) {
+        debug_assert!(e.state != VACANT);
+        if let Some(i) = self.find(key) {
+            self.slots[i].e = e;
+            return;
+        }
+        if (self.len + 1) * 5 > self.slots.len() * 4 {
+            let n = self.slots.len();
+            let grown = if n < self.target { (n * 2).clamp(16, self.target) } else { n + n / 4 };
+            self.resize(grown);
+        }
+        let n = self.slots.len();
+        let mut i = self.home(key);
+        while self.slots[i].e.state != VACANT {
+            i += 1;
+            if i == n {
+                i = 0;
+            }
+        }
+        self.slots[i] = Slot { key, e };
+        self.len += 1;
+    }
+
+    /// Removes `key`, shifting later members of its cluster back (no tombstones).
+    pub(crate) fn remove(&mut self, key: &u64) -> Option<Entry> {
+        let mut hole = self.find(*key)?;
+        let out = self.slots[hole].e;
+        let n = self.slots.len();
+        let mut j = hole;
+        loop {
+            j += 1;
+            if j == n {
+                j = 0;
+            }
+            if self.slots[j].e.state == VACANT {
+                break;
+            }
+            let h = self.home(self.slots[j].key);
+            // Move j back into the hole unless its home lies cyclically in (hole, j].
+            let stays = if hole <= j { hole < h && h <= j } else { hole < h || h <= j };
+            if !stays {
+                self.slots[hole] = self.slots[j];
+                hole = j;
+            }
+        }
+        self.slots[hole] = EMPTY_SLOT;
+        self.len -= 1;
+        Some(out)
+    }
+
+    fn resize(&mut self, slots: usize) {
+        let old = std::mem::replace(&mut self.slots, vec![EMPTY_SLOT; slots]);
+        self.slots.shrink_to_fit();
+        self.len = 0;
+        for s in old {
+            if s.e.state != VACANT {
+                self.insert(s.key, s.e);
+            }
+        }
+    }
+
+    /// Shrinks to the smallest size that holds `n` entries at 4/5 load (never below the
+    /// entries present).
+    pub(crate) fn shrink_to(&mut self, n: usize) {
+        let want = (n.max(self.len) * 5 / 4 + 1).max(16);
+        if want < self.slots.len() {
+            self.resize(want);
+        }
+    }
+
+    /// Drops every entry and the memory.
+    pub(crate) fn clear_all(&mut self) {
+        self.slots = Vec::new();
+        self.len = 0;
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (&u64, &Entry)> {
+        self.slots.iter().filter(|s| s.e.state != VACANT).map(|s| (&s.key, &s.e))
+    }
+
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &u64> {
+        self.iter().map(|(k, _)| k)
+    }
+
+    pub(crate) fn values(&self) -> impl Iterator<Item = &Entry> {
+        self.iter().map(|(_, e)| e)
+    }
+
+    /// Heap bytes.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<Slot>()
+    }
+}
+
 /// The writer-owned state of one holder.
 #[derive(Default)]
 pub(crate) struct Private {
     /// Every block of the holder (countable, orphan or uncountable), by engine hash.
-    pub(crate) entries: Map<Entry>,
+    pub(crate) entries: EngineMap,
     /// Orphans' extra data, by engine hash.
     pub(crate) orphans: Map<OrphanInfo>,
     /// Orphans waiting on a parent engine hash: parent → children.
@@ -169,10 +356,47 @@ impl Private {
             let buckets = if cap < 8 { cap + 1 } else { (cap * 8 / 7).next_power_of_two() };
             buckets * (std::mem::size_of::<(u64, V)>() + 1) + 16
         }
-        map_bytes(&self.entries)
+        self.entries.heap_bytes()
             + map_bytes(&self.orphans)
             + map_bytes(&self.waiting)
             + self.waiting.values().map(|v| v.capacity() * 8).sum::<usize>()
             + self.namespaces.capacity() * 8
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn entry(seq: u64) -> Entry {
+        Entry { seq, stamp: 0, gpu: 1, low: 0, state: COUNTABLE, ns: NS_NONE }
+    }
+
+    proptest! {
+        /// The engine map behaves like a `HashMap` under inserts, replacements and removals
+        /// (clusters that wrap around the end included: keys from a small range collide).
+        #[test]
+        fn engine_map_matches_a_hash_map(ops in prop::collection::vec((0u64..400, any::<bool>()), 1..3000), target in 1usize..200) {
+            let mut m = EngineMap::with_capacity_target(target);
+            let mut want = std::collections::HashMap::new();
+            for (k, insert) in ops {
+                if insert {
+                    m.insert(k, entry(k + 1));
+                    want.insert(k, k + 1);
+                } else {
+                    prop_assert_eq!(m.remove(&k).map(|e| e.seq), want.remove(&k));
+                }
+                prop_assert_eq!(m.len(), want.len());
+            }
+            for (k, v) in &want {
+                prop_assert_eq!(m.get(k).map(|e| e.seq), Some(*v));
+            }
+            prop_assert_eq!(m.iter().count(), want.len());
+            m.shrink_to(0);
+            for (k, v) in &want {
+                prop_assert_eq!(m.get(k).map(|e| e.seq), Some(*v));
+            }
+        }
     }
 }

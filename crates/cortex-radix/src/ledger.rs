@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64 as StdAtomicU64, AtomicUsize as StdAtomicUsize
 use cortex_hash::kv::{BlockRemoved, BlockStored, EventBatch, HolderId, KvEvent, WorkerId};
 use cortex_hash::{BlockHash, SeqHash, chain};
 
-use crate::holder::{COUNTABLE, Entry, Map, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE, mix64};
+use crate::holder::{COUNTABLE, Entry, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE, mix64};
 use crate::overlap::{Overlap, OverlapScores};
 use crate::sync::epoch::{self, Guard};
 use crate::sync::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering, fence};
@@ -394,7 +394,10 @@ impl Ledger {
             slot,
             cfg,
             limit,
-            private: Mutex::new(Private::default()),
+            private: Mutex::new(Private {
+                entries: crate::holder::EngineMap::with_capacity_target(cfg.capacity_blocks as usize),
+                ..Private::default()
+            }),
             revoked: AtomicBool::new(false),
             readiness: AtomicU8::new(Readiness::Syncing.to_u8()),
             mailbox: Mutex::new(Vec::new()),
@@ -990,6 +993,16 @@ impl Cx<'_> {
             (Some(e), Some(_)) => self.parent_of(p, e.to_u64()),
         };
         let ns = ev.lineage.map(|l| l.namespace.to_bits());
+        if let (Parent::Known(mut seq), Some(_)) = (parent, ns) {
+            // The blocks' table slots are scattered: ask for all of them at once, so that the
+            // misses overlap instead of stalling one insert after the other.
+            let (g, _) = self.group_bit();
+            for b in &ev.blocks {
+                seq = chain(SeqHash::from_bits(seq), b.content).to_bits();
+                self.inner.table.prefetch(table_key(seq, g), self.guard);
+                p.entries.prefetch(b.engine.to_u64());
+            }
+        }
         for b in &ev.blocks {
             let content = b.content.to_bits();
             let ident = match (parent, ns) {
@@ -1198,9 +1211,9 @@ impl Cx<'_> {
                 self.det_unwait(ns, parent);
             }
         }
-        p.entries = Map::default();
-        p.orphans = Map::default();
-        p.waiting = Map::default();
+        p.entries.clear_all();
+        p.orphans = Default::default();
+        p.waiting = Default::default();
         p.countable = 0;
         self.out.cleared += 1;
     }
@@ -1214,7 +1227,7 @@ impl Cx<'_> {
             self.drop_entry(p, engine);
         }
         if p.entries.capacity() > 4 * p.entries.len().max(16) {
-            p.entries.shrink_to(p.entries.len() * 2);
+            p.entries.shrink_to(p.entries.len());
         }
         self.out.evicted += n as u64;
         n as u64
@@ -1232,7 +1245,7 @@ impl Cx<'_> {
             let n = self.evict(p, budget);
             self.inner.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
             // Give the memory back now, or the budget would keep evicting.
-            p.entries.shrink_to(budget + budget / 4);
+            p.entries.shrink_to(budget);
             p.orphans.shrink_to_fit();
             p.waiting.shrink_to_fit();
         }
