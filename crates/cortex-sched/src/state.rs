@@ -716,6 +716,36 @@ mod tests {
     }
 
     #[test]
+    fn concurrent_bookings_never_leak() {
+        let s = state(HealthPolicy::default());
+        std::thread::scope(|scope| {
+            for t in 0..4u64 {
+                let s = Arc::clone(&s);
+                scope.spawn(move || {
+                    for i in 0..5_000u64 {
+                        let mut b =
+                            Booking::new(Arc::clone(&s), holder((i % 2) as u16), 100 + t, 10_000, ms(i))
+                                .expect("rank");
+                        match i % 4 {
+                            0 => drop(b),
+                            1 => b.first_token(ms(i + 1)),
+                            2 => {
+                                b.first_token(ms(i + 1));
+                                b.succeed(ms(i + 2));
+                            }
+                            _ => b.fail(FailureClass::ContextLengthExceeded, ms(i + 1)),
+                        }
+                    }
+                });
+            }
+        });
+        for r in 0..2 {
+            let l = s.rank_load(DpRank(r), ms(0)).expect("rank");
+            assert_eq!((l.booked_requests, l.booked_prefill_tokens), (0, 0), "rank {r}");
+        }
+    }
+
+    #[test]
     fn ewma_smooths() {
         let s = state(HealthPolicy { ewma_weight: 0.5, ..HealthPolicy::default() });
         s.record_itl(Duration::from_millis(10));
