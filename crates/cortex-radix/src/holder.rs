@@ -187,11 +187,16 @@ impl EngineMap {
 
     /// Inserts or replaces `key`'s entry.
     pub(crate) fn insert(&mut self, key: u64, e: Entry) {
-        debug_assert!(e.state != VACANT);
         if let Some(i) = self.find(key) {
             self.slots[i].e = e;
             return;
         }
+        self.insert_new(key, e);
+    }
+
+    /// Inserts `key`, which the caller knows is absent.
+    pub(crate) fn insert_new(&mut self, key: u64, e: Entry) {
+        debug_assert!(e.state != VACANT && self.find(key).is_none());
         if (self.len + 1) * 5 > self.slots.len() * 4 {
             let n = self.slots.len();
             let grown = if n < self.target { (n * 2).clamp(16, self.target) } else { n + n / 4 };
@@ -242,7 +247,7 @@ impl EngineMap {
         self.len = 0;
         for s in old {
             if s.e.state != VACANT {
-                self.insert(s.key, s.e);
+                self.insert_new(s.key, s.e);
             }
         }
     }

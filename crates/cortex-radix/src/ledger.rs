@@ -944,6 +944,9 @@ impl Cx<'_> {
 
     /// Resolves the orphans waiting on `parent`, which just became countable or uncountable.
     fn cascade(&mut self, p: &mut Private, parent: u64, how: Parent) {
+        if !p.waiting.contains_key(&parent) {
+            return;
+        }
         let mut stack = vec![(parent, how)];
         while let Some((par, how)) = stack.pop() {
             let Some(children) = p.waiting.remove(&par) else { continue };
@@ -1051,20 +1054,20 @@ impl Cx<'_> {
                     e.state = COUNTABLE;
                     e.seq = seq;
                     e.ns = ns;
-                    p.entries.insert(engine, e);
+                    p.entries.insert_new(engine, e);
                     self.sync((false, false), &e);
                     p.countable += 1;
                     self.det_register(p, engine, &e);
                     self.cascade(p, engine, Parent::Known(seq));
                 }
                 Ident::Uncountable => {
-                    p.entries.insert(engine, e);
+                    p.entries.insert_new(engine, e);
                     self.cascade(p, engine, Parent::Uncountable);
                 }
                 Ident::Orphan(info, ns) => {
                     e.state = ORPHAN;
                     e.ns = ns;
-                    p.entries.insert(engine, e);
+                    p.entries.insert_new(engine, e);
                     p.orphans.insert(engine, info);
                     p.waiting.entry(info.parent).or_default().push(engine);
                     self.out.orphaned += 1;
