@@ -113,13 +113,39 @@ struct Round {
     radix_bytes: f64,
 }
 
-fn round(w: &Workload, events: &[KvEvent], rt: &tokio::runtime::Runtime) -> Round {
+fn round(w: &Workload, events: &[KvEvent], rt: &tokio::runtime::Runtime, cortex_first: bool) -> Round {
     let mut r = Round::default();
     let queries_local: Vec<Vec<LocalBlockHash>> =
         w.queries.iter().map(|q| q.content.iter().map(|&c| LocalBlockHash(c)).collect()).collect();
 
-    // Query latency: Cortex, then CRTC, on the same queries.
-    {
+    // Apply throughput on one core and live bytes, then query latency; which peer goes first
+    // alternates between rounds, and the CRTC's event threads are gone before anything else runs.
+    let cortex_apply = |r: &mut Round| {
+        let before = live_bytes();
+        let t = Instant::now();
+        let built = cortex_build(w, events);
+        let secs = t.elapsed().as_secs_f64();
+        r.cortex_bytes = (live_bytes() - before) as f64 / w.pairs as f64;
+        r.cortex_mops = w.pairs as f64 / secs / 1e6;
+        drop(built);
+    };
+    let dynamo_apply = |r: &mut Round| {
+        {
+            let before = live_bytes();
+            let evs = dynamo_events(w);
+            let mut tree = RadixTree::new();
+            let t = Instant::now();
+            for ev in evs {
+                tree.apply_event(ev).expect("apply");
+            }
+            let secs = t.elapsed().as_secs_f64();
+            // The events were moved into the tree and freed: what is left is the tree.
+            r.radix_bytes = (live_bytes() - before) as f64 / w.pairs as f64;
+            r.radix_mops = w.pairs as f64 / secs / 1e6;
+            drop(tree);
+        }
+    };
+    let cortex_query = |r: &mut Round| {
         let (ledger, _writers) = cortex_build(w, events);
         let mut out = OverlapScores::with_capacity(w.holders as usize);
         for q in w.queries.iter().take(2000) {
@@ -134,8 +160,8 @@ fn round(w: &Workload, events: &[KvEvent], rt: &tokio::runtime::Runtime) -> Roun
         );
         r.cortex_p50 = percentile(&l, 50.0);
         r.cortex_p99 = percentile(&l, 99.0);
-    }
-    {
+    };
+    let dynamo_query = |r: &mut Round| {
         let crtc = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), 2, 16);
         for ev in dynamo_events(w) {
             crtc.enqueue_event(ev).expect("enqueue");
@@ -156,33 +182,17 @@ fn round(w: &Workload, events: &[KvEvent], rt: &tokio::runtime::Runtime) -> Roun
         );
         r.crtc_p50 = percentile(&l, 50.0);
         r.crtc_p99 = percentile(&l, 99.0);
-    }
-
-    // Apply throughput on one core, and live bytes.
-    {
-        let before = live_bytes();
-        let t = Instant::now();
-        let built = cortex_build(w, events);
-        let secs = t.elapsed().as_secs_f64();
-        r.cortex_bytes = (live_bytes() - before) as f64 / w.pairs as f64;
-        r.cortex_mops = w.pairs as f64 / secs / 1e6;
-        drop(built);
-    }
-    {
-        let before = live_bytes();
-        let evs = dynamo_events(w);
-        let ev_bytes = live_bytes() - before;
-        let mut tree = RadixTree::new();
-        let t = Instant::now();
-        for ev in evs {
-            tree.apply_event(ev).expect("apply");
-        }
-        let secs = t.elapsed().as_secs_f64();
-        // The events were moved into the tree and freed: what is left is the tree.
-        r.radix_bytes = (live_bytes() - before) as f64 / w.pairs as f64;
-        r.radix_mops = w.pairs as f64 / secs / 1e6;
-        let _ = ev_bytes;
-        drop(tree);
+    };
+    if cortex_first {
+        cortex_apply(&mut r);
+        dynamo_apply(&mut r);
+        cortex_query(&mut r);
+        dynamo_query(&mut r);
+    } else {
+        dynamo_apply(&mut r);
+        cortex_apply(&mut r);
+        dynamo_query(&mut r);
+        cortex_query(&mut r);
     }
     r
 }
@@ -217,7 +227,7 @@ fn main() {
     for (h, b) in configs {
         let w = Workload::new(h, b, 20_000, 7);
         let events: Vec<KvEvent> = w.stores.iter().map(|s| w.event(s)).collect();
-        let rs: Vec<Round> = (0..rounds).map(|_| round(&w, &events, &rt)).collect();
+        let rs: Vec<Round> = (0..rounds).map(|i| round(&w, &events, &rt, i % 2 == 0)).collect();
         let col = |f: &dyn Fn(&Round) -> f64| spread(rs.iter().map(f).collect());
         let (c50, _, _) = col(&|r| r.cortex_p50);
         let (d50, _, _) = col(&|r| r.crtc_p50);
