@@ -1,0 +1,172 @@
+//! The data plane's settings as plain typed values.
+//!
+//! Key decision: the configuration file (YAML, with its key names and `250ms` durations) belongs
+//! to the gateway binary, which validates it and converts it into these structs; this crate never
+//! parses text and has no sentinel values.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cortex_hash::profile::ModelProfile;
+use cortex_hash::text::{ChatTemplate, TextTokenizer};
+
+/// What the gateway decides.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Tokenize, consult the ledger and the scheduler: Cortex routes.
+    Route,
+    /// Forward only, by load and liveness; no KV or PD decisions (for clusters where NVIDIA
+    /// Dynamo schedules: one scheduling authority per traffic path).
+    ProxyOnly,
+}
+
+/// Request limits and timeouts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest request body accepted (413 beyond).
+    pub max_body_bytes: usize,
+    /// Time allowed to receive a request's headers (408 beyond; hyper closes the connection).
+    pub header_read_timeout: Duration,
+    /// Time allowed to receive a request's body (408 beyond).
+    pub body_read_timeout: Duration,
+    /// Time allowed for a worker to answer with a response head.
+    pub upstream_head_timeout: Duration,
+    /// Longest silence allowed between two chunks of a worker's response body.
+    pub upstream_idle_timeout: Duration,
+    /// Requests processed at once.
+    pub max_concurrent: usize,
+    /// Requests allowed to wait for a slot (429 beyond).
+    pub max_queue: usize,
+    /// Longest wait for a slot (503 beyond).
+    pub queue_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_body_bytes: 32 * 1024 * 1024,
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
+            upstream_head_timeout: Duration::from_secs(600),
+            upstream_idle_timeout: Duration::from_secs(300),
+            max_concurrent: 1024,
+            max_queue: 4096,
+            queue_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Retries before the first byte reaches the client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Attempts in all (1 = no retry).
+    pub max_attempts: u32,
+    /// Time budget for all attempts together, from the first dispatch.
+    pub budget: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy { max_attempts: 3, budget: Duration::from_secs(30) }
+    }
+}
+
+/// Continuous alignment verification (see [`crate::alignment`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AlignmentConfig {
+    /// Checks remembered per worker.
+    pub window: usize,
+    /// Fraction of failed checks in the window beyond which the worker is marked misaligned.
+    pub tolerance: f64,
+    /// Checks needed before any verdict.
+    pub min_samples: usize,
+    /// How long after a response ends its predicted blocks must be visible in the ledger.
+    pub settle: Duration,
+}
+
+impl Default for AlignmentConfig {
+    fn default() -> Self {
+        AlignmentConfig { window: 50, tolerance: 0.2, min_samples: 5, settle: Duration::from_millis(500) }
+    }
+}
+
+/// Worker probing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeConfig {
+    /// Between two health probes.
+    pub health_interval: Duration,
+    /// Between two load polls.
+    pub load_interval: Duration,
+    /// Timeout of one probe request.
+    pub timeout: Duration,
+    /// Consecutive failed health probes before a worker leaves the live pool.
+    pub failures_to_remove: u32,
+    /// Consecutive successful probes before a removed worker comes back.
+    pub successes_to_restore: u32,
+}
+
+impl Default for ProbeConfig {
+    fn default() -> Self {
+        ProbeConfig {
+            health_interval: Duration::from_secs(5),
+            load_interval: Duration::from_millis(500),
+            timeout: Duration::from_secs(5),
+            failures_to_remove: 3,
+            successes_to_restore: 2,
+        }
+    }
+}
+
+/// The data plane's settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProxyConfig {
+    /// Route or only proxy.
+    pub mode: Mode,
+    /// Limits and timeouts.
+    pub limits: Limits,
+    /// Retries.
+    pub retry: RetryPolicy,
+    /// Alignment verification.
+    pub alignment: AlignmentConfig,
+    /// Worker probing.
+    pub probes: ProbeConfig,
+    /// Token ids kept per model for reusing the tokenization of repeated prompt segments.
+    pub segment_cache_tokens: usize,
+    /// Time allowed for graceful shutdown before streams are cut.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            mode: Mode::Route,
+            limits: Limits::default(),
+            retry: RetryPolicy::default(),
+            alignment: AlignmentConfig::default(),
+            probes: ProbeConfig::default(),
+            segment_cache_tokens: 4 << 20,
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// One served model: its profile and the files that turn its requests into tokens.
+#[derive(Clone)]
+pub struct ModelSpec {
+    /// The profile (name, engine recipe, block size, tokenizer and template digests).
+    pub profile: ModelProfile,
+    /// The model's tokenizer.
+    pub tokenizer: Arc<TextTokenizer>,
+    /// The model's chat template.
+    pub template: Arc<ChatTemplate>,
+    /// `bos_token` passed to the template.
+    pub bos_token: Option<String>,
+    /// `eos_token` passed to the template.
+    pub eos_token: Option<String>,
+}
+
+impl std::fmt::Debug for ModelSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelSpec").field("profile", &self.profile).finish_non_exhaustive()
+    }
+}

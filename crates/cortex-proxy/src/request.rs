@@ -1,0 +1,293 @@
+//! What the gateway reads from a request body, and the one change it ever makes to it.
+//!
+//! Key decision: the body is forwarded exactly as received. Re-serializing a parsed request with
+//! defaults broke clients of SGLang's router (fields added, numbers reformatted); Cortex parses a
+//! copy only to learn the model, the prompt and a few routing facts, and splices
+//! `"routed_dp_rank"` into the original bytes when an SGLang rank must be pinned (vLLM gets a
+//! header instead).
+
+use bytes::{Bytes, BytesMut};
+use serde_json::{Map, Value};
+
+use crate::error::ProxyError;
+
+/// The routed endpoints.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Route {
+    /// `POST /v1/chat/completions`.
+    ChatCompletions,
+    /// `POST /v1/completions`.
+    Completions,
+    /// SGLang's native `POST /generate`.
+    Generate,
+}
+
+impl Route {
+    /// The path on the worker.
+    #[must_use]
+    pub const fn path(self) -> &'static str {
+        match self {
+            Route::ChatCompletions => "/v1/chat/completions",
+            Route::Completions => "/v1/completions",
+            Route::Generate => "/generate",
+        }
+    }
+
+    /// Label for metrics.
+    #[must_use]
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Route::ChatCompletions => "chat_completions",
+            Route::Completions => "completions",
+            Route::Generate => "generate",
+        }
+    }
+}
+
+/// The prompt, in the form the engine will tokenize.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    /// A conversation: the template context (`messages`, `tools`, `add_generation_prompt`, and the
+    /// request's `chat_template_kwargs`), without the special tokens, which the model adds.
+    Chat(Map<String, Value>),
+    /// Plain text, tokenized with the tokenizer's special tokens (as engines do by default).
+    Text(String),
+    /// Token ids given by the client.
+    Tokens(Vec<u32>),
+    /// Something Cortex cannot reproduce exactly (images, audio, embeddings): routed by load.
+    Unreproducible(&'static str),
+}
+
+/// The facts of a request the gateway routes by.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestFacts {
+    /// The endpoint.
+    pub route: Route,
+    /// `model`, if given.
+    pub model: Option<String>,
+    /// `stream`.
+    pub stream: bool,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// `cache_salt`, if given.
+    pub cache_salt: Option<String>,
+    /// SGLang's `lora_path` (the adapter name), if given.
+    pub lora: Option<String>,
+    /// The client pinned a rank itself (`routed_dp_rank`); the gateway then leaves the body alone.
+    pub client_rank: Option<u16>,
+}
+
+/// Parses a request body for `route`.
+///
+/// # Errors
+/// [`ProxyError::MalformedJson`] if the body is not a JSON object, [`ProxyError::InvalidRequest`]
+/// if a field the route needs is missing or has the wrong type.
+pub fn parse(route: Route, body: &[u8]) -> Result<RequestFacts, ProxyError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
+    let Value::Object(obj) = v else {
+        return Err(ProxyError::MalformedJson("the body must be a JSON object".into()));
+    };
+    let str_field = |k: &str| -> Result<Option<String>, ProxyError> {
+        match obj.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(ProxyError::InvalidRequest(format!("`{k}` must be a string"))),
+        }
+    };
+    let model = str_field("model")?;
+    let stream = match obj.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ProxyError::InvalidRequest("`stream` must be a boolean".into())),
+    };
+    let prompt = match route {
+        Route::ChatCompletions => chat_prompt(&obj)?,
+        Route::Completions => completion_prompt(obj.get("prompt"))?,
+        Route::Generate => generate_prompt(&obj)?,
+    };
+    let client_rank = match obj.get("routed_dp_rank").or_else(|| obj.get("data_parallel_rank")) {
+        Some(Value::Number(n)) => n.as_u64().and_then(|r| u16::try_from(r).ok()),
+        _ => None,
+    };
+    Ok(RequestFacts {
+        route,
+        model,
+        stream,
+        prompt,
+        cache_salt: str_field("cache_salt")?,
+        lora: str_field("lora_path")?,
+        client_rank,
+    })
+}
+
+fn chat_prompt(obj: &Map<String, Value>) -> Result<Prompt, ProxyError> {
+    let Some(Value::Array(messages)) = obj.get("messages") else {
+        return Err(ProxyError::InvalidRequest("`messages` must be an array".into()));
+    };
+    let mut normalized = Vec::with_capacity(messages.len());
+    for m in messages {
+        let Value::Object(m) = m else {
+            return Err(ProxyError::InvalidRequest("each message must be an object".into()));
+        };
+        let mut m = m.clone();
+        // OpenAI content parts: engines join the text parts with newlines for string templates.
+        if let Some(Value::Array(parts)) = m.get("content") {
+            let mut texts = Vec::with_capacity(parts.len());
+            for p in parts {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => texts.push(t.to_owned()),
+                    (Some(kind), _) if kind != "text" => return Ok(Prompt::Unreproducible("multimodal content")),
+                    _ => return Err(ProxyError::InvalidRequest("a content part has no text".into())),
+                }
+            }
+            m.insert("content".into(), Value::String(texts.join("\n")));
+        }
+        normalized.push(Value::Object(m));
+    }
+    let mut ctx = Map::new();
+    ctx.insert("messages".into(), Value::Array(normalized));
+    let add_generation_prompt = match obj.get("add_generation_prompt") {
+        None | Some(Value::Null) => true,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ProxyError::InvalidRequest("`add_generation_prompt` must be a boolean".into())),
+    };
+    ctx.insert("add_generation_prompt".into(), Value::Bool(add_generation_prompt));
+    for key in ["tools", "documents", "continue_final_message"] {
+        if let Some(v) = obj.get(key).filter(|v| !v.is_null()) {
+            ctx.insert(key.into(), v.clone());
+        }
+    }
+    match obj.get("chat_template_kwargs") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(kw)) => {
+            for (k, v) in kw {
+                ctx.insert(k.clone(), v.clone());
+            }
+        }
+        Some(_) => return Err(ProxyError::InvalidRequest("`chat_template_kwargs` must be an object".into())),
+    }
+    if obj.get("chat_template").is_some_and(|v| !v.is_null()) {
+        // A per-request template: the gateway cannot know what the worker will render.
+        return Ok(Prompt::Unreproducible("per-request chat_template"));
+    }
+    Ok(Prompt::Chat(ctx))
+}
+
+fn token_ids(list: &[Value]) -> Option<Vec<u32>> {
+    list.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect()
+}
+
+fn completion_prompt(p: Option<&Value>) -> Result<Prompt, ProxyError> {
+    match p {
+        Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+        // A batch: route by its first prompt (the engine serves all of them on one worker).
+        Some(Value::Array(items)) if items.first().is_some_and(Value::is_string) => {
+            Ok(Prompt::Text(items[0].as_str().unwrap_or_default().to_owned()))
+        }
+        Some(Value::Array(items)) if items.first().is_some_and(Value::is_array) => {
+            let first = items[0].as_array().map(Vec::as_slice).unwrap_or_default();
+            token_ids(first).map(Prompt::Tokens).ok_or_else(|| ProxyError::InvalidRequest("invalid token ids".into()))
+        }
+        Some(Value::Array(items)) => {
+            token_ids(items).map(Prompt::Tokens).ok_or_else(|| ProxyError::InvalidRequest("invalid token ids".into()))
+        }
+        None | Some(Value::Null) => Err(ProxyError::InvalidRequest("`prompt` is required".into())),
+        Some(_) => Err(ProxyError::InvalidRequest("`prompt` must be a string or token ids".into())),
+    }
+}
+
+fn generate_prompt(obj: &Map<String, Value>) -> Result<Prompt, ProxyError> {
+    match (obj.get("text"), obj.get("input_ids")) {
+        (Some(t), _) if !t.is_null() => match t {
+            Value::String(s) => Ok(Prompt::Text(s.clone())),
+            Value::Array(items) => match items.first() {
+                Some(Value::String(s)) => Ok(Prompt::Text(s.clone())),
+                _ => Err(ProxyError::InvalidRequest("`text` must be a string or a list of strings".into())),
+            },
+            _ => Err(ProxyError::InvalidRequest("`text` must be a string or a list of strings".into())),
+        },
+        (_, Some(Value::Array(ids))) => completion_prompt(Some(&Value::Array(ids.clone()))),
+        (_, Some(v)) if !v.is_null() => Err(ProxyError::InvalidRequest("`input_ids` must be a list".into())),
+        _ => match obj.get("input_embeds") {
+            Some(v) if !v.is_null() => Ok(Prompt::Unreproducible("input_embeds")),
+            _ => Err(ProxyError::InvalidRequest("`text` or `input_ids` is required".into())),
+        },
+    }
+}
+
+/// The body with `"routed_dp_rank": rank` inserted as its first member. Any value the client
+/// wrote comes later in the object and wins with every JSON parser the engines use, but the
+/// gateway does not call this when the client pinned a rank.
+#[must_use]
+pub fn splice_routed_dp_rank(body: &Bytes, rank: u16) -> Bytes {
+    let Some(open) = body.iter().position(|b| !b.is_ascii_whitespace()) else { return body.clone() };
+    if body[open] != b'{' {
+        return body.clone();
+    }
+    let rest = &body[open + 1..];
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+    let member = format!("\"routed_dp_rank\":{rank}{}", if empty { "" } else { "," });
+    let mut out = BytesMut::with_capacity(body.len() + member.len());
+    out.extend_from_slice(&body[..=open]);
+    out.extend_from_slice(member.as_bytes());
+    out.extend_from_slice(rest);
+    out.freeze()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_facts() {
+        let body = br#"{"model":"m","stream":true,"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],"chat_template_kwargs":{"enable_thinking":false},"cache_salt":"s","unknown":1}"#;
+        let f = parse(Route::ChatCompletions, body).unwrap();
+        assert_eq!(f.model.as_deref(), Some("m"));
+        assert!(f.stream);
+        assert_eq!(f.cache_salt.as_deref(), Some("s"));
+        let Prompt::Chat(ctx) = f.prompt else { panic!("chat") };
+        assert_eq!(ctx["messages"][0]["content"], "a\nb");
+        assert_eq!(ctx["enable_thinking"], false);
+        assert_eq!(ctx["add_generation_prompt"], true);
+    }
+
+    #[test]
+    fn prompts_of_every_route() {
+        let f = parse(Route::Completions, br#"{"model":"m","prompt":"hi"}"#).unwrap();
+        assert_eq!(f.prompt, Prompt::Text("hi".into()));
+        let f = parse(Route::Completions, br#"{"model":"m","prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(f.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        let f = parse(Route::Generate, br#"{"input_ids":[5,6],"routed_dp_rank":1}"#).unwrap();
+        assert_eq!((f.prompt, f.client_rank), (Prompt::Tokens(vec![5, 6]), Some(1)));
+        let f = parse(Route::Generate, br#"{"text":["x","y"],"lora_path":"sql"}"#).unwrap();
+        assert_eq!((f.prompt, f.lora.as_deref()), (Prompt::Text("x".into()), Some("sql")));
+        let f = parse(
+            Route::ChatCompletions,
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#,
+        )
+        .unwrap();
+        assert!(matches!(f.prompt, Prompt::Unreproducible(_)));
+    }
+
+    #[test]
+    fn bad_bodies_are_client_errors() {
+        assert!(matches!(parse(Route::Completions, b"{not json"), Err(ProxyError::MalformedJson(_))));
+        assert!(matches!(parse(Route::Completions, b"[1]"), Err(ProxyError::MalformedJson(_))));
+        assert!(matches!(parse(Route::Completions, br#"{"model":"m"}"#), Err(ProxyError::InvalidRequest(_))));
+        assert!(matches!(parse(Route::ChatCompletions, br#"{"messages":3}"#), Err(ProxyError::InvalidRequest(_))));
+        assert!(matches!(
+            parse(Route::Completions, br#"{"prompt":"x","stream":"yes"}"#),
+            Err(ProxyError::InvalidRequest(_))
+        ));
+    }
+
+    #[test]
+    fn splice_keeps_the_rest_byte_for_byte() {
+        let body = Bytes::from_static(b"  {\"text\": \"a\",\n \"x\": 1.50}");
+        let out = splice_routed_dp_rank(&body, 3);
+        assert_eq!(&out[..], b"  {\"routed_dp_rank\":3,\"text\": \"a\",\n \"x\": 1.50}");
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["routed_dp_rank"], 3);
+        assert_eq!(&splice_routed_dp_rank(&Bytes::from_static(b"{ }"), 0)[..], b"{\"routed_dp_rank\":0 }");
+    }
+}

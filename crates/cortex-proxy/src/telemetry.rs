@@ -1,0 +1,81 @@
+//! Metric names and descriptions, in one place.
+//!
+//! Key decision: the data plane records through the `metrics` facade (a no-op until the binary
+//! installs the Prometheus recorder), and every name is a constant here so that dashboards and
+//! docs/configuration.md have one list to follow. Gauges that mirror other components' state
+//! (ledger, holders, workers) are refreshed when `/metrics` is scraped.
+
+/// Histogram: seconds from request parsed to ranking ready (tokenization excluded).
+pub const ROUTING_SECONDS: &str = "cortex_routing_decision_seconds";
+/// Histogram: seconds rendering the template and tokenizing.
+pub const TOKENIZE_SECONDS: &str = "cortex_tokenize_seconds";
+/// Histogram: seconds hashing the tokens into block identities.
+pub const HASH_SECONDS: &str = "cortex_hash_seconds";
+/// Counter: routed requests by `route` and `mode`.
+pub const REQUESTS: &str = "cortex_requests_total";
+/// Counter: decisions below `exact_kv_events`, by `reason`.
+pub const FALLBACKS: &str = "cortex_fallback_total";
+/// Counter: upstream failures by `class` and `stage` (`head` or `stream`).
+pub const UPSTREAM_ERRORS: &str = "cortex_upstream_errors_total";
+/// Counter: retries onto another candidate.
+pub const RETRIES: &str = "cortex_retries_total";
+/// Counter: requests answered with a gateway error, by `code`.
+pub const ERRORS: &str = "cortex_errors_total";
+/// Counter: tokens the gateway predicted as cache hits.
+pub const PREDICTED_HIT_TOKENS: &str = "cortex_predicted_hit_tokens_total";
+/// Counter: tokens workers reported as cache hits for the same requests.
+pub const REALIZED_HIT_TOKENS: &str = "cortex_realized_hit_tokens_total";
+/// Counter: alignment checks by `worker` and `result` (`ok`, `failed`).
+pub const ALIGNMENT_CHECKS: &str = "cortex_alignment_checks_total";
+/// Gauge: 1 when a worker's profile is aligned, 0 when misaligned or unconfirmed, by `worker`.
+pub const ALIGNED: &str = "cortex_worker_aligned";
+/// Gauge: ledger state per holder (`worker`, `rank`, `state`), 1 for the current state.
+pub const LEDGER_STATE: &str = "cortex_ledger_state";
+/// Gauge: ledger live bytes.
+pub const LEDGER_BYTES: &str = "cortex_ledger_live_bytes";
+/// Gauge: ledger (holder, block) entries.
+pub const LEDGER_BLOCKS: &str = "cortex_ledger_blocks";
+/// Gauge: ledger orphan blocks.
+pub const LEDGER_ORPHANS: &str = "cortex_ledger_orphans";
+/// Counter: ledger evictions (capacity or budget).
+pub const LEDGER_EVICTIONS: &str = "cortex_ledger_evictions_total";
+/// Gauge: requests in flight booked by this gateway, by `worker` and `rank`.
+pub const WORKER_INFLIGHT: &str = "cortex_worker_inflight_requests";
+/// Gauge: engine-reported running requests, by `worker` and `rank`.
+pub const WORKER_RUNNING: &str = "cortex_worker_running_requests";
+/// Gauge: engine-reported waiting requests, by `worker` and `rank`.
+pub const WORKER_WAITING: &str = "cortex_worker_waiting_requests";
+/// Gauge: engine-reported KV usage in [0, 1], by `worker` and `rank`.
+pub const WORKER_KV_USAGE: &str = "cortex_worker_kv_usage";
+/// Gauge: 1 when a worker is in the live pool, by `worker`.
+pub const WORKER_LIVE: &str = "cortex_worker_live";
+/// Gauge: requests being processed by the gateway.
+pub const INFLIGHT: &str = "cortex_inflight_requests";
+
+/// Registers descriptions for every metric (call once after installing a recorder).
+pub fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram};
+    describe_histogram!(ROUTING_SECONDS, metrics::Unit::Seconds, "Routing decision time, tokenization excluded");
+    describe_histogram!(TOKENIZE_SECONDS, metrics::Unit::Seconds, "Chat template rendering and tokenization time");
+    describe_histogram!(HASH_SECONDS, metrics::Unit::Seconds, "Block identity hashing time");
+    describe_counter!(REQUESTS, "Routed requests by route and match mode");
+    describe_counter!(FALLBACKS, "Decisions below exact_kv_events, by reason");
+    describe_counter!(UPSTREAM_ERRORS, "Upstream failures by class and stage");
+    describe_counter!(RETRIES, "Retries onto another candidate before the first byte");
+    describe_counter!(ERRORS, "Requests answered with a gateway error, by code");
+    describe_counter!(PREDICTED_HIT_TOKENS, "Tokens the gateway predicted as cache hits");
+    describe_counter!(REALIZED_HIT_TOKENS, "Tokens workers reported as cache hits for the same requests");
+    describe_counter!(ALIGNMENT_CHECKS, "Alignment checks by worker and result");
+    describe_gauge!(ALIGNED, "1 when the worker's profile is verified aligned");
+    describe_gauge!(LEDGER_STATE, "Ledger state per holder (1 for the current state)");
+    describe_gauge!(LEDGER_BYTES, metrics::Unit::Bytes, "Ledger live bytes");
+    describe_gauge!(LEDGER_BLOCKS, "Ledger (holder, block) entries");
+    describe_gauge!(LEDGER_ORPHANS, "Ledger orphan blocks waiting for their parent");
+    describe_counter!(LEDGER_EVICTIONS, "Ledger evictions by capacity or byte budget");
+    describe_gauge!(WORKER_INFLIGHT, "Requests in flight booked by this gateway");
+    describe_gauge!(WORKER_RUNNING, "Engine-reported running requests");
+    describe_gauge!(WORKER_WAITING, "Engine-reported waiting requests");
+    describe_gauge!(WORKER_KV_USAGE, "Engine-reported KV cache usage");
+    describe_gauge!(WORKER_LIVE, "1 when the worker is in the live pool");
+    describe_gauge!(INFLIGHT, "Requests being processed by the gateway");
+}

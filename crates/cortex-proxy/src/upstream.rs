@@ -1,0 +1,446 @@
+//! Talking to workers: the pooled client, classification of what a worker answered, and the body
+//! that relays a worker's response to the client as it arrives.
+//!
+//! Key decisions:
+//! - A failure is classified once, here, into the scheduler's [`FailureClass`]; whether to try
+//!   another worker follows from the class (the request's own problems are passed through).
+//! - [`RelayBody`] forwards frames untouched and unbuffered. It reads nothing per chunk: it keeps
+//!   the last bytes of the stream to find the final `usage` (the realized cache hit) once the
+//!   stream ends. A worker that fails after the first byte gets its stream ended with a
+//!   well-formed SSE error event — never a replay. When the client goes away hyper drops the
+//!   body, which drops the upstream response and closes that connection: the engine aborts the
+//!   request at once.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use cortex_sched::{Booking, FailureClass, MonotonicClock};
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+use crate::error::ProxyError;
+
+/// The pooled HTTP client to workers (keep-alive, `TCP_NODELAY`).
+pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Builds the client.
+#[must_use]
+pub fn client(connect_timeout: Duration) -> UpstreamClient {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_keepalive(Some(Duration::from_secs(60)));
+    Client::builder(TokioExecutor::new())
+        .pool_idle_timeout(Duration::from_secs(90))
+        .pool_max_idle_per_host(256)
+        .build(connector)
+}
+
+/// Headers that describe one hop, never forwarded.
+const HOP_BY_HOP: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "host",
+];
+
+/// Copies end-to-end headers (drops hop-by-hop ones and `content-length`, which the new body
+/// sets).
+#[must_use]
+pub fn end_to_end(headers: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(headers.len());
+    for (k, v) in headers {
+        if HOP_BY_HOP.contains(&k.as_str()) || k == http::header::CONTENT_LENGTH {
+            continue;
+        }
+        out.append(k.clone(), v.clone());
+    }
+    out
+}
+
+/// Why a worker did not serve a request.
+#[derive(Debug)]
+pub struct Failure {
+    /// The class, for cooldowns and retry decisions.
+    pub class: FailureClass,
+    /// What happened, for logs and the client.
+    pub message: String,
+    /// The worker's own error response, when it sent one (passed through when not retried).
+    pub response: Option<(StatusCode, HeaderMap, Bytes)>,
+}
+
+/// What a worker answered.
+#[derive(Debug)]
+pub enum Answer {
+    /// A success: stream it.
+    Stream(Response<Incoming>),
+    /// An error that is the request's own (4xx, context length, content policy): passed to the
+    /// client as the worker wrote it; another worker would answer the same.
+    Reject {
+        /// Status.
+        status: StatusCode,
+        /// Headers.
+        headers: HeaderMap,
+        /// Body.
+        body: Bytes,
+        /// The class, when the error is one the scheduler tracks.
+        class: Option<FailureClass>,
+    },
+}
+
+/// Sends one attempt and waits for the response head (and, for an error, its small body).
+///
+/// # Errors
+/// [`Failure`] for anything another worker might do better: connection failures, timeouts,
+/// 5xx, 429.
+pub async fn send(
+    client: &UpstreamClient,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+    head_timeout: Duration,
+) -> Result<Answer, Failure> {
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = http::Method::POST;
+    *req.uri_mut() = uri;
+    *req.headers_mut() = headers;
+    let resp = match tokio::time::timeout(head_timeout, client.request(req)).await {
+        Err(_) => {
+            return Err(Failure {
+                class: FailureClass::Timeout,
+                message: format!("no response head within {head_timeout:?}"),
+                response: None,
+            });
+        }
+        Ok(Err(e)) => {
+            return Err(Failure {
+                class: FailureClass::ServerError,
+                message: format!("worker unreachable: {e}"),
+                response: None,
+            });
+        }
+        Ok(Ok(r)) => r,
+    };
+    let status = resp.status();
+    if status.is_success() {
+        return Ok(Answer::Stream(resp));
+    }
+    let (parts, incoming) = resp.into_parts();
+    // Error bodies are small; read at most 64 KiB of one, briefly.
+    let body = match tokio::time::timeout(Duration::from_secs(5), http_body_util::Limited::new(incoming, 64 * 1024).collect())
+        .await
+    {
+        Ok(Ok(c)) => c.to_bytes(),
+        _ => Bytes::new(),
+    };
+    let headers = end_to_end(&parts.headers);
+    match classify(status, &body) {
+        Some(class) if crate::error::retry_elsewhere(class) => Err(Failure {
+            class,
+            message: format!("worker answered {status}"),
+            response: Some((status, headers, body)),
+        }),
+        class => Ok(Answer::Reject { status, headers, body, class }),
+    }
+}
+
+/// Classifies a worker's error response. `None`: an ordinary client error (bad request) that is
+/// the request's own and does not concern the scheduler.
+#[must_use]
+pub fn classify(status: StatusCode, body: &[u8]) -> Option<FailureClass> {
+    let text = String::from_utf8_lossy(&body[..body.len().min(4096)]).to_ascii_lowercase();
+    let mentions = |words: &[&str]| words.iter().any(|w| text.contains(w));
+    match status.as_u16() {
+        429 if mentions(&["quota", "billing", "insufficient_quota"]) => Some(FailureClass::QuotaExhausted),
+        429 => Some(FailureClass::RateLimited),
+        402 => Some(FailureClass::QuotaExhausted),
+        408 | 504 => Some(FailureClass::Timeout),
+        500..=599 => Some(FailureClass::ServerError),
+        400 | 413 | 422 if mentions(&["context length", "context_length", "maximum context", "too long", "max_model_len"]) => {
+            Some(FailureClass::ContextLengthExceeded)
+        }
+        400 | 403 | 451 if mentions(&["content policy", "content_policy", "safety", "moderation"]) => {
+            Some(FailureClass::ContentPolicy)
+        }
+        _ => None,
+    }
+}
+
+/// What a finished relay learned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// `usage.prompt_tokens_details.cached_tokens` (or SGLang's `meta_info.cached_tokens`) from
+    /// the final chunk or body, if the worker reported it.
+    pub cached_tokens: Option<u32>,
+    /// `usage.prompt_tokens`, if reported.
+    pub prompt_tokens: Option<u32>,
+}
+
+/// Called once when a relay ends normally.
+pub type OnComplete = Box<dyn FnOnce(Completion) + Send>;
+
+/// Bytes kept from the end of a stream to find its final usage.
+const SSE_TAIL: usize = 16 * 1024;
+/// Largest non-streamed body parsed for usage.
+const JSON_MAX: usize = 1 << 20;
+
+enum RelayState {
+    Streaming,
+    Done,
+}
+
+/// The response body relayed to the client. See the module docs.
+pub struct RelayBody {
+    inner: Incoming,
+    booking: Option<Booking>,
+    clock: MonotonicClock,
+    sse: bool,
+    first_frame: bool,
+    idle: Pin<Box<tokio::time::Sleep>>,
+    idle_timeout: Duration,
+    tail: BytesMut,
+    tail_overflowed: bool,
+    state: RelayState,
+    on_complete: Option<OnComplete>,
+    /// The admission slot: a request counts against the gateway's concurrency until its body
+    /// has been relayed to the end (or the client left).
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl RelayBody {
+    /// Relays `inner`, moving `booking` through first token and completion.
+    #[must_use]
+    pub fn new(
+        inner: Incoming,
+        booking: Booking,
+        clock: MonotonicClock,
+        sse: bool,
+        idle_timeout: Duration,
+        on_complete: OnComplete,
+    ) -> Self {
+        RelayBody {
+            inner,
+            booking: Some(booking),
+            clock,
+            sse,
+            first_frame: true,
+            idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            idle_timeout,
+            tail: BytesMut::new(),
+            tail_overflowed: false,
+            state: RelayState::Streaming,
+            on_complete: Some(on_complete),
+            _permit: None,
+        }
+    }
+
+    /// Keeps `permit` until the relay ends.
+    #[must_use]
+    pub fn holding(mut self, permit: tokio::sync::OwnedSemaphorePermit) -> Self {
+        self._permit = Some(permit);
+        self
+    }
+
+    fn keep_tail(&mut self, data: &Bytes) {
+        let limit = if self.sse { SSE_TAIL } else { JSON_MAX };
+        if !self.sse && self.tail.len() + data.len() > limit {
+            self.tail_overflowed = true;
+            self.tail.clear();
+            return;
+        }
+        if self.tail_overflowed {
+            return;
+        }
+        self.tail.extend_from_slice(data);
+        if self.tail.len() > limit {
+            let cut = self.tail.len() - limit;
+            let _ = self.tail.split_to(cut);
+        }
+    }
+
+    fn fail(&mut self, class: FailureClass, message: String) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        tracing::warn!(class = class.as_str(), %message, "upstream failed mid-stream");
+        metrics::counter!(crate::telemetry::UPSTREAM_ERRORS, "class" => class.as_str(), "stage" => "stream")
+            .increment(1);
+        if let Some(b) = self.booking.take() {
+            b.fail(class, self.clock.now());
+        }
+        self.on_complete = None;
+        if self.sse {
+            let err = ProxyError::Upstream { class, attempts: 1, message };
+            self.state = RelayState::Done;
+            Poll::Ready(Some(Ok(Frame::data(err.sse_event()))))
+        } else {
+            // A JSON body cannot be ended well-formed: end the response so the client sees it
+            // truncated rather than a silently short answer.
+            self.state = RelayState::Done;
+            Poll::Ready(None)
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(b) = self.booking.take() {
+            b.succeed(self.clock.now());
+        }
+        if let Some(f) = self.on_complete.take() {
+            let usage = if self.tail_overflowed { None } else { find_usage(&self.tail, self.sse) };
+            f(usage.unwrap_or(Completion { cached_tokens: None, prompt_tokens: None }));
+        }
+    }
+}
+
+impl HttpBody for RelayBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        if matches!(this.state, RelayState::Done) {
+            return Poll::Ready(None);
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    if this.first_frame && !data.is_empty() {
+                        this.first_frame = false;
+                        if let Some(b) = this.booking.as_mut() {
+                            b.first_token(this.clock.now());
+                        }
+                    }
+                    let data = data.clone();
+                    this.keep_tail(&data);
+                }
+                let deadline = tokio::time::Instant::now() + this.idle_timeout;
+                this.idle.as_mut().reset(deadline);
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => this.fail(FailureClass::ServerError, format!("worker stream broke: {e}")),
+            Poll::Ready(None) => {
+                this.state = RelayState::Done;
+                this.finish();
+                Poll::Ready(None)
+            }
+            Poll::Pending => match this.idle.as_mut().poll(cx) {
+                Poll::Ready(()) => {
+                    let t = this.idle_timeout;
+                    this.fail(FailureClass::Timeout, format!("worker sent nothing for {t:?}"))
+                }
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(self.state, RelayState::Done)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.state {
+            RelayState::Streaming if !self.sse => self.inner.size_hint(),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+/// Finds the usage in a stream's last bytes (the last `data:` event carrying one) or in a JSON
+/// body.
+#[must_use]
+pub fn find_usage(tail: &[u8], sse: bool) -> Option<Completion> {
+    let value: serde_json::Value = if sse {
+        let text = std::str::from_utf8(tail).ok().or_else(|| {
+            // The tail may start inside a UTF-8 sequence; skip to the next event.
+            let start = tail.windows(2).position(|w| w == b"\n\n")? + 2;
+            std::str::from_utf8(&tail[start..]).ok()
+        })?;
+        text.rsplit("\n\n")
+            .filter_map(|ev| ev.trim().strip_prefix("data:").map(str::trim))
+            .filter(|d| d.contains("\"usage\"") || d.contains("\"cached_tokens\""))
+            .find_map(|d| serde_json::from_str(d).ok())?
+    } else {
+        serde_json::from_slice(tail).ok()?
+    };
+    // A /generate batch answers with an array: take the first item.
+    let value = match value {
+        serde_json::Value::Array(mut items) if !items.is_empty() => items.swap_remove(0),
+        v => v,
+    };
+    let as_u32 = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_u64).and_then(|n| u32::try_from(n).ok());
+    let usage = value.get("usage");
+    let meta = value.get("meta_info");
+    let cached = as_u32(usage.and_then(|u| u.get("prompt_tokens_details")).and_then(|d| d.get("cached_tokens")))
+        .or_else(|| as_u32(meta.and_then(|m| m.get("cached_tokens"))));
+    let prompt = as_u32(usage.and_then(|u| u.get("prompt_tokens"))).or_else(|| as_u32(meta.and_then(|m| m.get("prompt_tokens"))));
+    if cached.is_none() && prompt.is_none() {
+        return None;
+    }
+    Some(Completion { cached_tokens: cached, prompt_tokens: prompt })
+}
+
+/// Builds the URI of `path` on a worker whose base is `base` (`http://host:port`).
+///
+/// # Errors
+/// [`ProxyError::Internal`] if the result is not a valid URI.
+pub fn worker_uri(base: &Uri, path_and_query: &str) -> Result<Uri, ProxyError> {
+    let mut parts = base.clone().into_parts();
+    parts.path_and_query =
+        Some(path_and_query.parse().map_err(|e| ProxyError::Internal(format!("bad upstream path: {e}")))?);
+    Uri::from_parts(parts).map_err(|e| ProxyError::Internal(format!("bad upstream uri: {e}")))
+}
+
+/// Adds a header, ignoring values that are not valid header bytes.
+pub fn set_header(h: &mut HeaderMap, name: &'static str, value: &str) {
+    if let Ok(v) = HeaderValue::from_str(value) {
+        h.insert(HeaderName::from_static(name), v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classification() {
+        let c = |s: u16, b: &str| classify(StatusCode::from_u16(s).unwrap(), b.as_bytes());
+        assert_eq!(c(429, "slow down"), Some(FailureClass::RateLimited));
+        assert_eq!(c(429, "insufficient_quota"), Some(FailureClass::QuotaExhausted));
+        assert_eq!(c(503, ""), Some(FailureClass::ServerError));
+        assert_eq!(c(504, ""), Some(FailureClass::Timeout));
+        assert_eq!(
+            c(400, r#"{"error":{"message":"This model's maximum context length is 4096 tokens"}}"#),
+            Some(FailureClass::ContextLengthExceeded)
+        );
+        assert_eq!(c(400, "missing field"), None);
+        assert_eq!(c(404, "no such model"), None);
+    }
+
+    #[test]
+    fn usage_from_stream_tail_and_body() {
+        let sse = b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
+        assert_eq!(find_usage(sse, true), Some(Completion { cached_tokens: Some(32), prompt_tokens: Some(40) }));
+        let body = br#"{"text":"x","meta_info":{"prompt_tokens":20,"cached_tokens":16}}"#;
+        assert_eq!(find_usage(body, false), Some(Completion { cached_tokens: Some(16), prompt_tokens: Some(20) }));
+        assert_eq!(find_usage(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n", true), None);
+    }
+
+    #[test]
+    fn hop_by_hop_headers_are_dropped() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", HeaderValue::from_static("close"));
+        h.insert("content-length", HeaderValue::from_static("3"));
+        h.insert("authorization", HeaderValue::from_static("Bearer x"));
+        let out = end_to_end(&h);
+        assert_eq!(out.len(), 1);
+        assert!(out.contains_key("authorization"));
+    }
+}
