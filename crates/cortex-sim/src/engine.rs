@@ -58,7 +58,9 @@ pub(crate) enum PdMode {
     /// vLLM `do_remote_prefill`: the prompt's KV arrives from the prefill worker.
     VllmDecode,
     /// SGLang prefill leg: after prefill, wait for the decode side to fetch `room`.
-    SglangPrefill { room: u64 },
+    SglangPrefill {
+        room: u64,
+    },
     /// SGLang decode leg: the prompt's KV and the first token arrive from the prefill side.
     SglangDecode,
 }
@@ -229,7 +231,12 @@ fn wall_ts() -> f64 {
 }
 
 impl Rank {
-    pub(crate) fn new(params: RankParams, engine: &EngineConfig, capacity_blocks: usize, decode_role: bool) -> Rank {
+    pub(crate) fn new(
+        params: RankParams,
+        engine: &EngineConfig,
+        capacity_blocks: usize,
+        decode_role: bool,
+    ) -> Rank {
         let cache = match engine {
             EngineConfig::Vllm(o) => Cache::Vllm {
                 kv: KvManager::new(BlockPool::new(capacity_blocks, params.block_size, o)),
@@ -407,7 +414,8 @@ impl Rank {
                     st.running.push(r);
                 }
                 None => {
-                    let holds_nothing = st.running.is_empty() && st.awaiting.is_empty() && st.leases.is_empty();
+                    let holds_nothing =
+                        st.running.is_empty() && st.awaiting.is_empty() && st.leases.is_empty();
                     if holds_nothing && sched.is_empty() && transfer_tokens == 0 {
                         // Nothing else holds memory it could release: this request never fits.
                         let _ = r.sink.send(ReqEvent::Failed(Failure::TooLarge));
@@ -437,12 +445,14 @@ impl Rank {
         }
         let mut cost = Duration::ZERO;
         if prefill_tokens > 0 {
-            let c = t.prefill_overhead + t.prefill_per_token.saturating_mul(u32::try_from(prefill_tokens).unwrap_or(u32::MAX));
+            let c = t.prefill_overhead
+                + t.prefill_per_token.saturating_mul(u32::try_from(prefill_tokens).unwrap_or(u32::MAX));
             st.stats.prefill_busy += c;
             cost += c;
         }
         if transfer_tokens > 0 {
-            cost += t.kv_transfer_per_token.saturating_mul(u32::try_from(transfer_tokens).unwrap_or(u32::MAX));
+            cost +=
+                t.kv_transfer_per_token.saturating_mul(u32::try_from(transfer_tokens).unwrap_or(u32::MAX));
         }
         if decoding > 0 {
             let extra = u32::try_from(st.running.len().saturating_sub(1)).unwrap_or(u32::MAX);
@@ -615,7 +625,11 @@ impl Rank {
     /// Resets the prefix cache (`AllBlocksCleared`), refused while requests are in flight.
     pub(crate) fn flush(&self) -> bool {
         let mut st = self.state.lock();
-        if !st.running.is_empty() || !st.waiting.is_empty() || !st.awaiting.is_empty() || !st.leases.is_empty() {
+        if !st.running.is_empty()
+            || !st.waiting.is_empty()
+            || !st.awaiting.is_empty()
+            || !st.leases.is_empty()
+        {
             return false;
         }
         let ok = match &mut st.cache {
@@ -739,7 +753,8 @@ impl EngineState {
                 self.release(&r, true);
             }
         }
-        let gone: Vec<u64> = self.awaiting.iter().filter(|(_, r)| r.sink.is_closed()).map(|(&id, _)| id).collect();
+        let gone: Vec<u64> =
+            self.awaiting.iter().filter(|(_, r)| r.sink.is_closed()).map(|(&id, _)| id).collect();
         for id in gone {
             if let Some(r) = self.awaiting.remove(&id) {
                 self.release(&r, true);

@@ -9,7 +9,9 @@
 
 use cortex_events_sglang::{Encoding, TokenIds, WireBatch as SgBatch, WireBlockRemoved as SgRemoved};
 use cortex_events_sglang::{WireBlockStored as SgStored, WireEvent as SgEvent};
-use cortex_events_vllm::{ExtraKey, Version, WireBatch, WireBlockRemoved, WireBlockStored, WireEvent, WireHash};
+use cortex_events_vllm::{
+    ExtraKey, Version, WireBatch, WireBlockRemoved, WireBlockStored, WireEvent, WireHash,
+};
 use cortex_hash::vllm::VllmDigest;
 
 use crate::config::{SglangOptions, VllmOptions};
@@ -63,7 +65,12 @@ pub(crate) fn encode_vllm(events: &[PoolEvent], opts: &VllmOptions, rank: u16, t
 }
 
 /// Encodes one SGLang batch; `None` if the encoder refuses it.
-pub(crate) fn encode_sglang(events: &[RadixEvent], opts: &SglangOptions, rank: u16, ts: f64) -> Option<Vec<u8>> {
+pub(crate) fn encode_sglang(
+    events: &[RadixEvent],
+    opts: &SglangOptions,
+    rank: u16,
+    ts: f64,
+) -> Option<Vec<u8>> {
     let maps = opts.encoding == Encoding::Maps;
     let wire: Vec<SgEvent<'_>> = events
         .iter()

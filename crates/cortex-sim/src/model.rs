@@ -36,7 +36,10 @@ pub struct SimModel {
 
 impl std::fmt::Debug for SimModel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SimModel").field("dir", &self.dir).field("template", &self.template).finish_non_exhaustive()
+        f.debug_struct("SimModel")
+            .field("dir", &self.dir)
+            .field("template", &self.template)
+            .finish_non_exhaustive()
     }
 }
 
@@ -88,7 +91,11 @@ impl SimModel {
         Ok(Arc::new(SimModel::build(self.dir.clone(), Arc::clone(&self.tokenizer), config)?))
     }
 
-    fn build(dir: Option<PathBuf>, tokenizer: Arc<TextTokenizer>, config: TokenizerConfig) -> Result<Self, SimError> {
+    fn build(
+        dir: Option<PathBuf>,
+        tokenizer: Arc<TextTokenizer>,
+        config: TokenizerConfig,
+    ) -> Result<Self, SimError> {
         let template = ChatTemplate::new(&config.chat_template).map_err(SimError::Model)?;
         let ids = tokenizer.encode(OUTPUT_TEXT, SpecialTokens::Omit).map_err(SimError::Model)?;
         let output = ids
@@ -99,7 +106,14 @@ impl SimModel {
         if output.is_empty() {
             return Err(SimError::Config { field: "model", reason: "the tokenizer produced no tokens" });
         }
-        Ok(SimModel { dir, tokenizer, template, template_source: config.chat_template.clone(), config, output })
+        Ok(SimModel {
+            dir,
+            tokenizer,
+            template,
+            template_source: config.chat_template.clone(),
+            config,
+            output,
+        })
     }
 
     /// The tokenizer.
@@ -189,10 +203,8 @@ fn normalize_messages(messages: Value) -> Value {
         list.into_iter()
             .map(|mut m| {
                 if let Some(Value::Array(parts)) = m.get("content") {
-                    let text: Vec<&str> = parts
-                        .iter()
-                        .filter_map(|p| p.get("text").and_then(Value::as_str))
-                        .collect();
+                    let text: Vec<&str> =
+                        parts.iter().filter_map(|p| p.get("text").and_then(Value::as_str)).collect();
                     let joined = text.join("\n");
                     if let Some(obj) = m.as_object_mut() {
                         obj.insert("content".to_owned(), Value::String(joined));

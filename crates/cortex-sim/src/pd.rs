@@ -174,7 +174,12 @@ pub(crate) enum FetchError {
 }
 
 /// A one-shot HTTP/1.1 call to another worker's rendezvous listener; returns the body of a 200.
-pub(crate) async fn call(addr: SocketAddr, method: http::Method, path: &str, timeout: Duration) -> Result<Bytes, FetchError> {
+pub(crate) async fn call(
+    addr: SocketAddr,
+    method: http::Method,
+    path: &str,
+    timeout: Duration,
+) -> Result<Bytes, FetchError> {
     let fut = async {
         let stream = tokio::net::TcpStream::connect(addr).await.map_err(FetchError::Connect)?;
         let _ = stream.set_nodelay(true);

@@ -23,7 +23,9 @@ use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 
 use cortex_hash::kv::EngineHash;
-use cortex_hash::sglang::{EventFormat, PageDigest, chain_digests, namespace_seed, namespaced_block_hash, published_hash, salt_seed};
+use cortex_hash::sglang::{
+    EventFormat, PageDigest, chain_digests, namespace_seed, namespaced_block_hash, published_hash, salt_seed,
+};
 
 use crate::truth::HeldBlock;
 

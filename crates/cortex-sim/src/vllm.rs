@@ -233,7 +233,9 @@ impl BlockPool {
             let parent = req.hashes.last().copied().unwrap_or(*self.hasher.none_hash());
             // The pickle encoder refuses only preimages over 64 KiB, far beyond any block size
             // a simulator is configured with; such a block is left unhashed (never cached).
-            let Ok(pre) = self.hasher.preimage(&parent, page, &self.hasher.extra_keys(i, extras)) else { break };
+            let Ok(pre) = self.hasher.preimage(&parent, page, &self.hasher.extra_keys(i, extras)) else {
+                break;
+            };
             req.hashes.push(digest(self.hasher.algo(), &pre));
         }
     }
@@ -243,8 +245,16 @@ impl BlockPool {
             let b = &self.blocks[id as usize];
             (b.prev, b.next)
         };
-        if prev == NONE { self.head = next } else { self.blocks[prev as usize].next = next }
-        if next == NONE { self.tail = prev } else { self.blocks[next as usize].prev = prev }
+        if prev == NONE {
+            self.head = next
+        } else {
+            self.blocks[prev as usize].next = next
+        }
+        if next == NONE {
+            self.tail = prev
+        } else {
+            self.blocks[next as usize].prev = prev
+        }
         let b = &mut self.blocks[id as usize];
         b.prev = NONE;
         b.next = NONE;
@@ -263,7 +273,11 @@ impl BlockPool {
         b.prev = self.tail;
         b.next = NONE;
         b.in_free = true;
-        if self.tail == NONE { self.head = id } else { self.blocks[self.tail as usize].next = id }
+        if self.tail == NONE {
+            self.head = id
+        } else {
+            self.blocks[self.tail as usize].next = id
+        }
         self.tail = id;
         self.num_free += 1;
     }
@@ -334,7 +348,13 @@ impl BlockPool {
     ///
     /// # Panics
     /// If the request has fewer than `num_full` full blocks or `blocks` is shorter than that.
-    pub fn cache_full_blocks(&mut self, req: &BlockRequest, blocks: &[BlockId], num_cached: usize, num_full: usize) {
+    pub fn cache_full_blocks(
+        &mut self,
+        req: &BlockRequest,
+        blocks: &[BlockId],
+        num_cached: usize,
+        num_full: usize,
+    ) {
         if num_cached >= num_full {
             return;
         }
@@ -582,6 +602,11 @@ mod tests {
         assert!(matches!(&ev[..], [PoolEvent::Stored(s)] if s.hashes == vec![r2.block_hashes()[1]]
             && s.parent == Some(r2.block_hashes()[0])));
         let held = m.pool.held_blocks(true);
-        assert_eq!(held.iter().filter(|b| b.hash == EngineHash::from_digest(r2.block_hashes()[1].as_bytes())).count(), 2);
+        assert_eq!(
+            held.iter()
+                .filter(|b| b.hash == EngineHash::from_digest(r2.block_hashes()[1].as_bytes()))
+                .count(),
+            2
+        );
     }
 }

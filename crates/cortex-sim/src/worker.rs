@@ -69,7 +69,8 @@ impl Shared {
     }
 
     pub(crate) fn apply(&self, fault: &Fault) -> Result<(), SimError> {
-        let publisher = || self.publisher.as_ref().ok_or(SimError::Config { field: "events.enabled", reason: "is off" });
+        let publisher =
+            || self.publisher.as_ref().ok_or(SimError::Config { field: "events.enabled", reason: "is off" });
         match *fault {
             Fault::FailNext { status, count } => self.faults.fail_next(status, count),
             Fault::Stall => self.ranks.iter().for_each(|r| r.set_stalled(true)),
@@ -162,7 +163,11 @@ impl SimWorker {
         } else {
             None
         };
-        let pd_addr = pd_listener.as_ref().map(std::net::TcpListener::local_addr).transpose().map_err(SimError::Bind)?;
+        let pd_addr = pd_listener
+            .as_ref()
+            .map(std::net::TcpListener::local_addr)
+            .transpose()
+            .map_err(SimError::Bind)?;
         let pd = Arc::new(PdRegistry::default());
         let ranks: Vec<Arc<Rank>> = (0..cfg.dp_size)
             .map(|r| {
@@ -202,7 +207,8 @@ impl SimWorker {
             inflight_http: AtomicUsize::new(0),
         });
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(SimError::Runtime)?;
+        let rt =
+            tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(SimError::Runtime)?;
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("cortex-sim-worker".to_owned())
@@ -419,7 +425,11 @@ impl SimWorker {
     ///
     /// # Errors
     /// [`SimError::NoSuchRank`], or [`SimError::WrongEngine`] on a vLLM worker.
-    pub fn with_radix_cache<R>(&self, rank: u16, f: impl FnOnce(&mut RadixCache) -> R) -> Result<R, SimError> {
+    pub fn with_radix_cache<R>(
+        &self,
+        rank: u16,
+        f: impl FnOnce(&mut RadixCache) -> R,
+    ) -> Result<R, SimError> {
         self.shared.rank(rank)?.with_radix_cache(f).ok_or(SimError::WrongEngine)
     }
 

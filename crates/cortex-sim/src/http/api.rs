@@ -20,7 +20,9 @@ use tokio::sync::mpsc;
 
 use super::{Chunk, Cut, Resp, SSE_DONE, SimBody, info, json_resp, read_json, sse, text_resp};
 use crate::config::{LoraAdapter, Role};
-use crate::engine::{Failure, NewRequest, PdMode, PdOutcome, ReqEvent, ReqKeys, ReqStats, vllm_transfer_params};
+use crate::engine::{
+    Failure, NewRequest, PdMode, PdOutcome, ReqEvent, ReqKeys, ReqStats, vllm_transfer_params,
+};
 use crate::pd::{FetchError, call};
 use crate::worker::{InflightGuard, Shared};
 
@@ -43,14 +45,24 @@ pub(super) async fn vllm(shared: Arc<Shared>, req: Request<Incoming>, path: &str
         (Method::GET, "/health") => health(&shared),
         (Method::GET, "/ping") => health(&shared),
         (Method::GET, "/v1/models") => info::models(&shared),
-        (Method::POST, "/v1/completions") => return generate(shared, req, Flavor::Vllm, Kind::Completion).await,
-        (Method::POST, "/v1/chat/completions") => return generate(shared, req, Flavor::Vllm, Kind::Chat).await,
+        (Method::POST, "/v1/completions") => {
+            return generate(shared, req, Flavor::Vllm, Kind::Completion).await;
+        }
+        (Method::POST, "/v1/chat/completions") => {
+            return generate(shared, req, Flavor::Vllm, Kind::Chat).await;
+        }
         (Method::POST, "/tokenize") => info::tokenize(&shared, req).await,
         (Method::POST, "/detokenize") => info::detokenize(&shared, req).await,
-        (Method::GET, "/kv_event_sources") if info::has_kv_event_sources(&shared) => info::kv_event_sources(&shared),
+        (Method::GET, "/kv_event_sources") if info::has_kv_event_sources(&shared) => {
+            info::kv_event_sources(&shared)
+        }
         (Method::GET, "/metrics") => info::metrics(&shared),
-        (Method::GET, "/load") => json_resp(StatusCode::OK, &json!({"server_load": shared.inflight_http.load(Ordering::SeqCst)})),
-        (Method::GET, "/version") => json_resp(StatusCode::OK, &json!({"version": info::engine_version(&shared)})),
+        (Method::GET, "/load") => {
+            json_resp(StatusCode::OK, &json!({"server_load": shared.inflight_http.load(Ordering::SeqCst)}))
+        }
+        (Method::GET, "/version") => {
+            json_resp(StatusCode::OK, &json!({"version": info::engine_version(&shared)}))
+        }
         (Method::POST, "/reset_prefix_cache") => flush(&shared, Flavor::Vllm),
         _ => json_resp(StatusCode::NOT_FOUND, &json!({"detail": "Not Found"})),
     })
@@ -61,9 +73,15 @@ pub(super) async fn sglang(shared: Arc<Shared>, req: Request<Incoming>, path: &s
     Ok(match (m, path) {
         (Method::GET, "/health" | "/health_generate") => health(&shared),
         (Method::GET, "/ready") => text_resp(StatusCode::OK, "ready"),
-        (Method::POST | Method::PUT, "/generate") => return generate(shared, req, Flavor::Sglang, Kind::Generate).await,
-        (Method::POST, "/v1/completions") => return generate(shared, req, Flavor::Sglang, Kind::Completion).await,
-        (Method::POST, "/v1/chat/completions") => return generate(shared, req, Flavor::Sglang, Kind::Chat).await,
+        (Method::POST | Method::PUT, "/generate") => {
+            return generate(shared, req, Flavor::Sglang, Kind::Generate).await;
+        }
+        (Method::POST, "/v1/completions") => {
+            return generate(shared, req, Flavor::Sglang, Kind::Completion).await;
+        }
+        (Method::POST, "/v1/chat/completions") => {
+            return generate(shared, req, Flavor::Sglang, Kind::Chat).await;
+        }
         (Method::GET, "/server_info" | "/get_server_info") => info::server_info(&shared),
         (Method::GET, "/model_info" | "/get_model_info") => info::model_info(&shared),
         (Method::GET, "/v1/models") => info::models(&shared),
@@ -88,12 +106,23 @@ fn health(shared: &Shared) -> Resp {
 fn flush(shared: &Shared, flavor: Flavor) -> Resp {
     match shared.apply(&crate::faults::Fault::FlushCache) {
         Ok(()) => match flavor {
-            Flavor::Sglang => text_resp(StatusCode::OK, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"),
+            Flavor::Sglang => text_resp(
+                StatusCode::OK,
+                "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+            ),
             Flavor::Vllm => Response::new(SimBody::Full(None)),
         },
         Err(_) => match flavor {
-            Flavor::Sglang => text_resp(StatusCode::BAD_REQUEST, "Cache not flushed. Please check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"),
-            Flavor::Vllm => error_resp(flavor, Kind::Completion, StatusCode::BAD_REQUEST, "Failed to reset prefix cache: requests are running"),
+            Flavor::Sglang => text_resp(
+                StatusCode::BAD_REQUEST,
+                "Cache not flushed. Please check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n",
+            ),
+            Flavor::Vllm => error_resp(
+                flavor,
+                Kind::Completion,
+                StatusCode::BAD_REQUEST,
+                "Failed to reset prefix cache: requests are running",
+            ),
         },
     }
 }
@@ -111,7 +140,9 @@ fn error_resp(flavor: Flavor, kind: Kind, status: StatusCode, message: &str) -> 
     let body = match (flavor, kind) {
         (Flavor::Vllm, _) => json!({"error": {"message": message, "type": ty, "param": null, "code": code}}),
         (Flavor::Sglang, Kind::Generate) => json!({"error": {"message": message}}),
-        (Flavor::Sglang, _) => json!({"object": "error", "message": message, "type": ty, "param": null, "code": code}),
+        (Flavor::Sglang, _) => {
+            json!({"object": "error", "message": message, "type": ty, "param": null, "code": code})
+        }
     };
     json_resp(status, &body)
 }
@@ -153,7 +184,12 @@ fn u64_field(v: &Value) -> Option<u64> {
 }
 
 /// The adapter a request names: vLLM's `model`; SGLang's `lora_path`, `model` or `base:adapter`.
-fn resolve_lora(shared: &Shared, flavor: Flavor, kind: Kind, body: &Value) -> ApiResult<Option<Arc<LoraAdapter>>> {
+fn resolve_lora(
+    shared: &Shared,
+    flavor: Flavor,
+    kind: Kind,
+    body: &Value,
+) -> ApiResult<Option<Arc<LoraAdapter>>> {
     let find = |name: &str| shared.cfg.loras.iter().find(|l| l.name == name).cloned().map(Arc::new);
     let model = body.get("model").and_then(Value::as_str);
     match flavor {
@@ -166,7 +202,9 @@ fn resolve_lora(shared: &Shared, flavor: Flavor, kind: Kind, body: &Value) -> Ap
         },
         Flavor::Sglang => {
             if let Some(p) = body.get("lora_path").and_then(Value::as_str) {
-                return find(p).map(Some).ok_or_else(|| bad(flavor, kind, &format!("unknown LoRA adapter `{p}`")));
+                return find(p)
+                    .map(Some)
+                    .ok_or_else(|| bad(flavor, kind, &format!("unknown LoRA adapter `{p}`")));
             }
             let adapter = model.and_then(|m| m.split_once(':').map_or(Some(m), |(_, a)| Some(a)));
             Ok(adapter.and_then(find))
@@ -187,9 +225,10 @@ fn prompts(shared: &Shared, flavor: Flavor, kind: Kind, body: &Value) -> ApiResu
             let add = body.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true);
             match body.get("prompt") {
                 Some(Value::String(s)) => Ok((vec![model.encode(s, add).map_err(tok_err)?], false)),
-                Some(Value::Array(a)) if a.first().is_some_and(Value::is_number) => {
-                    Ok((vec![ids(&Value::Array(a.clone())).ok_or_else(|| bad(flavor, kind, "bad token ids"))?], false))
-                }
+                Some(Value::Array(a)) if a.first().is_some_and(Value::is_number) => Ok((
+                    vec![ids(&Value::Array(a.clone())).ok_or_else(|| bad(flavor, kind, "bad token ids"))?],
+                    false,
+                )),
                 Some(Value::Array(a)) if !a.is_empty() => {
                     let mut out = Vec::with_capacity(a.len());
                     for p in a {
@@ -232,7 +271,14 @@ fn prompts(shared: &Shared, flavor: Flavor, kind: Kind, body: &Value) -> ApiResu
 
 /// The pinned rank, if any: `X-data-parallel-rank` (vLLM) or `routed_dp_rank` /
 /// `data_parallel_rank` (SGLang, per batch item when a list).
-fn pinned_rank(shared: &Shared, flavor: Flavor, kind: Kind, parts: &http::request::Parts, body: &Value, i: usize) -> ApiResult<Option<u16>> {
+fn pinned_rank(
+    shared: &Shared,
+    flavor: Flavor,
+    kind: Kind,
+    parts: &http::request::Parts,
+    body: &Value,
+    i: usize,
+) -> ApiResult<Option<u16>> {
     let raw: Option<u64> = match flavor {
         Flavor::Vllm => match parts.headers.get("x-data-parallel-rank") {
             None => None,
@@ -244,7 +290,10 @@ fn pinned_rank(shared: &Shared, flavor: Flavor, kind: Kind, parts: &http::reques
             ),
         },
         Flavor::Sglang => {
-            let v = body.get("routed_dp_rank").filter(|v| !v.is_null()).or_else(|| body.get("data_parallel_rank").filter(|v| !v.is_null()));
+            let v = body
+                .get("routed_dp_rank")
+                .filter(|v| !v.is_null())
+                .or_else(|| body.get("data_parallel_rank").filter(|v| !v.is_null()));
             match v {
                 None => None,
                 Some(Value::Array(a)) => a.get(i).and_then(u64_field),
@@ -299,7 +348,12 @@ fn fetch_error(flavor: Flavor, kind: Kind, e: &FetchError) -> Resp {
     error_resp(flavor, kind, StatusCode::INTERNAL_SERVER_ERROR, &format!("KV transfer failed: {e}"))
 }
 
-async fn generate(shared: Arc<Shared>, req: Request<Incoming>, flavor: Flavor, kind: Kind) -> Result<Resp, Cut> {
+async fn generate(
+    shared: Arc<Shared>,
+    req: Request<Incoming>,
+    flavor: Flavor,
+    kind: Kind,
+) -> Result<Resp, Cut> {
     let _inflight = InflightGuard::new(&shared.inflight_http);
     let (parts, body) = match read_json(req).await {
         Ok(v) => v,
@@ -319,12 +373,23 @@ async fn generate(shared: Arc<Shared>, req: Request<Incoming>, flavor: Flavor, k
     }
 }
 
-async fn prepare(shared: &Arc<Shared>, parts: &http::request::Parts, body: &Value, flavor: Flavor, kind: Kind) -> ApiResult<(Ctx, Vec<Item>)> {
+async fn prepare(
+    shared: &Arc<Shared>,
+    parts: &http::request::Parts,
+    body: &Value,
+    flavor: Flavor,
+    kind: Kind,
+) -> ApiResult<(Ctx, Vec<Item>)> {
     let lora = resolve_lora(shared, flavor, kind, body)?;
     let (prompts, batch) = prompts(shared, flavor, kind, body)?;
     let max_tokens = match kind {
-        Kind::Generate => body.get("sampling_params").and_then(|s| s.get("max_new_tokens")).and_then(Value::as_u64),
-        Kind::Chat => body.get("max_completion_tokens").and_then(Value::as_u64).or_else(|| body.get("max_tokens").and_then(Value::as_u64)),
+        Kind::Generate => {
+            body.get("sampling_params").and_then(|s| s.get("max_new_tokens")).and_then(Value::as_u64)
+        }
+        Kind::Chat => body
+            .get("max_completion_tokens")
+            .and_then(Value::as_u64)
+            .or_else(|| body.get("max_tokens").and_then(Value::as_u64)),
         Kind::Completion => body.get("max_tokens").and_then(Value::as_u64),
     }
     .map_or(shared.cfg.default_max_tokens, |v| usize::try_from(v).unwrap_or(usize::MAX));
@@ -348,23 +413,46 @@ async fn prepare(shared: &Arc<Shared>, parts: &http::request::Parts, body: &Valu
     }
     let header = |k: &str| parts.headers.get(k).and_then(|h| h.to_str().ok()).map(str::to_owned);
     let request_id = header("x-request-id");
-    let base = request_id.clone().or_else(|| body.get("rid").and_then(Value::as_str).map(str::to_owned)).unwrap_or_else(hex_id);
+    let base = request_id
+        .clone()
+        .or_else(|| body.get("rid").and_then(Value::as_str).map(str::to_owned))
+        .unwrap_or_else(hex_id);
     let id = match (flavor, kind) {
         (Flavor::Vllm, Kind::Chat) => format!("chatcmpl-{base}"),
         (Flavor::Vllm, _) => format!("cmpl-{base}"),
         (Flavor::Sglang, _) => base.clone(),
     };
     let session_id = match flavor {
-        Flavor::Vllm => str_field(body, "session_id")
-            .or_else(|| header("x-session-id").map(Arc::from))
-            .or_else(|| body.get("vllm_xargs").and_then(|x| x.get("session_id")).and_then(Value::as_str).map(Arc::from)),
-        Flavor::Sglang => str_field(body, "session_id")
-            .or_else(|| body.get("session_params").and_then(|s| s.get("id")).and_then(Value::as_str).map(Arc::from)),
+        Flavor::Vllm => {
+            str_field(body, "session_id").or_else(|| header("x-session-id").map(Arc::from)).or_else(|| {
+                body.get("vllm_xargs")
+                    .and_then(|x| x.get("session_id"))
+                    .and_then(Value::as_str)
+                    .map(Arc::from)
+            })
+        }
+        Flavor::Sglang => str_field(body, "session_id").or_else(|| {
+            body.get("session_params").and_then(|s| s.get("id")).and_then(Value::as_str).map(Arc::from)
+        }),
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    let include_usage = body.get("stream_options").and_then(|o| o.get("include_usage")).and_then(Value::as_bool).unwrap_or(false);
+    let include_usage = body
+        .get("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let model = body.get("model").and_then(Value::as_str).unwrap_or(&shared.cfg.model_name).to_owned();
-    let ctx = Ctx { flavor, kind, id: id.clone(), model, created: unix_now(), stream, include_usage, batch, request_id };
+    let ctx = Ctx {
+        flavor,
+        kind,
+        id: id.clone(),
+        model,
+        created: unix_now(),
+        stream,
+        include_usage,
+        batch,
+        request_id,
+    };
 
     let mut items = Vec::with_capacity(prompts.len());
     for (i, tokens) in prompts.into_iter().enumerate() {
@@ -393,12 +481,16 @@ async fn prepare(shared: &Arc<Shared>, parts: &http::request::Parts, body: &Valu
                             rank = rank.or_else(|| u16::try_from(room % dp).ok());
                         }
                         Role::Decode => {
-                            let host = list_or_scalar(body.get("bootstrap_host"), i).and_then(Value::as_str).unwrap_or("127.0.0.1");
+                            let host = list_or_scalar(body.get("bootstrap_host"), i)
+                                .and_then(Value::as_str)
+                                .unwrap_or("127.0.0.1");
                             let port = list_or_scalar(body.get("bootstrap_port"), i)
                                 .and_then(u64_field)
                                 .and_then(|p| u16::try_from(p).ok())
                                 .unwrap_or(8998);
-                            first_token = Some(sglang_fetch(shared, flavor, kind, host, port, room, tokens.len()).await?);
+                            first_token = Some(
+                                sglang_fetch(shared, flavor, kind, host, port, room, tokens.len()).await?,
+                            );
                             pd = PdMode::SglangDecode;
                         }
                         Role::Unified => {}
@@ -423,7 +515,12 @@ async fn prepare(shared: &Arc<Shared>, parts: &http::request::Parts, body: &Valu
                 rid,
                 tokens,
                 max_tokens,
-                keys: ReqKeys { lora: lora.clone(), cache_salt: str_field(body, "cache_salt"), session_id: session_id.clone(), extra_key },
+                keys: ReqKeys {
+                    lora: lora.clone(),
+                    cache_salt: str_field(body, "cache_salt"),
+                    session_id: session_id.clone(),
+                    extra_key,
+                },
                 pd,
                 first_token,
             },
@@ -432,7 +529,13 @@ async fn prepare(shared: &Arc<Shared>, parts: &http::request::Parts, body: &Valu
     Ok((ctx, items))
 }
 
-async fn vllm_fetch(shared: &Shared, flavor: Flavor, kind: Kind, kv: &Value, prompt_len: usize) -> ApiResult<()> {
+async fn vllm_fetch(
+    shared: &Shared,
+    flavor: Flavor,
+    kind: Kind,
+    kv: &Value,
+    prompt_len: usize,
+) -> ApiResult<()> {
     let host = kv.get("remote_host").and_then(Value::as_str).unwrap_or("localhost");
     let port = kv.get("remote_port").and_then(u64_field).and_then(|p| u16::try_from(p).ok());
     let rid = kv.get("remote_request_id").and_then(Value::as_str);
@@ -444,24 +547,40 @@ async fn vllm_fetch(shared: &Shared, flavor: Flavor, kind: Kind, kv: &Value, pro
             return Err(bad(flavor, kind, "kv_transfer_params were computed for another prompt"));
         }
     }
-    let addr = resolve(host, port)
-        .await
-        .ok_or_else(|| fetch_error(flavor, kind, &FetchError::Connect(std::io::Error::other("cannot resolve remote_host"))))?;
+    let addr = resolve(host, port).await.ok_or_else(|| {
+        fetch_error(flavor, kind, &FetchError::Connect(std::io::Error::other("cannot resolve remote_host")))
+    })?;
     call(addr, Method::POST, &format!("/sim/pd/vllm/lease/{rid}"), shared.cfg.pd.bootstrap_timeout)
         .await
         .map(|_| ())
         .map_err(|e| fetch_error(flavor, kind, &e))
 }
 
-async fn sglang_fetch(shared: &Shared, flavor: Flavor, kind: Kind, host: &str, port: u16, room: u64, prompt_len: usize) -> ApiResult<u32> {
+async fn sglang_fetch(
+    shared: &Shared,
+    flavor: Flavor,
+    kind: Kind,
+    host: &str,
+    port: u16,
+    room: u64,
+    prompt_len: usize,
+) -> ApiResult<u32> {
     let wait = shared.cfg.pd.bootstrap_timeout;
-    let addr = resolve(host, port)
-        .await
-        .ok_or_else(|| fetch_error(flavor, kind, &FetchError::Connect(std::io::Error::other("cannot resolve bootstrap_host"))))?;
+    let addr = resolve(host, port).await.ok_or_else(|| {
+        fetch_error(
+            flavor,
+            kind,
+            &FetchError::Connect(std::io::Error::other("cannot resolve bootstrap_host")),
+        )
+    })?;
     let path = format!("/sim/pd/sglang/room/{room}?timeout_ms={}", wait.as_millis());
-    let body = call(addr, Method::GET, &path, wait + Duration::from_secs(1)).await.map_err(|e| fetch_error(flavor, kind, &e))?;
+    let body = call(addr, Method::GET, &path, wait + Duration::from_secs(1))
+        .await
+        .map_err(|e| fetch_error(flavor, kind, &e))?;
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    if v.get("prompt_tokens").and_then(Value::as_u64).and_then(|n| usize::try_from(n).ok()) != Some(prompt_len) {
+    if v.get("prompt_tokens").and_then(Value::as_u64).and_then(|n| usize::try_from(n).ok())
+        != Some(prompt_len)
+    {
         return Err(bad(flavor, kind, "the prefill leg of this bootstrap_room had another prompt"));
     }
     let tok = v.get("first_token").and_then(Value::as_u64).and_then(|t| u32::try_from(t).ok()).unwrap_or(0);
@@ -487,7 +606,9 @@ fn failure_resp(ctx: &Ctx, f: &Failure) -> Resp {
             StatusCode::INTERNAL_SERVER_ERROR,
             "KV transfer failed: the decode side never fetched this bootstrap room",
         ),
-        Failure::Aborted => error_resp(ctx.flavor, ctx.kind, StatusCode::SERVICE_UNAVAILABLE, "request aborted"),
+        Failure::Aborted => {
+            error_resp(ctx.flavor, ctx.kind, StatusCode::SERVICE_UNAVAILABLE, "request aborted")
+        }
     }
 }
 
@@ -498,7 +619,14 @@ async fn run(shared: Arc<Shared>, ctx: Ctx, items: Vec<Item>) -> Result<Resp, Cu
     let (tx, mut rx) = mpsc::unbounded_channel::<(usize, ReqEvent)>();
     for (i, it) in items.into_iter().enumerate() {
         let Some(rank) = shared.ranks.get(usize::from(it.rank)) else { continue };
-        tracks.push(Track { stats: None, tokens: Vec::new(), text: String::new(), pd: None, rid: it.new.rid.clone(), done: false });
+        tracks.push(Track {
+            stats: None,
+            tokens: Vec::new(),
+            text: String::new(),
+            pd: None,
+            rid: it.new.rid.clone(),
+            done: false,
+        });
         let mut erx = rank.submit(it.new);
         let tx = tx.clone();
         tokio::spawn(async move {
@@ -651,7 +779,11 @@ fn final_body(ctx: &Ctx, tracks: &[Track], shared: &Shared) -> Value {
     match ctx.kind {
         Kind::Generate => {
             let one = |t: &Track| json!({"text": t.text, "output_ids": t.tokens, "meta_info": sglang_meta(ctx, t, true, pd_prefill)});
-            if ctx.batch { Value::Array(tracks.iter().map(one).collect()) } else { tracks.first().map_or(Value::Null, one) }
+            if ctx.batch {
+                Value::Array(tracks.iter().map(one).collect())
+            } else {
+                tracks.first().map_or(Value::Null, one)
+            }
         }
         Kind::Completion => {
             let choices: Vec<Value> = tracks

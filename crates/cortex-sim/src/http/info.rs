@@ -151,8 +151,11 @@ pub(super) fn loads(shared: &Shared, uri: &Uri) -> Resp {
             let l = r.load();
             let used_tokens = l.used_blocks.saturating_sub(l.evictable_blocks) * page;
             let total = l.capacity_blocks * page;
-            let hit_rate =
-                if l.stats.prefix_queries == 0 { 0.0 } else { l.stats.prefix_hits as f64 / l.stats.prefix_queries as f64 };
+            let hit_rate = if l.stats.prefix_queries == 0 {
+                0.0
+            } else {
+                l.stats.prefix_hits as f64 / l.stats.prefix_queries as f64
+            };
             json!({
                 "dp_rank": r.params.rank,
                 "timestamp": l.now.as_secs_f64(),
@@ -261,11 +264,19 @@ pub(super) fn metrics(shared: &Shared) -> Resp {
             for (r, l) in &loads {
                 p.sample("vllm:kv_cache_usage_perc", &labels(*r), l.kv_usage);
             }
-            p.family("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of number of queried tokens.");
+            p.family(
+                "vllm:prefix_cache_queries_total",
+                "counter",
+                "Prefix cache queries, in terms of number of queried tokens.",
+            );
             for (r, l) in &loads {
                 p.sample("vllm:prefix_cache_queries_total", &labels(*r), l.stats.prefix_queries as f64);
             }
-            p.family("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of cached tokens.");
+            p.family(
+                "vllm:prefix_cache_hits_total",
+                "counter",
+                "Prefix cache hits, in terms of number of cached tokens.",
+            );
             for (r, l) in &loads {
                 p.sample("vllm:prefix_cache_hits_total", &labels(*r), l.stats.prefix_hits as f64);
             }
@@ -277,11 +288,21 @@ pub(super) fn metrics(shared: &Shared) -> Resp {
             for (r, l) in &loads {
                 p.sample("vllm:generation_tokens_total", &labels(*r), l.stats.generation_tokens as f64);
             }
-            p.family("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.");
+            p.family(
+                "vllm:num_preemptions_total",
+                "counter",
+                "Cumulative number of preemption from the engine.",
+            );
             for (r, l) in &loads {
                 p.sample("vllm:num_preemptions_total", &labels(*r), l.stats.preemptions as f64);
             }
-            histogram(&mut p, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", &loads, &labels);
+            histogram(
+                &mut p,
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                &loads,
+                &labels,
+            );
             p.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
             for (r, _) in &loads {
                 let l = format!(
@@ -294,19 +315,37 @@ pub(super) fn metrics(shared: &Shared) -> Resp {
             }
         }
         EngineConfig::Sglang(_) => {
-            let labels = |r: u16| format!("dp_rank=\"{r}\",engine_type=\"unified\",model_name=\"{model}\",pp_rank=\"0\",tp_rank=\"0\"");
+            let labels = |r: u16| {
+                format!(
+                    "dp_rank=\"{r}\",engine_type=\"unified\",model_name=\"{model}\",pp_rank=\"0\",tp_rank=\"0\""
+                )
+            };
             let page = shared.cfg.block_size as f64;
             let gauges: [(&str, &str, fn(&crate::engine::RankLoad, f64) -> f64); 9] = [
                 ("sglang:num_running_reqs", "The number of running requests.", |l, _| l.running as f64),
-                ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", |l, _| l.waiting as f64),
-                ("sglang:num_used_tokens", "The number of used tokens.", |l, pg| l.used_blocks.saturating_sub(l.evictable_blocks) as f64 * pg),
+                ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", |l, _| {
+                    l.waiting as f64
+                }),
+                ("sglang:num_used_tokens", "The number of used tokens.", |l, pg| {
+                    l.used_blocks.saturating_sub(l.evictable_blocks) as f64 * pg
+                }),
                 ("sglang:token_usage", "The token usage.", |l, _| l.kv_usage),
                 ("sglang:utilization", "The utilization.", |l, _| l.kv_usage),
-                ("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", |l, pg| l.capacity_blocks as f64 * pg),
-                ("sglang:kv_evictable_tokens", "Evictable tokens in the KV cache.", |l, pg| l.evictable_blocks as f64 * pg),
+                (
+                    "sglang:max_total_num_tokens",
+                    "Maximum total number of tokens in the KV cache pool.",
+                    |l, pg| l.capacity_blocks as f64 * pg,
+                ),
+                ("sglang:kv_evictable_tokens", "Evictable tokens in the KV cache.", |l, pg| {
+                    l.evictable_blocks as f64 * pg
+                }),
                 ("sglang:gen_throughput", "The generation throughput (token/s).", |_, _| 0.0),
                 ("sglang:cache_hit_rate", "The prefix cache hit rate.", |l, _| {
-                    if l.stats.prefix_queries == 0 { 0.0 } else { l.stats.prefix_hits as f64 / l.stats.prefix_queries as f64 }
+                    if l.stats.prefix_queries == 0 {
+                        0.0
+                    } else {
+                        l.stats.prefix_hits as f64 / l.stats.prefix_queries as f64
+                    }
                 }),
             ];
             for (name, help, f) in gauges {
@@ -316,9 +355,15 @@ pub(super) fn metrics(shared: &Shared) -> Resp {
                 }
             }
             let counters: [(&str, &str, fn(&crate::engine::RankLoad) -> f64); 4] = [
-                ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", |l| l.stats.prompt_tokens as f64),
-                ("sglang:generation_tokens_total", "Number of generation tokens processed.", |l| l.stats.generation_tokens as f64),
-                ("sglang:cached_tokens_total", "Number of cached prompt tokens.", |l| l.stats.prefix_hits as f64),
+                ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", |l| {
+                    l.stats.prompt_tokens as f64
+                }),
+                ("sglang:generation_tokens_total", "Number of generation tokens processed.", |l| {
+                    l.stats.generation_tokens as f64
+                }),
+                ("sglang:cached_tokens_total", "Number of cached prompt tokens.", |l| {
+                    l.stats.prefix_hits as f64
+                }),
                 ("sglang:num_requests_total", "Number of requests processed.", |l| l.stats.finished as f64),
             ];
             for (name, help, f) in counters {
@@ -327,18 +372,34 @@ pub(super) fn metrics(shared: &Shared) -> Resp {
                     p.sample(name, &labels(*r), f(l));
                 }
             }
-            histogram(&mut p, "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", &loads, &labels);
+            histogram(
+                &mut p,
+                "sglang:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                &loads,
+                &labels,
+            );
         }
     }
     full(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", p.out)
 }
 
-fn histogram(p: &mut Prom, name: &str, help: &str, loads: &[(u16, crate::engine::RankLoad)], labels: &dyn Fn(u16) -> String) {
+fn histogram(
+    p: &mut Prom,
+    name: &str,
+    help: &str,
+    loads: &[(u16, crate::engine::RankLoad)],
+    labels: &dyn Fn(u16) -> String,
+) {
     p.family(name, "histogram", help);
     for (r, l) in loads {
         let base = labels(*r);
         for (i, b) in TTFT_BUCKETS.iter().enumerate() {
-            p.sample(&format!("{name}_bucket"), &format!("{base},le=\"{b:?}\""), l.stats.ttft_buckets[i] as f64);
+            p.sample(
+                &format!("{name}_bucket"),
+                &format!("{base},le=\"{b:?}\""),
+                l.stats.ttft_buckets[i] as f64,
+            );
         }
         p.sample(&format!("{name}_bucket"), &format!("{base},le=\"+Inf\""), l.stats.ttft_count as f64);
         p.sample(&format!("{name}_count"), &base, l.stats.ttft_count as f64);

@@ -198,7 +198,10 @@ async fn sim_route(shared: &Arc<Shared>, req: Request<Incoming>, path: &str) -> 
             let ranks: Vec<Value> = (0..shared.cfg.dp_size)
                 .filter_map(|r| shared.rank_state(r).ok())
                 .map(|st| {
-                    let eps = shared.publisher.as_ref().and_then(|p| p.endpoints().get(usize::from(st.rank)).copied());
+                    let eps = shared
+                        .publisher
+                        .as_ref()
+                        .and_then(|p| p.endpoints().get(usize::from(st.rank)).copied());
                     json!({
                         "rank": st.rank,
                         "subscribed": st.subscribed,
@@ -239,7 +242,9 @@ async fn sim_route(shared: &Arc<Shared>, req: Request<Incoming>, path: &str) -> 
             };
             match shared.apply(&fault) {
                 Ok(()) => json_resp(StatusCode::OK, &json!({"ok": true})),
-                Err(crate::SimError::FlushRefused) => text_resp(StatusCode::BAD_REQUEST, "requests are running"),
+                Err(crate::SimError::FlushRefused) => {
+                    text_resp(StatusCode::BAD_REQUEST, "requests are running")
+                }
                 Err(e) => text_resp(StatusCode::BAD_REQUEST, e.to_string()),
             }
         }

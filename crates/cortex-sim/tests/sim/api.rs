@@ -61,10 +61,12 @@ fn vllm_chat_streams_sse_with_usage_and_done() {
     assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());
     assert!(r.text().split("\n\n").filter(|e| !e.is_empty()).all(|e| e.starts_with("data: ")));
     let events = r.sse();
-    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("JSON")).collect();
+    let chunks: Vec<Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).expect("JSON")).collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     assert_eq!(chunks[0]["object"], "chat.completion.chunk");
-    let content: Vec<&Value> = chunks.iter().filter(|c| c["choices"][0]["delta"].get("content").is_some()).skip(1).collect();
+    let content: Vec<&Value> =
+        chunks.iter().filter(|c| c["choices"][0]["delta"].get("content").is_some()).skip(1).collect();
     assert_eq!(content.len(), 5, "one chunk per token");
     assert_eq!(content[4]["choices"][0]["finish_reason"], "length");
     assert!(content[..4].iter().all(|c| c["choices"][0]["finish_reason"].is_null()));
@@ -76,7 +78,10 @@ fn vllm_chat_streams_sse_with_usage_and_done() {
     // The prompt is the template's rendering, tokenized as the model's tokenizer does.
     let rendered = w.model().render_chat(&json!({"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello!"}]})).expect("render");
     assert!(rendered.starts_with("<|im_start|>system\nYou are terse.<|im_end|>"), "{rendered}");
-    assert_eq!(tokenized.json()["tokens"].as_array().expect("tokens").len(), w.model().encode(&rendered, false).expect("tokens").len());
+    assert_eq!(
+        tokenized.json()["tokens"].as_array().expect("tokens").len(),
+        w.model().encode(&rendered, false).expect("tokens").len()
+    );
     w.shutdown();
 }
 
@@ -100,14 +105,24 @@ fn vllm_discovery_metrics_and_pinned_ranks() {
         assert_eq!(s["topic"], "");
     }
     // Pinning: X-data-parallel-rank decides where the blocks go.
-    let r = post_h(addr, "/v1/completions", &[("X-data-parallel-rank", "1")], &json!({"prompt": ids(48), "max_tokens": 2}));
+    let r = post_h(
+        addr,
+        "/v1/completions",
+        &[("X-data-parallel-rank", "1")],
+        &json!({"prompt": ids(48), "max_tokens": 2}),
+    );
     assert_eq!(r.header("x-sim-dp-rank"), Some("1"));
     assert!(w.held_blocks(0).expect("rank 0").is_empty());
     assert_eq!(w.held_blocks(1).expect("rank 1").len(), 3);
     let bad = post_h(addr, "/v1/completions", &[("X-data-parallel-rank", "2")], &json!({"prompt": "x"}));
     assert_eq!(bad.status, 400);
     // A LoRA request: blocks carry the adapter.
-    let l = post_h(addr, "/v1/completions", &[("X-data-parallel-rank", "0")], &json!({"model": "my-lora", "prompt": ids(16), "max_tokens": 1}));
+    let l = post_h(
+        addr,
+        "/v1/completions",
+        &[("X-data-parallel-rank", "0")],
+        &json!({"model": "my-lora", "prompt": ids(16), "max_tokens": 1}),
+    );
     assert_eq!(l.status, 200);
     assert!(w.held_blocks(0).expect("rank 0").iter().all(|b| b.lora_name.as_deref() == Some("my-lora")));
     let m = get(addr, "/metrics").text();
@@ -141,7 +156,9 @@ fn vllm_requests_publish_prompt_and_decode_blocks_matching_ground_truth() {
         let v: Value = rmp_like_decode(&m[2]);
         for e in v.as_array().expect("events") {
             assert_eq!(e["type"], "BlockStored");
-            stored.extend(e["block_hashes"].as_array().expect("hashes").iter().map(|h| h.as_u64().expect("u64")));
+            stored.extend(
+                e["block_hashes"].as_array().expect("hashes").iter().map(|h| h.as_u64().expect("u64")),
+            );
         }
     }
     let held: Vec<u64> = w.held_blocks(0).expect("rank 0").iter().map(|b| b.hash.to_u64()).collect();
@@ -173,40 +190,73 @@ fn sglang_generate_text_ids_batches_and_stream() {
     cfg.dp_size = 2;
     let w = SimWorker::start(cfg).expect("worker");
     let addr = w.http_addr();
-    let r = post(addr, "/generate", &json!({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3}, "rid": "abc"}));
+    let r = post(
+        addr,
+        "/generate",
+        &json!({"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3}, "rid": "abc"}),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     let v = r.json();
     assert_eq!(v["meta_info"]["id"], "abc");
     assert_eq!(v["meta_info"]["finish_reason"], json!({"type": "length", "length": 3}));
     assert_eq!(v["output_ids"].as_array().expect("ids").len(), 3);
-    assert_eq!(v["meta_info"]["prompt_tokens"], w.model().encode("The capital of France is", true).expect("tokens").len());
+    assert_eq!(
+        v["meta_info"]["prompt_tokens"],
+        w.model().encode("The capital of France is", true).expect("tokens").len()
+    );
     // Pinned by routed_dp_rank; output tokens are cached too (inserted at finish).
-    let pinned = post(addr, "/generate", &json!({"input_ids": ids(40), "sampling_params": {"max_new_tokens": 30}, "routed_dp_rank": 1}));
+    let pinned = post(
+        addr,
+        "/generate",
+        &json!({"input_ids": ids(40), "sampling_params": {"max_new_tokens": 30}, "routed_dp_rank": 1}),
+    );
     assert_eq!(pinned.header("x-sim-dp-rank"), Some("1"));
     let pages = w.held_blocks(1).expect("rank 1");
     assert_eq!(pages.len(), 4, "40 prompt + 29 computed output tokens = 69 → 4 full pages");
-    let out = pinned.json()["output_ids"].as_array().expect("ids").iter().map(|t| u32::try_from(t.as_u64().expect("id")).expect("u32")).collect::<Vec<_>>();
+    let out = pinned.json()["output_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|t| u32::try_from(t.as_u64().expect("id")).expect("u32"))
+        .collect::<Vec<_>>();
     let seq: Vec<u32> = ids(40).into_iter().chain(out).collect();
     let mut cached: Vec<u32> = Vec::new();
     for p in &pages {
         cached.extend(&p.tokens);
     }
     assert_eq!(cached, seq[..64], "the tree holds prompt and output pages");
-    let again = post(addr, "/generate", &json!({"input_ids": seq[..64].to_vec(), "sampling_params": {"max_new_tokens": 1}, "routed_dp_rank": 1}));
+    let again = post(
+        addr,
+        "/generate",
+        &json!({"input_ids": seq[..64].to_vec(), "sampling_params": {"max_new_tokens": 1}, "routed_dp_rank": 1}),
+    );
     assert_eq!(again.json()["meta_info"]["cached_tokens"], 48, "page-aligned, last token excluded");
     // Batches: a list of texts gives a list of results.
-    let batch = post(addr, "/generate", &json!({"text": ["a b c", "d e f"], "sampling_params": {"max_new_tokens": 2}}));
+    let batch = post(
+        addr,
+        "/generate",
+        &json!({"text": ["a b c", "d e f"], "sampling_params": {"max_new_tokens": 2}}),
+    );
     assert_eq!(batch.json().as_array().expect("list").len(), 2);
     // Streaming: cumulative text, then [DONE].
-    let st = post(addr, "/generate", &json!({"input_ids": ids(5), "sampling_params": {"max_new_tokens": 4}, "stream": true}));
+    let st = post(
+        addr,
+        "/generate",
+        &json!({"input_ids": ids(5), "sampling_params": {"max_new_tokens": 4}, "stream": true}),
+    );
     let ev = st.sse();
     assert_eq!(ev.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<Value> = ev[..ev.len() - 1].iter().map(|e| serde_json::from_str(e).expect("JSON")).collect();
+    let chunks: Vec<Value> =
+        ev[..ev.len() - 1].iter().map(|e| serde_json::from_str(e).expect("JSON")).collect();
     assert_eq!(chunks.len(), 4);
     assert!(chunks[3]["text"].as_str().expect("text").starts_with(chunks[0]["text"].as_str().expect("text")));
     assert_eq!(chunks[3]["meta_info"]["finish_reason"]["type"], "length");
     // OpenAI surfaces.
-    let chat = post(addr, "/v1/chat/completions", &json!({"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}));
+    let chat = post(
+        addr,
+        "/v1/chat/completions",
+        &json!({"model": "Qwen/Qwen3-0.6B", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}),
+    );
     assert_eq!(chat.json()["choices"][0]["message"]["role"], "assistant");
     let bad = post(addr, "/generate", &json!({"input_ids": ids(5), "routed_dp_rank": 7}));
     assert_eq!(bad.status, 400);
@@ -241,7 +291,12 @@ fn sglang_discovery_documents() {
         assert_eq!(get(addr, path).status, 200, "{path}");
     }
     let m = get(addr, "/metrics").text();
-    for name in ["sglang:num_running_reqs{dp_rank=\"1\"", "sglang:num_queue_reqs{", "sglang:token_usage{", "sglang:cache_hit_rate{"] {
+    for name in [
+        "sglang:num_running_reqs{dp_rank=\"1\"",
+        "sglang:num_queue_reqs{",
+        "sglang:token_usage{",
+        "sglang:cache_hit_rate{",
+    ] {
         assert!(m.contains(name), "missing {name}");
     }
     w.shutdown();
@@ -253,7 +308,11 @@ fn client_disconnect_aborts_the_request() {
     // Real time: 2000 tokens would take 20 s; the test only waits for the abort.
     cfg.timing.speed = 1.0;
     let w = SimWorker::start(cfg).expect("worker");
-    let (stream, first) = open_stream(w.http_addr(), "/v1/completions", &json!({"prompt": ids(8), "max_tokens": 2000, "stream": true}));
+    let (stream, first) = open_stream(
+        w.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": ids(8), "max_tokens": 2000, "stream": true}),
+    );
     assert!(first.contains("x-sim-ttft-ms"), "{first}");
     assert_eq!(w.in_flight(0).expect("rank"), 1);
     drop(stream);
@@ -297,7 +356,11 @@ fn older_vllm_releases_publish_arrays_and_replay_without_topic() {
     assert_eq!((st.group_idx, st.kv_cache_spec_kind, st.session_id), (Some(0), Some("full_attention"), None));
     let d = crate::support::dealer(&ctx, ep.replay.expect("replay"));
     let got = crate::support::replay(&d, 0);
-    assert_eq!(got[0], vec![Vec::new(), 0u64.to_be_bytes().to_vec(), live[2].clone()], "≤ 0.25: no topic frame");
+    assert_eq!(
+        got[0],
+        vec![Vec::new(), 0u64.to_be_bytes().to_vec(), live[2].clone()],
+        "≤ 0.25: no topic frame"
+    );
     assert_eq!(got[1], vec![Vec::new(), vec![0xff; 8], Vec::new()]);
     w.shutdown();
 }
@@ -313,7 +376,10 @@ fn a_worker_can_run_another_template_and_block_size() {
     let a = post(default.http_addr(), "/tokenize", &msgs).json();
     let b = post(other.http_addr(), "/tokenize", &msgs).json();
     assert_ne!(a["tokens"], b["tokens"], "different templates render different prompts");
-    assert_eq!(b["tokens"], json!(other.model().encode("user: Hello there, how are you?\n", false).expect("tokens")));
+    assert_eq!(
+        b["tokens"],
+        json!(other.model().encode("user: Hello there, how are you?\n", false).expect("tokens"))
+    );
     let m = get(other.http_addr(), "/metrics").text();
     assert!(m.contains("vllm:cache_config_info{block_size=\"32\""));
     post(other.http_addr(), "/v1/completions", &json!({"prompt": ids(64), "max_tokens": 1}));

@@ -40,7 +40,13 @@ fn stall_holds_requests_until_resumed_and_flush_is_refused_meanwhile() {
     let w = SimWorker::start(SimConfig::sglang()).expect("worker");
     let addr = w.http_addr();
     assert_eq!(post(addr, "/sim/fault", &json!("stall")).status, 200);
-    let t = std::thread::spawn(move || post(addr, "/generate", &json!({"input_ids": (1..40).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 2}})));
+    let t = std::thread::spawn(move || {
+        post(
+            addr,
+            "/generate",
+            &json!({"input_ids": (1..40).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 2}}),
+        )
+    });
     wait_until("the request to wait", || w.rank_state(0).expect("rank").waiting == 1);
     // SGLang refuses to flush while requests are queued or running.
     let f = post(addr, "/flush_cache", &json!({}));
@@ -67,7 +73,11 @@ fn die_mid_stream_cuts_the_connection() {
     let w = SimWorker::start(SimConfig::vllm()).expect("worker");
     let addr = w.http_addr();
     w.die_mid_stream(3, 1);
-    let r = post(addr, "/v1/completions", &json!({"prompt": (1..20).collect::<Vec<u32>>(), "max_tokens": 10, "stream": true}));
+    let r = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": (1..20).collect::<Vec<u32>>(), "max_tokens": 10, "stream": true}),
+    );
     assert_eq!(r.status, 200);
     assert!(!r.complete, "the chunked body never ends");
     let ev = r.sse();
@@ -76,10 +86,20 @@ fn die_mid_stream_cuts_the_connection() {
     wait_until("the cut request to be aborted", || w.in_flight(0).expect("rank") == 0);
     // Non-streaming: the connection closes without a response body.
     w.inject(&Fault::DieMidStream { after_tokens: 2, count: 1 }).expect("fault");
-    let cut = crate::support::request(addr, "POST", "/v1/completions", &[], Some(&json!({"prompt": "hi", "max_tokens": 10}).to_string()));
+    let cut = crate::support::request(
+        addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        Some(&json!({"prompt": "hi", "max_tokens": 10}).to_string()),
+    );
     assert_eq!((cut.status, cut.body.len()), (0, 0), "closed without a response: {cut:?}");
     // The next request is fine.
-    let ok = post(addr, "/v1/completions", &json!({"prompt": (1..20).collect::<Vec<u32>>(), "max_tokens": 10, "stream": true}));
+    let ok = post(
+        addr,
+        "/v1/completions",
+        &json!({"prompt": (1..20).collect::<Vec<u32>>(), "max_tokens": 10, "stream": true}),
+    );
     assert!(ok.complete);
     assert_eq!(ok.sse().last().map(String::as_str), Some("[DONE]"));
     w.shutdown();
@@ -119,12 +139,19 @@ fn dropped_batches_leave_a_gap_that_replay_fills() {
     let m = recv(&s);
     assert_eq!(m[1], 0u64.to_be_bytes());
     let b = cortex_events_vllm::decode_wire(&m[2]).expect("batch");
-    assert!(matches!(b.events[..], [cortex_events_vllm::WireEvent::BlockStored(_)]), "no AllBlocksCleared: {:?}", b.events);
+    assert!(
+        matches!(b.events[..], [cortex_events_vllm::WireEvent::BlockStored(_)]),
+        "no AllBlocksCleared: {:?}",
+        b.events
+    );
     assert_eq!(replay(&d, 0).len(), 2, "the ring restarted too: seq 0 and the end marker");
     // Flush through the admin endpoint: vLLM's AllBlocksCleared.
     assert_eq!(post(addr, "/sim/fault", &json!("flush_cache")).status, 200);
     let m = recv(&s);
-    assert_eq!(cortex_events_vllm::decode_wire(&m[2]).expect("batch").events, vec![cortex_events_vllm::WireEvent::AllBlocksCleared]);
+    assert_eq!(
+        cortex_events_vllm::decode_wire(&m[2]).expect("batch").events,
+        vec![cortex_events_vllm::WireEvent::AllBlocksCleared]
+    );
     let state = get(addr, "/sim/state").json();
     assert_eq!(state["ranks"][0]["blocks"], json!([]));
     assert_eq!(state["ranks"][0]["subscribed"], true);

@@ -4,8 +4,8 @@
 //! exchange equals the engine's, timestamps masked. The same for the `dynamo` format capture and
 //! for SGLang 0.5.19's positional-array capture.
 
-use cortex_sim::sglang::{RadixCache, RadixKey};
 use cortex_sim::formats::{SglangEncoding, SglangEventFormat};
+use cortex_sim::sglang::{RadixCache, RadixKey};
 use cortex_sim::{EngineConfig, SglangOptions, SimConfig, SimWorker};
 use serde_json::Value;
 
@@ -118,7 +118,9 @@ fn radix_steps_publish_the_frames_sglang_published_on_both_ranks() {
         }
         let d = dealer(&ctx, eps[r].replay.expect("replay endpoint"));
         let rep = &g["replay"];
-        for (name, from) in [("dealer_from_0", 0u64), ("dealer_from_middle_seq_3", 3), ("dealer_past_end_seq_1000", 1000)] {
+        for (name, from) in
+            [("dealer_from_0", 0u64), ("dealer_from_middle_seq_3", 3), ("dealer_past_end_seq_1000", 1000)]
+        {
             let want = rep[name]["replies"].as_array().expect("replies");
             let got = replay(&d, from);
             assert_eq!(got.len(), want.len(), "rank {r} {name}: reply count");
@@ -143,7 +145,10 @@ fn radix_steps_publish_the_frames_sglang_published_on_both_ranks() {
 #[test]
 fn dynamo_format_publishes_what_sglang_published() {
     let golden = golden("sglang/wire_topic_kv_dynamo.json");
-    let mut cfg = SimConfig::new(EngineConfig::Sglang(SglangOptions { format: SglangEventFormat::Dynamo, ..SglangOptions::default() }));
+    let mut cfg = SimConfig::new(EngineConfig::Sglang(SglangOptions {
+        format: SglangEventFormat::Dynamo,
+        ..SglangOptions::default()
+    }));
     cfg.events.topic = "kv".to_owned();
     let w = SimWorker::start(cfg).expect("worker");
     let ctx = zmq::Context::new();
@@ -168,7 +173,10 @@ fn dynamo_format_publishes_what_sglang_published() {
 #[test]
 fn legacy_positional_format_publishes_what_sglang_0_5_19_published() {
     let golden = golden("sglang/wire_legacy_0.5.19.json");
-    let mut cfg = SimConfig::new(EngineConfig::Sglang(SglangOptions { encoding: SglangEncoding::Arrays, ..SglangOptions::default() }));
+    let mut cfg = SimConfig::new(EngineConfig::Sglang(SglangOptions {
+        encoding: SglangEncoding::Arrays,
+        ..SglangOptions::default()
+    }));
     cfg.events.topic = "kv".to_owned();
     let w = SimWorker::start(cfg).expect("worker");
     let ctx = zmq::Context::new();
@@ -204,14 +212,18 @@ fn event_json(e: &cortex_sim::sglang::RadixEvent) -> Value {
                 "type": "BlockStored", "block_hashes": s.hashes, "parent_block_hash": s.parent,
                 "token_ids": tokens, "block_size": s.block_size, "lora_id": null, "medium": "GPU",
             });
-            for (k, x) in [("cache_salt", &s.cache_salt), ("session_id", &s.session_id), ("lora_name", &s.lora_name)] {
+            for (k, x) in
+                [("cache_salt", &s.cache_salt), ("session_id", &s.session_id), ("lora_name", &s.lora_name)]
+            {
                 if let Some(x) = x {
                     v[k] = serde_json::json!(x.as_ref());
                 }
             }
             v
         }
-        RadixEvent::Removed { hashes, .. } => serde_json::json!({"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}),
+        RadixEvent::Removed { hashes, .. } => {
+            serde_json::json!({"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"})
+        }
         RadixEvent::Cleared => serde_json::json!({"type": "AllBlocksCleared"}),
     }
 }
@@ -233,7 +245,8 @@ fn tree_events_match_sglang_for_every_recipe_variant() {
         if steps.iter().any(|s| tokens_of(s).is_none()) {
             continue;
         }
-        let format = if case["format"] == "dynamo" { SglangEventFormat::Dynamo } else { SglangEventFormat::Default };
+        let format =
+            if case["format"] == "dynamo" { SglangEventFormat::Dynamo } else { SglangEventFormat::Default };
         let page = usize::try_from(case["page_size"].as_u64().expect("page")).expect("usize");
         let mut tree = RadixCache::new(page, case["is_eagle_bigram"] == true, format);
         tree.take_events();

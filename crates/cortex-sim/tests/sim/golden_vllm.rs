@@ -44,7 +44,8 @@ fn blockpool_scenario_publishes_the_frames_vllm_published() {
     // Step 2: request B, tokens 1..32, salt "tenant-a", LoRA "my-lora" (id 7).
     let blocks_b = w
         .with_vllm_pool(0, |pool| {
-            let keys = RequestKeys { lora: Some(lora), cache_salt: Some(Arc::from("tenant-a")), session_id: None };
+            let keys =
+                RequestKeys { lora: Some(lora), cache_salt: Some(Arc::from("tenant-a")), session_id: None };
             let b = pool.request((1..=32).collect(), keys);
             let blocks = pool.get_new_blocks(2).expect("free blocks");
             pool.cache_full_blocks(&b, &blocks, 0, 2);
@@ -69,8 +70,12 @@ fn blockpool_scenario_publishes_the_frames_vllm_published() {
     assert!(reset, "nothing in use: the reset succeeds");
 
     for step in steps {
-        let want: Vec<Vec<u8>> =
-            step["frames_hex"].as_array().expect("frames").iter().map(|f| unhex(f.as_str().expect("hex"))).collect();
+        let want: Vec<Vec<u8>> = step["frames_hex"]
+            .as_array()
+            .expect("frames")
+            .iter()
+            .map(|f| unhex(f.as_str().expect("hex")))
+            .collect();
         let got = recv(&s);
         assert_eq!(got.len(), 3, "step {}: three frames", step["step"]);
         assert_eq!(got[0], want[0], "step {}: topic", step["step"]);

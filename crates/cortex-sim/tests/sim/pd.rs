@@ -133,7 +133,10 @@ fn vllm_decode_pulls_the_prefill_lease() {
     // The decode side cached the transferred prompt blocks (announced when the KV landed).
     let dh = d.held_blocks(0).expect("rank");
     let ph = p.held_blocks(0).expect("rank");
-    assert_eq!(dh.iter().map(|b| b.hash).take(2).collect::<Vec<_>>(), ph.iter().map(|b| b.hash).take(2).collect::<Vec<_>>());
+    assert_eq!(
+        dh.iter().map(|b| b.hash).take(2).collect::<Vec<_>>(),
+        ph.iter().map(|b| b.hash).take(2).collect::<Vec<_>>()
+    );
     p.shutdown();
     d.shutdown();
 }

@@ -35,11 +35,7 @@ impl HttpResponse {
 
     /// The `data:` payloads of an SSE body, `[DONE]` included.
     pub(crate) fn sse(&self) -> Vec<String> {
-        self.text()
-            .split("\n\n")
-            .filter_map(|e| e.strip_prefix("data: "))
-            .map(str::to_owned)
-            .collect()
+        self.text().split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_owned).collect()
     }
 
     pub(crate) fn ttft_ms(&self) -> f64 {
@@ -47,7 +43,14 @@ impl HttpResponse {
     }
 }
 
-fn write_request(stream: &mut TcpStream, addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) {
+fn write_request(
+    stream: &mut TcpStream,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) {
     let body = body.unwrap_or("");
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
@@ -62,7 +65,13 @@ fn write_request(stream: &mut TcpStream, addr: SocketAddr, method: &str, path: &
 }
 
 /// Sends one request and reads the whole response (until the server closes).
-pub(crate) fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&str>) -> HttpResponse {
+pub(crate) fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+) -> HttpResponse {
     let mut stream = TcpStream::connect(addr).expect("connect");
     stream.set_read_timeout(Some(TIMEOUT)).expect("timeout");
     write_request(&mut stream, addr, method, path, headers, body);
@@ -72,7 +81,9 @@ pub(crate) fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&s
         match stream.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => raw.extend_from_slice(&buf[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
                 panic!("response not finished after {TIMEOUT:?}: {}", String::from_utf8_lossy(&raw))
             }
             // A reset connection (a cut stream) ends the response like EOF.
@@ -117,7 +128,8 @@ fn parse(raw: &[u8]) -> HttpResponse {
     };
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
     let mut lines = head.split("\r\n");
-    let status: u16 = lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).expect("status");
+    let status: u16 =
+        lines.next().and_then(|l| l.split(' ').nth(1)).and_then(|s| s.parse().ok()).expect("status");
     let headers: Vec<(String, String)> = lines
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_owned()))
@@ -125,7 +137,8 @@ fn parse(raw: &[u8]) -> HttpResponse {
     let rest = &raw[split + 4..];
     let chunked = headers.iter().any(|(k, v)| k == "transfer-encoding" && v.contains("chunked"));
     if !chunked {
-        let len: Option<usize> = headers.iter().find(|(k, _)| k == "content-length").and_then(|(_, v)| v.parse().ok());
+        let len: Option<usize> =
+            headers.iter().find(|(k, _)| k == "content-length").and_then(|(_, v)| v.parse().ok());
         let complete = len.is_none_or(|l| rest.len() >= l);
         return HttpResponse { status, headers, body: rest.to_vec(), complete };
     }
@@ -134,7 +147,9 @@ fn parse(raw: &[u8]) -> HttpResponse {
     let mut complete = false;
     while let Some(eol) = rest[pos..].windows(2).position(|w| w == b"\r\n") {
         let size_line = String::from_utf8_lossy(&rest[pos..pos + eol]).into_owned();
-        let Ok(size) = usize::from_str_radix(size_line.split(';').next().unwrap_or("").trim(), 16) else { break };
+        let Ok(size) = usize::from_str_radix(size_line.split(';').next().unwrap_or("").trim(), 16) else {
+            break;
+        };
         pos += eol + 2;
         if size == 0 {
             complete = true;
@@ -207,7 +222,8 @@ pub(crate) fn replay(s: &zmq::Socket, from: u64) -> Vec<Vec<Vec<u8>>> {
     let mut out = Vec::new();
     loop {
         let m = recv(s);
-        let end = m.iter().rev().nth(1).is_some_and(|f| f == &[0xff; 8]) && m.last().is_some_and(Vec::is_empty);
+        let end =
+            m.iter().rev().nth(1).is_some_and(|f| f == &[0xff; 8]) && m.last().is_some_and(Vec::is_empty);
         out.push(m);
         if end {
             return out;

@@ -64,7 +64,11 @@ fn queue_wait_and_batch_size_cost_simulated_time() {
     w.stall();
     let send = |base: u32| {
         std::thread::spawn(move || {
-            post(addr, "/generate", &json!({"input_ids": (base..base + 100).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 5}}))
+            post(
+                addr,
+                "/generate",
+                &json!({"input_ids": (base..base + 100).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 5}}),
+            )
         })
     };
     let a = send(10_000);
@@ -89,7 +93,11 @@ fn queue_wait_and_batch_size_cost_simulated_time() {
     w2.stall();
     let send = |base: u32| {
         std::thread::spawn(move || {
-            post(addr, "/v1/completions", &json!({"prompt": (base..base + 10).collect::<Vec<u32>>(), "max_tokens": 3, "stream": true}))
+            post(
+                addr,
+                "/v1/completions",
+                &json!({"prompt": (base..base + 10).collect::<Vec<u32>>(), "max_tokens": 3, "stream": true}),
+            )
         })
     };
     let (a, b) = (send(100), send(200));
@@ -97,7 +105,12 @@ fn queue_wait_and_batch_size_cost_simulated_time() {
     w2.resume();
     let (a, b) = (a.join().expect("a"), b.join().expect("b"));
     let both_prefill = ms(t.prefill_overhead + t.prefill_per_token * 20);
-    assert!(close(a.ttft_ms(), both_prefill) && close(b.ttft_ms(), both_prefill), "{} {}", a.ttft_ms(), b.ttft_ms());
+    assert!(
+        close(a.ttft_ms(), both_prefill) && close(b.ttft_ms(), both_prefill),
+        "{} {}",
+        a.ttft_ms(),
+        b.ttft_ms()
+    );
     let st = w2.rank_state(0).expect("rank");
     let decode_step = ms(t.itl_base + t.itl_per_running);
     assert!(close(ms(st.virtual_time), both_prefill + 2.0 * decode_step), "{:?}", st.virtual_time);
