@@ -269,10 +269,10 @@ impl Rank {
         // cache is disabled, as on a decode worker).
         {
             let mut st = rank.state.lock();
-            if let Cache::Sglang { kv, .. } = &mut st.cache {
-                if !kv.enabled {
-                    kv.cache.take_events();
-                }
+            if let Cache::Sglang { kv, .. } = &mut st.cache
+                && !kv.enabled
+            {
+                kv.cache.take_events();
             }
             rank.publish_events(&mut st);
         }

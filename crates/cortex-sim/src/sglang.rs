@@ -419,11 +419,11 @@ impl RadixCache {
     }
 
     fn record_remove(&mut self, hashes: Vec<i64>, extra_key: Option<Arc<str>>) {
-        if let Some(RadixEvent::Removed { hashes: tail, extra_key: k }) = self.events.last_mut() {
-            if *k == extra_key {
-                tail.extend(hashes);
-                return;
-            }
+        if let Some(RadixEvent::Removed { hashes: tail, extra_key: k }) = self.events.last_mut()
+            && *k == extra_key
+        {
+            tail.extend(hashes);
+            return;
         }
         self.events.push(RadixEvent::Removed { hashes, extra_key });
     }
@@ -464,7 +464,7 @@ impl RadixCache {
             .enumerate()
             .filter_map(|(i, n)| {
                 let n = n.as_ref()?;
-                (i != ROOT as usize && n.children.is_empty()).then(|| Reverse((n.last_access, i as NodeId)))
+                (i != ROOT as usize && n.children.is_empty()).then_some(Reverse((n.last_access, i as NodeId)))
             })
             .collect();
         let mut freed = 0;

@@ -362,8 +362,7 @@ impl BlockPool {
         let lora_name: Option<Arc<str>> = req.keys.lora.as_ref().map(|l| Arc::from(l.name.as_str()));
         let mut hashes = Vec::with_capacity(num_full - num_cached);
         let mut extra_keys = Vec::with_capacity(num_full - num_cached);
-        for i in num_cached..num_full {
-            let id = blocks[i];
+        for (i, &id) in blocks.iter().enumerate().take(num_full).skip(num_cached) {
             let hash = req.hashes[i];
             let parent = if i == 0 { None } else { Some(req.hashes[i - 1]) };
             if id != 0 {
@@ -381,10 +380,10 @@ impl BlockPool {
             if let Some(n) = &lora_name {
                 keys.push(Arc::clone(n));
             }
-            if i == 0 {
-                if let Some(s) = &req.keys.cache_salt {
-                    keys.push(Arc::clone(s));
-                }
+            if i == 0
+                && let Some(s) = &req.keys.cache_salt
+            {
+                keys.push(Arc::clone(s));
             }
             extra_keys.push(if keys.is_empty() { None } else { Some(keys) });
         }

@@ -173,10 +173,11 @@ struct Item {
     new: NewRequest,
 }
 
-type ApiResult<T> = Result<T, Resp>;
+/// A handler step that may end the request with an (error) response, boxed: responses are big.
+type ApiResult<T> = Result<T, Box<Resp>>;
 
-fn bad(ctx_flavor: Flavor, kind: Kind, msg: &str) -> Resp {
-    error_resp(ctx_flavor, kind, StatusCode::BAD_REQUEST, msg)
+fn bad(ctx_flavor: Flavor, kind: Kind, msg: &str) -> Box<Resp> {
+    Box::new(error_resp(ctx_flavor, kind, StatusCode::BAD_REQUEST, msg))
 }
 
 fn u64_field(v: &Value) -> Option<u64> {
@@ -197,7 +198,12 @@ fn resolve_lora(
             None => Ok(None),
             Some(m) if m == shared.cfg.model_name => Ok(None),
             Some(m) => find(m).map(Some).ok_or_else(|| {
-                error_resp(flavor, kind, StatusCode::NOT_FOUND, &format!("The model `{m}` does not exist."))
+                Box::new(error_resp(
+                    flavor,
+                    kind,
+                    StatusCode::NOT_FOUND,
+                    &format!("The model `{m}` does not exist."),
+                ))
             }),
         },
         Flavor::Sglang => {
@@ -344,8 +350,8 @@ async fn resolve(host: &str, port: u16) -> Option<SocketAddr> {
     tokio::net::lookup_host((host, port)).await.ok()?.next()
 }
 
-fn fetch_error(flavor: Flavor, kind: Kind, e: &FetchError) -> Resp {
-    error_resp(flavor, kind, StatusCode::INTERNAL_SERVER_ERROR, &format!("KV transfer failed: {e}"))
+fn fetch_error(flavor: Flavor, kind: Kind, e: &FetchError) -> Box<Resp> {
+    Box::new(error_resp(flavor, kind, StatusCode::INTERNAL_SERVER_ERROR, &format!("KV transfer failed: {e}")))
 }
 
 async fn generate(
@@ -369,7 +375,7 @@ async fn generate(
     }
     match prepare(&shared, &parts, &body, flavor, kind).await {
         Ok((ctx, items)) => run(Arc::clone(&shared), ctx, items).await,
-        Err(r) => Ok(r),
+        Err(r) => Ok(*r),
     }
 }
 
@@ -542,10 +548,10 @@ async fn vllm_fetch(
     let (Some(port), Some(rid)) = (port, rid) else {
         return Err(bad(flavor, kind, "kv_transfer_params needs remote_port and remote_request_id"));
     };
-    if let Some(n) = kv.get("remote_num_tokens").and_then(Value::as_u64) {
-        if usize::try_from(n).ok() != Some(prompt_len) {
-            return Err(bad(flavor, kind, "kv_transfer_params were computed for another prompt"));
-        }
+    if let Some(n) = kv.get("remote_num_tokens").and_then(Value::as_u64)
+        && usize::try_from(n).ok() != Some(prompt_len)
+    {
+        return Err(bad(flavor, kind, "kv_transfer_params were computed for another prompt"));
     }
     let addr = resolve(host, port).await.ok_or_else(|| {
         fetch_error(flavor, kind, &FetchError::Connect(std::io::Error::other("cannot resolve remote_host")))
@@ -599,7 +605,7 @@ struct Track {
 
 fn failure_resp(ctx: &Ctx, f: &Failure) -> Resp {
     match f {
-        Failure::TooLarge => bad(ctx.flavor, ctx.kind, "the prompt does not fit in the KV cache"),
+        Failure::TooLarge => *bad(ctx.flavor, ctx.kind, "the prompt does not fit in the KV cache"),
         Failure::TransferTimeout => error_resp(
             ctx.flavor,
             ctx.kind,

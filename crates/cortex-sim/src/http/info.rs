@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 
 use super::{Resp, full, json_resp, read_json};
 use crate::config::EngineConfig;
-use crate::engine::TTFT_BUCKETS;
+use crate::engine::{RankLoad, TTFT_BUCKETS};
 use crate::worker::Shared;
 
 pub(super) fn engine_version(shared: &Shared) -> String {
@@ -227,6 +227,11 @@ pub(super) async fn detokenize(shared: &Shared, req: Request<Incoming>) -> Resp 
     json_resp(StatusCode::OK, &json!({"prompt": shared.model.decode(&ids)}))
 }
 
+/// A gauge family: name, help, value from a rank's load and the page size.
+type Gauge = (&'static str, &'static str, fn(&RankLoad, f64) -> f64);
+/// A counter family: name, help, value from a rank's load.
+type Counter = (&'static str, &'static str, fn(&RankLoad) -> f64);
+
 fn esc(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
 }
@@ -321,7 +326,7 @@ pub(super) fn metrics(shared: &Shared) -> Resp {
                 )
             };
             let page = shared.cfg.block_size as f64;
-            let gauges: [(&str, &str, fn(&crate::engine::RankLoad, f64) -> f64); 9] = [
+            let gauges: [Gauge; 9] = [
                 ("sglang:num_running_reqs", "The number of running requests.", |l, _| l.running as f64),
                 ("sglang:num_queue_reqs", "The number of requests in the waiting queue.", |l, _| {
                     l.waiting as f64
@@ -354,7 +359,7 @@ pub(super) fn metrics(shared: &Shared) -> Resp {
                     p.sample(name, &labels(*r), f(l, page));
                 }
             }
-            let counters: [(&str, &str, fn(&crate::engine::RankLoad) -> f64); 4] = [
+            let counters: [Counter; 4] = [
                 ("sglang:prompt_tokens_total", "Number of prefill tokens processed.", |l| {
                     l.stats.prompt_tokens as f64
                 }),
@@ -388,7 +393,7 @@ fn histogram(
     p: &mut Prom,
     name: &str,
     help: &str,
-    loads: &[(u16, crate::engine::RankLoad)],
+    loads: &[(u16, RankLoad)],
     labels: &dyn Fn(u16) -> String,
 ) {
     p.family(name, "histogram", help);
