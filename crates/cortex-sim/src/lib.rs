@@ -25,7 +25,7 @@
 //!   token never a hit, null block) in [`vllm`]; SGLang's radix tree (page-aligned keys,
 //!   namespaces, silent splits, LRU leaf eviction, the Rust TreeCore's event coalescing) in
 //!   [`sglang`]. Hashes are `cortex-hash`'s engine recipes and bytes are the event crates'
-//!   encoders, and both are proven against the engines: `tests/sim.rs` drives the cache models
+//!   encoders, and both are proven against the engines: `tests/sim/` drives the cache models
 //!   through the scenarios captured from vLLM's real `BlockPool` and SGLang's real
 //!   `UnifiedRadixCache` (`golden/vllm/blockpool_golden.json`, `golden/sglang/wire_topic_kv.json`)
 //!   and compares every ZeroMQ frame with the engines' (timestamps masked).
@@ -45,7 +45,7 @@
 //!   `/metrics` and `/v1/loads` carry the engines' names.
 //! - **PD**: SGLang's bootstrap rendezvous (both legs concurrent, prefill done when the transfer
 //!   is) and vLLM's NIXL pull (`kv_transfer_params`, leases that expire), over real HTTP between
-//!   workers ([`pd`](crate) module).
+//!   workers, so prefill and decode workers may live in different processes.
 //! - **Ground truth and faults**: [`SimWorker::held_blocks`] and `GET /sim/state` say exactly
 //!   which blocks each rank holds and whether a subscriber is connected; [`Fault`]s (errors,
 //!   stalls, cut streams, dropped batches, publisher restarts, replay off, flushes) are explicit

@@ -387,3 +387,38 @@ fn a_worker_can_run_another_template_and_block_size() {
     default.shutdown();
     other.shutdown();
 }
+
+#[test]
+fn sglang_eagle_workers_publish_bigram_pages() {
+    let mut cfg = SimConfig::new(cortex_sim::EngineConfig::Sglang(cortex_sim::SglangOptions {
+        bigram: true,
+        ..cortex_sim::SglangOptions::default()
+    }));
+    cfg.block_size = 4;
+    let w = SimWorker::start(cfg).expect("worker");
+    assert_eq!(get(w.http_addr(), "/server_info").json()["speculative_algorithm"], "EAGLE");
+    let ctx = zmq::Context::new();
+    let s = sub(&ctx, w.event_endpoints()[0].publish, b"");
+    w.wait_subscribed(0, TIMEOUT).expect("subscribed");
+    let prompt: Vec<u32> = (500..517).collect();
+    let r = post(w.http_addr(), "/generate", &json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let m = recv(&s);
+    let b = cortex_events_sglang::decode_wire(&m[2]).expect("batch");
+    let cortex_events_sglang::WireEvent::BlockStored(st) = &b.events[0] else { panic!("{b:?}") };
+    let cortex_events_sglang::TokenIds::Bigram(pairs) = &st.token_ids else { panic!("{st:?}") };
+    // 17 tokens make 16 pair units: 4 pages of 4 pairs, hashed as SGLang hashes bigram pages.
+    assert_eq!(pairs.len(), 16);
+    assert_eq!(pairs[0], [500, 501]);
+    let want = cortex_hash::sglang::event_hashes(
+        &prompt,
+        4,
+        true,
+        cortex_hash::sglang::RequestKey { extra_key: None, cache_salt: None, lora_registered: false },
+        cortex_hash::sglang::EventFormat::Default,
+    )
+    .expect("hashes");
+    assert_eq!(st.block_hashes, want);
+    assert_eq!(w.held_blocks(0).expect("rank")[0].tokens, vec![500, 501, 502, 503, 504]);
+    w.shutdown();
+}
