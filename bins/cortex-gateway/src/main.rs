@@ -1,9 +1,124 @@
-//! `cortex-gateway`: the binary platform teams deploy (filled by the gateway issue).
+//! `cortex-gateway`: the binary platform teams deploy.
 //!
-//! Wiring happens once, here: the YAML configuration and clap CLI, the worker registry, the
-//! ingest runtime, the scheduler and the proxy. Until the gateway issue lands this binary only
-//! says so, and exits with an error.
+//! ```text
+//! cortex-gateway --config cortex.yaml        # a real cluster
+//! cortex-gateway --demo                      # a simulated cluster of both engines, no GPU
+//! cortex-gateway --check-config cortex.yaml  # validate and exit
+//! ```
+//!
+//! Installs the Prometheus recorder and the log subscriber, starts the gateway (see the library
+//! half of this package) and shuts it down gracefully on SIGINT or SIGTERM.
 
-fn main() -> anyhow::Result<()> {
-    anyhow::bail!("cortex-gateway: the data plane is not built yet (see the gateway issue)")
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use cortex_gateway::{config::Config, demo, start};
+
+/// Cortex: a KV-cache-aware gateway for SGLang and vLLM workers.
+#[derive(Parser, Debug)]
+#[command(name = "cortex-gateway", version, about)]
+struct Cli {
+    /// The configuration file (YAML; see docs/configuration.md).
+    #[arg(long, value_name = "FILE", conflicts_with = "demo")]
+    config: Option<PathBuf>,
+    /// Run on an embedded simulated cluster (cortex-sim workers of both engines) with the Qwen3
+    /// tokenizer and template shipped in the repository.
+    #[arg(long)]
+    demo: bool,
+    /// Public listener of the demo.
+    #[arg(long, default_value = "127.0.0.1:8080", requires = "demo")]
+    listen: SocketAddr,
+    /// Simulated workers per engine in the demo.
+    #[arg(long, default_value_t = 2, requires = "demo")]
+    workers_per_engine: usize,
+    /// Simulated time per wall-clock time in the demo (1 = real time, 0 = instant).
+    #[arg(long, default_value_t = 1.0, requires = "demo")]
+    sim_speed: f64,
+    /// Validate the configuration file and exit.
+    #[arg(long, value_name = "FILE")]
+    check_config: Option<PathBuf>,
+    /// Log filter (`RUST_LOG` syntax).
+    #[arg(long, default_value = "info", env = "RUST_LOG")]
+    log: String,
+}
+
+#[allow(clippy::print_stdout, clippy::print_stderr)]
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cortex-gateway: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[allow(clippy::print_stdout)]
+fn run(cli: Cli) -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?)
+        .with_target(false)
+        .init();
+    if let Some(path) = &cli.check_config {
+        let (cfg, base) = Config::load(path)?;
+        cfg.into_settings(&base)?;
+        println!("{}: ok", path.display());
+        return Ok(());
+    }
+    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    cortex_proxy::telemetry::describe();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the runtime")?;
+    runtime.block_on(async move {
+        let (settings, sims) = if cli.demo {
+            let d = demo::start(cli.listen, cli.workers_per_engine, cli.sim_speed)?;
+            (d.settings, d.workers)
+        } else {
+            let path = cli.config.context("either --config FILE or --demo is required")?;
+            let (cfg, base) = Config::load(&path)?;
+            (cfg.into_settings(&base)?, Vec::new())
+        };
+        let running = start(settings, Some(prometheus)).await?;
+        tracing::info!(addr = %running.addr, admin = ?running.admin_addr, "cortex-gateway serving");
+        if cli.demo {
+            // Let discovery find the workers before telling the user to send traffic.
+            let deadline = tokio::time::Instant::now() + demo::DISCOVERY_WAIT;
+            while running.gateway.cluster().load().workers().len() < sims.len() && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            println!("{}", demo::banner(running.addr, &sims));
+        }
+        shutdown_signal().await;
+        tracing::info!("shutting down: no new connections; in-flight streams may finish");
+        running.shutdown().await;
+        drop(sims);
+        Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }

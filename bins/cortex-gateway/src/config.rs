@@ -1,0 +1,825 @@
+//! The configuration file: its YAML schema, and the validating conversion into every crate's
+//! plain typed settings.
+//!
+//! Key decision: the schema lives here and nowhere else. Unknown keys are refused with their
+//! name (`deny_unknown_fields`), durations are written `250ms`/`30s`/`5m`, sizes `32MiB`, modes are
+//! tagged strings; [`Config::into_settings`] checks every value and names the key of the first bad
+//! one, so a bad config is refused at start, never half-applied.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use cortex_hash::Engine;
+use cortex_hash::profile::{Bigram, ExtraKeyHandling, ExtraKeyPolicy, FileDigest, HashRecipe, ModelProfile};
+use cortex_hash::sglang::EventFormat;
+use cortex_hash::text::{ChatTemplate, TextTokenizer, TokenizerConfig};
+use cortex_hash::vllm::{ExtraKeyForm, HashAlgo, NoneHashSeed};
+use cortex_ingest::{IngestConfig, StaleRouting};
+use cortex_proxy::config::{AlignmentConfig, Limits, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy};
+use cortex_proxy::{EventsOverride, ModelTable, WorkerConfig};
+use cortex_radix::LedgerConfig;
+use cortex_sched::{
+    BoundedLoad, BreakerConfig, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies, Role,
+    SchedConfig, UnreadyHolders, Watermark, Weights,
+};
+use serde::Deserialize;
+
+/// A duration written as `250ms`, `30s`, `5m` or `1h`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dur(pub Duration);
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        parse_duration(&s).map(Dur).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Parses `250ms`, `30s`, `5m`, `1h`, `1.5s`.
+///
+/// # Errors
+/// A message saying what is wrong.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a duration like 250ms, 30s, 5m"))?;
+    let secs = match unit.trim() {
+        "ms" => n / 1e3,
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        "us" | "µs" => n / 1e6,
+        _ => return Err(format!("`{s}`: the unit must be ms, s, m or h")),
+    };
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("`{s}` is not a valid duration"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// A size written as `32MiB`, `512KiB`, `1GiB` or a plain number of bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Size(pub usize);
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => usize::try_from(n).map(Size).map_err(serde::de::Error::custom),
+            Raw::S(s) => parse_size(&s).map(Size).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num.parse().map_err(|_| format!("`{s}` is not a size like 32MiB"))?;
+    let mul = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return Err(format!("`{s}`: the unit must be B, KiB, MiB or GiB")),
+    };
+    n.checked_mul(mul).ok_or_else(|| format!("`{s}` is too large"))
+}
+
+/// The whole file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Public listener (`host:port`).
+    pub listen: SocketAddr,
+    /// Admin API.
+    #[serde(default)]
+    pub admin: Option<AdminFile>,
+    /// `route` (default) or `proxy_only`.
+    #[serde(default)]
+    pub mode: ModeFile,
+    /// Served models.
+    pub models: Vec<ModelFile>,
+    /// Workers known at start.
+    #[serde(default)]
+    pub workers: Vec<WorkerFile>,
+    /// Request limits.
+    #[serde(default)]
+    pub limits: LimitsFile,
+    /// Retries before the first byte.
+    #[serde(default)]
+    pub retry: RetryFile,
+    /// Scheduler.
+    #[serde(default)]
+    pub scheduler: SchedulerFile,
+    /// Worker probing.
+    #[serde(default)]
+    pub probes: ProbesFile,
+    /// Continuous alignment verification.
+    #[serde(default)]
+    pub alignment: AlignmentFile,
+    /// Event plane.
+    #[serde(default)]
+    pub ingest: IngestFile,
+    /// Ledger memory.
+    #[serde(default)]
+    pub ledger: LedgerFile,
+    /// Graceful-shutdown deadline.
+    #[serde(default)]
+    pub shutdown_grace: Option<Dur>,
+}
+
+/// `admin:`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdminFile {
+    /// Admin listener (`host:port`), never the public one.
+    pub listen: SocketAddr,
+    /// Name of the environment variable holding the bearer token.
+    pub token_env: String,
+}
+
+/// `mode:`
+#[derive(Debug, Deserialize, Default, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ModeFile {
+    /// Cortex routes.
+    #[default]
+    Route,
+    /// Cortex only proxies (Dynamo schedules).
+    ProxyOnly,
+}
+
+/// `models[]`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelFile {
+    /// Served model name.
+    pub name: String,
+    /// `vllm` or `sglang`.
+    pub engine: EngineFile,
+    /// Path of `tokenizer.json`.
+    pub tokenizer: PathBuf,
+    /// Path of `tokenizer_config.json` (chat template, special tokens).
+    pub tokenizer_config: PathBuf,
+    /// A `.jinja` file overriding the template in `tokenizer_config`.
+    #[serde(default)]
+    pub chat_template: Option<PathBuf>,
+    /// Tokens per KV block (SGLang: `page_size × dcp_size`).
+    pub block_size: u32,
+    /// vLLM hashing.
+    #[serde(default)]
+    pub vllm: Option<VllmFile>,
+    /// SGLang hashing.
+    #[serde(default)]
+    pub sglang: Option<SglangFile>,
+    /// `namespaced` (default) or `load_only`.
+    #[serde(default)]
+    pub lora: Option<ExtraKeyFile>,
+    /// `namespaced` (default) or `load_only`.
+    #[serde(default)]
+    pub cache_salt: Option<ExtraKeyFile>,
+    /// LoRA adapters served by this model's workers.
+    #[serde(default)]
+    pub adapters: Vec<AdapterFile>,
+}
+
+/// `engine:`
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineFile {
+    /// vLLM.
+    Vllm,
+    /// SGLang.
+    Sglang,
+}
+
+impl From<EngineFile> for Engine {
+    fn from(e: EngineFile) -> Engine {
+        match e {
+            EngineFile::Vllm => Engine::Vllm,
+            EngineFile::Sglang => Engine::Sglang,
+        }
+    }
+}
+
+/// `models[].vllm:`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VllmFile {
+    /// `sha256` (default), `sha256_cbor`, `xxhash`, `xxhash_cbor`.
+    #[serde(default)]
+    pub hash_algo: Option<String>,
+    /// The workers' `PYTHONHASHSEED`, if set.
+    #[serde(default)]
+    pub python_hash_seed: Option<String>,
+    /// `tagged` (vLLM ≥ 0.31, default) or `untagged`.
+    #[serde(default)]
+    pub extra_keys: Option<String>,
+}
+
+/// `models[].sglang:`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SglangFile {
+    /// `default` or `dynamo`.
+    #[serde(default)]
+    pub event_format: Option<String>,
+    /// EAGLE-style bigram pages.
+    #[serde(default)]
+    pub bigram: bool,
+}
+
+/// `lora:` / `cache_salt:`
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ExtraKeyFile {
+    /// Hashed into the identity, as the engine does.
+    Namespaced,
+    /// Such requests are routed by load.
+    LoadOnly,
+}
+
+impl From<ExtraKeyFile> for ExtraKeyHandling {
+    fn from(e: ExtraKeyFile) -> Self {
+        match e {
+            ExtraKeyFile::Namespaced => ExtraKeyHandling::Namespaced,
+            ExtraKeyFile::LoadOnly => ExtraKeyHandling::LoadOnly,
+        }
+    }
+}
+
+/// `adapters[]`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdapterFile {
+    /// Adapter name.
+    pub name: String,
+    /// Adapter path on the workers.
+    pub path: String,
+}
+
+/// `workers[]`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerFile {
+    /// Unique name.
+    pub name: String,
+    /// `http://host:port`.
+    pub url: String,
+    /// `vllm` or `sglang`.
+    pub engine: EngineFile,
+    /// A configured model's name.
+    pub model: String,
+    /// `regular` (default), `prefill` or `decode`.
+    #[serde(default)]
+    pub role: Option<String>,
+    /// Event endpoints for engines that do not advertise them.
+    #[serde(default)]
+    pub events: Option<EventsFile>,
+}
+
+/// `workers[].events:`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsFile {
+    /// PUB port of rank 0.
+    pub publish_port_base: u16,
+    /// ROUTER port of rank 0.
+    #[serde(default)]
+    pub replay_port_base: Option<u16>,
+    /// Topic.
+    #[serde(default)]
+    pub topic: String,
+    /// Data-parallel ranks.
+    #[serde(default = "one")]
+    pub dp_size: u16,
+}
+
+fn one() -> u16 {
+    1
+}
+
+/// `limits:`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LimitsFile {
+    /// Largest request body.
+    pub max_body: Option<Size>,
+    /// Time to receive request headers.
+    pub header_read_timeout: Option<Dur>,
+    /// Time to receive a request body.
+    pub body_read_timeout: Option<Dur>,
+    /// Time for a worker's response head.
+    pub upstream_head_timeout: Option<Dur>,
+    /// Longest silence inside a worker's response.
+    pub upstream_idle_timeout: Option<Dur>,
+    /// Requests processed at once.
+    pub max_concurrent: Option<usize>,
+    /// Requests waiting for a slot.
+    pub max_queue: Option<usize>,
+    /// Longest wait for a slot.
+    pub queue_timeout: Option<Dur>,
+}
+
+/// `retry:`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RetryFile {
+    /// Attempts in all.
+    pub max_attempts: Option<u32>,
+    /// Time budget of all attempts.
+    pub budget: Option<Dur>,
+}
+
+/// `scheduler:`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SchedulerFile {
+    /// Policy of regular workers (SGLang names; default `cache_aware`).
+    pub policy: Option<String>,
+    /// Policy of the prefill pool.
+    pub prefill_policy: Option<String>,
+    /// Policy of the decode pool.
+    pub decode_policy: Option<String>,
+    /// α (per matched token).
+    pub alpha: Option<f64>,
+    /// β (per active request).
+    pub beta: Option<f64>,
+    /// γ (per millisecond of expected queue latency).
+    pub gamma: Option<f64>,
+    /// Watermark: in-flight as a fraction of the worker's max running requests.
+    pub watermark_inflight_fraction: Option<f64>,
+    /// Watermark: expected queue latency.
+    pub watermark_queue_latency: Option<Dur>,
+    /// Bounded load ε; `null` disables the bound.
+    #[serde(default = "default_epsilon")]
+    pub bounded_load_epsilon: Option<f64>,
+    /// `booked` (default) or `engine_reports`.
+    pub load_signals: Option<String>,
+    /// Maximum age of an engine load report under `engine_reports`.
+    pub load_report_max_age: Option<Dur>,
+    /// `load_routed` (default) or `excluded`: may SYNCING/STALE holders take load-routed traffic.
+    pub unready_holders: Option<String>,
+    /// Cooldown after a 429.
+    pub cooldown_rate_limited: Option<Dur>,
+    /// Cooldown after a server error.
+    pub cooldown_server_error: Option<Dur>,
+    /// Cooldown after a timeout.
+    pub cooldown_timeout: Option<Dur>,
+    /// Cooldown after a quota ran out.
+    pub cooldown_quota_exhausted: Option<Dur>,
+    /// Consecutive worker faults that open the breaker; `0` disables it.
+    pub breaker_failures: Option<u32>,
+    /// How long an open breaker stays open.
+    pub breaker_open_for: Option<Dur>,
+}
+
+fn default_epsilon() -> Option<f64> {
+    Some(0.25)
+}
+
+/// `probes:`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ProbesFile {
+    /// Between health probes.
+    pub health_interval: Option<Dur>,
+    /// Between load polls.
+    pub load_interval: Option<Dur>,
+    /// Timeout of one probe.
+    pub timeout: Option<Dur>,
+    /// Failed probes before a worker leaves the pool.
+    pub failures_to_remove: Option<u32>,
+    /// Successful probes before it comes back.
+    pub successes_to_restore: Option<u32>,
+}
+
+/// `alignment:`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct AlignmentFile {
+    /// Checks remembered per worker.
+    pub window: Option<usize>,
+    /// Failed fraction tolerated.
+    pub tolerance: Option<f64>,
+    /// Checks before a verdict.
+    pub min_samples: Option<usize>,
+    /// Delay before looking for a served request's blocks.
+    pub settle: Option<Dur>,
+}
+
+/// `ingest:`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct IngestFile {
+    /// Writer lanes.
+    pub lanes: Option<usize>,
+    /// Replay deadline.
+    pub replay_timeout: Option<Dur>,
+    /// Silence before a busy holder is suspected STALE.
+    pub silence_timeout: Option<Dur>,
+    /// `excluded` (default) or `included`: do STALE holders keep exact routing.
+    pub stale_routing: Option<String>,
+}
+
+/// `ledger:`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct LedgerFile {
+    /// Memory budget.
+    pub byte_budget: Option<Size>,
+    /// Extra blocks per holder beyond its capacity, percent.
+    pub capacity_slack_percent: Option<u32>,
+}
+
+/// Everything, typed and validated.
+pub struct Settings {
+    /// Public listener.
+    pub listen: SocketAddr,
+    /// Admin listener and token.
+    pub admin: Option<(SocketAddr, String)>,
+    /// Data plane.
+    pub proxy: ProxyConfig,
+    /// Served models.
+    pub models: ModelTable,
+    /// Workers known at start.
+    pub workers: Vec<WorkerConfig>,
+    /// Scheduler.
+    pub sched: SchedConfig,
+    /// Cooldowns and breaker.
+    pub health: HealthPolicy,
+    /// Event plane.
+    pub ingest: IngestConfig,
+    /// Ledger.
+    pub ledger: LedgerConfig,
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings").field("listen", &self.listen).finish_non_exhaustive()
+    }
+}
+
+impl Config {
+    /// Reads and parses a file; relative model paths are resolved against its directory.
+    ///
+    /// # Errors
+    /// The file cannot be read, is not YAML, or has an unknown key (named in the message).
+    pub fn load(path: &Path) -> Result<(Config, PathBuf)> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        let cfg = Config::parse(&text).with_context(|| format!("in config {}", path.display()))?;
+        Ok((cfg, path.parent().map_or_else(PathBuf::new, Path::to_path_buf)))
+    }
+
+    /// Parses YAML text.
+    ///
+    /// # Errors
+    /// Not YAML, or an unknown or mistyped key (named in the message).
+    pub fn parse(text: &str) -> Result<Config> {
+        serde_yaml_ng::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
+    }
+
+    /// Validates and converts; loads tokenizers and templates.
+    ///
+    /// # Errors
+    /// The first bad value, naming its key.
+    pub fn into_settings(self, base: &Path) -> Result<Settings> {
+        let d = ProxyConfig::default();
+        let l = &self.limits;
+        let limits = Limits {
+            max_body_bytes: l.max_body.map_or(d.limits.max_body_bytes, |s| s.0),
+            header_read_timeout: l.header_read_timeout.map_or(d.limits.header_read_timeout, |v| v.0),
+            body_read_timeout: l.body_read_timeout.map_or(d.limits.body_read_timeout, |v| v.0),
+            upstream_head_timeout: l.upstream_head_timeout.map_or(d.limits.upstream_head_timeout, |v| v.0),
+            upstream_idle_timeout: l.upstream_idle_timeout.map_or(d.limits.upstream_idle_timeout, |v| v.0),
+            max_concurrent: l.max_concurrent.unwrap_or(d.limits.max_concurrent),
+            max_queue: l.max_queue.unwrap_or(d.limits.max_queue),
+            queue_timeout: l.queue_timeout.map_or(d.limits.queue_timeout, |v| v.0),
+        };
+        if limits.max_concurrent == 0 {
+            bail!("limits.max_concurrent must be at least 1");
+        }
+        if limits.max_body_bytes == 0 {
+            bail!("limits.max_body must be positive");
+        }
+        let retry = RetryPolicy {
+            max_attempts: self.retry.max_attempts.unwrap_or(d.retry.max_attempts),
+            budget: self.retry.budget.map_or(d.retry.budget, |v| v.0),
+        };
+        if retry.max_attempts == 0 {
+            bail!("retry.max_attempts must be at least 1");
+        }
+        let a = &self.alignment;
+        let alignment = AlignmentConfig {
+            window: a.window.unwrap_or(d.alignment.window),
+            tolerance: a.tolerance.unwrap_or(d.alignment.tolerance),
+            min_samples: a.min_samples.unwrap_or(d.alignment.min_samples),
+            settle: a.settle.map_or(d.alignment.settle, |v| v.0),
+        };
+        if !(0.0..=1.0).contains(&alignment.tolerance) {
+            bail!("alignment.tolerance must be within [0, 1]");
+        }
+        if alignment.window == 0 || alignment.min_samples > alignment.window {
+            bail!("alignment.window must be positive and at least alignment.min_samples");
+        }
+        let p = &self.probes;
+        let probes = ProbeConfig {
+            health_interval: p.health_interval.map_or(d.probes.health_interval, |v| v.0),
+            load_interval: p.load_interval.map_or(d.probes.load_interval, |v| v.0),
+            timeout: p.timeout.map_or(d.probes.timeout, |v| v.0),
+            failures_to_remove: p.failures_to_remove.unwrap_or(d.probes.failures_to_remove),
+            successes_to_restore: p.successes_to_restore.unwrap_or(d.probes.successes_to_restore),
+        };
+        if probes.health_interval.is_zero() || probes.load_interval.is_zero() {
+            bail!("probes.health_interval and probes.load_interval must be positive");
+        }
+        if probes.failures_to_remove == 0 || probes.successes_to_restore == 0 {
+            bail!("probes.failures_to_remove and probes.successes_to_restore must be at least 1");
+        }
+        let proxy = ProxyConfig {
+            mode: match self.mode {
+                ModeFile::Route => Mode::Route,
+                ModeFile::ProxyOnly => Mode::ProxyOnly,
+            },
+            limits,
+            retry,
+            alignment,
+            probes,
+            segment_cache_tokens: d.segment_cache_tokens,
+            shutdown_grace: self.shutdown_grace.map_or(d.shutdown_grace, |v| v.0),
+        };
+        let (sched, health) = scheduler(&self.scheduler)?;
+        let mut models = ModelTable::new();
+        if self.models.is_empty() {
+            bail!("models: at least one model is required");
+        }
+        for (i, m) in self.models.into_iter().enumerate() {
+            let adapters: Vec<(String, String)> = m.adapters.iter().map(|a| (a.name.clone(), a.path.clone())).collect();
+            let name = m.name.clone();
+            let spec = model_spec(m, base).with_context(|| format!("models[{i}] ({name})"))?;
+            if models.get(Some(&name)).is_some() {
+                bail!("models[{i}].name `{name}` is configured twice");
+            }
+            models.add_model(spec, proxy.segment_cache_tokens);
+            for (a, path) in adapters {
+                models.add_adapter(&a, &path, &name);
+            }
+        }
+        let mut workers = Vec::new();
+        for (i, w) in self.workers.into_iter().enumerate() {
+            if models.get(Some(&w.model)).is_none() {
+                bail!("workers[{i}].model `{}` is not a configured model", w.model);
+            }
+            workers.push(WorkerConfig {
+                name: w.name,
+                url: w.url,
+                engine: w.engine.into(),
+                model: w.model,
+                role: role(w.role.as_deref()).with_context(|| format!("workers[{i}].role"))?,
+                events: w.events.map(|e| EventsOverride {
+                    publish_port_base: e.publish_port_base,
+                    replay_port_base: e.replay_port_base,
+                    topic: e.topic,
+                    dp_size: e.dp_size.max(1),
+                }),
+            });
+        }
+        let di = IngestConfig::default();
+        let ingest = IngestConfig {
+            lanes: self.ingest.lanes.unwrap_or(di.lanes).max(1),
+            replay_timeout: self.ingest.replay_timeout.map_or(di.replay_timeout, |v| v.0),
+            silence_timeout: self.ingest.silence_timeout.map_or(di.silence_timeout, |v| v.0),
+            stale_routing: match self.ingest.stale_routing.as_deref() {
+                None | Some("excluded") => StaleRouting::Excluded,
+                Some("included") => StaleRouting::Included,
+                Some(o) => bail!("ingest.stale_routing must be excluded or included, not `{o}`"),
+            },
+            ..di
+        };
+        let dl = LedgerConfig::default();
+        let ledger = LedgerConfig {
+            byte_budget: self.ledger.byte_budget.map_or(dl.byte_budget, |s| s.0),
+            capacity_slack_percent: self.ledger.capacity_slack_percent.unwrap_or(dl.capacity_slack_percent),
+        };
+        let admin = match self.admin {
+            None => None,
+            Some(a) => {
+                if a.listen == self.listen {
+                    bail!("admin.listen must differ from listen: the admin API never shares the public listener");
+                }
+                let token = std::env::var(&a.token_env)
+                    .ok()
+                    .filter(|t| !t.is_empty())
+                    .with_context(|| format!("admin.token_env: the environment variable `{}` is not set", a.token_env))?;
+                Some((a.listen, token))
+            }
+        };
+        Ok(Settings { listen: self.listen, admin, proxy, models, workers, sched, health, ingest, ledger })
+    }
+}
+
+fn role(s: Option<&str>) -> Result<Role> {
+    Ok(match s {
+        None | Some("regular") => Role::Regular,
+        Some("prefill") => Role::Prefill,
+        Some("decode") => Role::Decode,
+        Some(o) => bail!("must be regular, prefill or decode, not `{o}`"),
+    })
+}
+
+fn policy(s: Option<&str>, default: PolicyConfig, key: &str) -> Result<PolicyConfig> {
+    match s {
+        None => Ok(default),
+        Some(name) => {
+            let kind: PolicyKind = name.parse().with_context(|| format!("scheduler.{key}: `{name}`"))?;
+            Ok(PolicyConfig::with_defaults(kind))
+        }
+    }
+}
+
+fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
+    let d = SchedConfig::default();
+    let pools = PoolPolicies {
+        regular: policy(s.policy.as_deref(), d.pools.regular, "policy")?,
+        prefill: policy(s.prefill_policy.as_deref(), d.pools.prefill, "prefill_policy")?,
+        decode: policy(s.decode_policy.as_deref(), d.pools.decode, "decode_policy")?,
+    };
+    let cfg = SchedConfig {
+        weights: Weights {
+            alpha_per_token: s.alpha.unwrap_or(d.weights.alpha_per_token),
+            beta_per_request: s.beta.unwrap_or(d.weights.beta_per_request),
+            gamma_per_ms: s.gamma.unwrap_or(d.weights.gamma_per_ms),
+        },
+        watermark: Watermark {
+            inflight_fraction: s.watermark_inflight_fraction.unwrap_or(d.watermark.inflight_fraction),
+            queue_latency: s.watermark_queue_latency.map_or(d.watermark.queue_latency, |v| v.0),
+        },
+        bounded_load: s.bounded_load_epsilon.map(|epsilon| BoundedLoad { epsilon }),
+        load_signals: match s.load_signals.as_deref() {
+            None | Some("booked") => LoadSignals::Booked,
+            Some("engine_reports") => LoadSignals::EngineReports {
+                max_age: s.load_report_max_age.map_or(Duration::from_secs(5), |v| v.0),
+            },
+            Some(o) => bail!("scheduler.load_signals must be booked or engine_reports, not `{o}`"),
+        },
+        unready_holders: match s.unready_holders.as_deref() {
+            None | Some("load_routed") => UnreadyHolders::LoadRouted,
+            Some("excluded") => UnreadyHolders::Excluded,
+            Some(o) => bail!("scheduler.unready_holders must be load_routed or excluded, not `{o}`"),
+        },
+        pools,
+        seed: d.seed,
+    };
+    cfg.validate().map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
+    let dh = HealthPolicy::default();
+    let dc = Cooldowns::default();
+    let health = HealthPolicy {
+        cooldowns: Cooldowns {
+            rate_limited: s.cooldown_rate_limited.map_or(dc.rate_limited, |v| v.0),
+            server_error: s.cooldown_server_error.map_or(dc.server_error, |v| v.0),
+            timeout: s.cooldown_timeout.map_or(dc.timeout, |v| v.0),
+            quota_exhausted: s.cooldown_quota_exhausted.map_or(dc.quota_exhausted, |v| v.0),
+        },
+        breaker: match s.breaker_failures {
+            Some(0) => None,
+            n => Some(BreakerConfig {
+                failure_threshold: n.unwrap_or(BreakerConfig::default().failure_threshold),
+                open_for: s.breaker_open_for.map_or(BreakerConfig::default().open_for, |v| v.0),
+                ..BreakerConfig::default()
+            }),
+        },
+        ..dh
+    };
+    health.validate().map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
+    Ok((cfg, health))
+}
+
+fn model_spec(m: ModelFile, base: &Path) -> Result<ModelSpec> {
+    let resolve = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+    let tok_path = resolve(&m.tokenizer);
+    let tokenizer = TextTokenizer::from_file(&tok_path).with_context(|| format!("tokenizer {}", tok_path.display()))?;
+    let cfg_path = resolve(&m.tokenizer_config);
+    let cfg_bytes = std::fs::read(&cfg_path).with_context(|| format!("tokenizer_config {}", cfg_path.display()))?;
+    let tcfg = TokenizerConfig::from_json(&cfg_bytes).with_context(|| format!("tokenizer_config {}", cfg_path.display()))?;
+    let source = match &m.chat_template {
+        Some(p) => {
+            let p = resolve(p);
+            std::fs::read_to_string(&p).with_context(|| format!("chat_template {}", p.display()))?
+        }
+        None => tcfg.chat_template.clone(),
+    };
+    let template = ChatTemplate::new(&source).context("chat_template")?;
+    let engine: Engine = m.engine.into();
+    let recipe = match engine {
+        Engine::Sglang => {
+            if m.vllm.is_some() {
+                bail!("vllm: set for an sglang model");
+            }
+            let s = m.sglang.unwrap_or(SglangFile { event_format: None, bigram: false });
+            let format = match s.event_format.as_deref() {
+                None | Some("default") => EventFormat::Default,
+                Some("dynamo") => EventFormat::Dynamo,
+                Some(o) => bail!("sglang.event_format must be default or dynamo, not `{o}`"),
+            };
+            HashRecipe::Sglang { format, bigram: if s.bigram { Bigram::On } else { Bigram::Off } }
+        }
+        _ => {
+            if m.sglang.is_some() {
+                bail!("sglang: set for a vllm model");
+            }
+            let v = m.vllm.unwrap_or(VllmFile { hash_algo: None, python_hash_seed: None, extra_keys: None });
+            let algo = match v.hash_algo.as_deref() {
+                None => HashAlgo::Sha256,
+                Some(a) => HashAlgo::parse(a)
+                    .with_context(|| format!("vllm.hash_algo must be sha256, sha256_cbor, xxhash or xxhash_cbor, not `{a}`"))?,
+            };
+            let extra_keys = match v.extra_keys.as_deref() {
+                None | Some("tagged") => ExtraKeyForm::Tagged,
+                Some("untagged") => ExtraKeyForm::Untagged,
+                Some(o) => bail!("vllm.extra_keys must be tagged or untagged, not `{o}`"),
+            };
+            let seed = v.python_hash_seed.map_or(NoneHashSeed::Default, NoneHashSeed::PythonHashSeed);
+            HashRecipe::Vllm { algo, seed, extra_keys }
+        }
+    };
+    let policy = ExtraKeyPolicy {
+        lora: m.lora.map_or(ExtraKeyHandling::Namespaced, Into::into),
+        cache_salt: m.cache_salt.map_or(ExtraKeyHandling::Namespaced, Into::into),
+    };
+    let profile = ModelProfile::builder()
+        .model(m.name)
+        .recipe(recipe)
+        .block_size(m.block_size)
+        .tokenizer(tokenizer.digest())
+        .chat_template(FileDigest::of(source.as_bytes()))
+        .extra_keys(policy)
+        .build()
+        .context("profile")?;
+    Ok(ModelSpec {
+        profile,
+        tokenizer: Arc::new(tokenizer),
+        template: Arc::new(template),
+        bos_token: tcfg.bos_token,
+        eos_token: tcfg.eos_token,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_and_sizes() {
+        assert_eq!(parse_duration("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(parse_duration("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_duration("1.5s"), Ok(Duration::from_millis(1500)));
+        assert!(parse_duration("30").is_err());
+        assert!(parse_duration("-1s").is_err());
+        assert_eq!(parse_size("32MiB"), Ok(32 << 20));
+        assert_eq!(parse_size("1024"), Ok(1024));
+        assert!(parse_size("3MB").is_err());
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_by_name() {
+        let err = Config::parse("listen: 127.0.0.1:8080\nmodels: []\nlimit: {}\n").unwrap_err().to_string();
+        assert!(err.contains("unknown field `limit`"), "{err}");
+        let err = Config::parse("listen: 127.0.0.1:8080\nmodels: []\nlimits: {max_concurent: 3}\n").unwrap_err().to_string();
+        assert!(err.contains("max_concurent"), "{err}");
+        let err = Config::parse("listen: 127.0.0.1:8080\nmodels: []\nretry: {budget: 30}\n").unwrap_err().to_string();
+        assert!(err.contains("budget") || err.contains("duration"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let yaml = |extra: &str| {
+            format!(
+                "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\n{extra}"
+            )
+        };
+        let ok = Config::parse(&yaml("")).unwrap().into_settings(&base);
+        assert!(ok.is_ok(), "{:?}", ok.err());
+        for (extra, key) in [
+            ("limits: {max_concurrent: 0}\n", "limits.max_concurrent"),
+            ("retry: {max_attempts: 0}\n", "retry.max_attempts"),
+            ("scheduler: {policy: fastest}\n", "scheduler.policy"),
+            ("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: other}\n", "workers[0].model"),
+            ("alignment: {tolerance: 2.0}\n", "alignment.tolerance"),
+        ] {
+            let err = format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
+            assert!(err.contains(key), "{extra}: {err}");
+        }
+    }
+}

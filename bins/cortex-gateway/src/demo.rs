@@ -1,0 +1,108 @@
+//! The embedded default: a simulated cluster of both engines (cortex-sim workers, in this
+//! process) behind the gateway, with the Qwen3 tokenizer and template shipped in the repository.
+//! No GPU, no network.
+//!
+//! Key decision: the demo goes through the same configuration path as a real deployment (a YAML
+//! document, parsed and validated), so what it shows is what a configured gateway does.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use cortex_sim::{SimConfig, SimWorker, Timing};
+
+use crate::config::{Config, Settings};
+
+/// The served model names of the demo.
+pub const VLLM_MODEL: &str = "qwen3-vllm";
+/// See [`VLLM_MODEL`].
+pub const SGLANG_MODEL: &str = "qwen3-sglang";
+
+/// The repository root (the demo reads the shipped Qwen3 files from it).
+#[must_use]
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The demo: its simulated workers and the gateway settings that point at them.
+pub struct Demo {
+    /// Simulated workers (stopped when dropped).
+    pub workers: Vec<SimWorker>,
+    /// Gateway settings.
+    pub settings: Settings,
+}
+
+impl std::fmt::Debug for Demo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Demo").field("workers", &self.workers.len()).finish_non_exhaustive()
+    }
+}
+
+/// Starts `per_engine` simulated vLLM and SGLang workers and builds the gateway's settings for
+/// them; `speed` maps simulated time to wall-clock (1.0 = real time, 0 = instant).
+///
+/// # Errors
+/// A worker cannot start or the settings do not validate.
+pub fn start(listen: SocketAddr, per_engine: usize, speed: f64) -> Result<Demo> {
+    let mut workers = Vec::new();
+    let mut yaml_workers = String::new();
+    for (engine, model) in [("vllm", VLLM_MODEL), ("sglang", SGLANG_MODEL)] {
+        for i in 0..per_engine {
+            let mut cfg = if engine == "vllm" { SimConfig::vllm() } else { SimConfig::sglang() };
+            cfg.model_name = model.to_owned();
+            cfg.capacity_blocks = 4096;
+            cfg.timing = Timing { speed, ..Timing::default() };
+            cfg.default_max_tokens = 32;
+            let w = SimWorker::start(cfg).with_context(|| format!("starting simulated {engine} worker {i}"))?;
+            yaml_workers.push_str(&format!(
+                "  - {{name: sim-{engine}-{i}, url: '{}', engine: {engine}, model: {model}}}\n",
+                w.base_url()
+            ));
+            workers.push(w);
+        }
+    }
+    let qwen = repo_root().join("golden/models/qwen3");
+    let yaml = format!(
+        "listen: '{listen}'
+models:
+  - name: {VLLM_MODEL}
+    engine: vllm
+    tokenizer: '{tok}'
+    tokenizer_config: '{cfg}'
+    block_size: 16
+  - name: {SGLANG_MODEL}
+    engine: sglang
+    tokenizer: '{tok}'
+    tokenizer_config: '{cfg}'
+    block_size: 16
+workers:
+{yaml_workers}probes: {{health_interval: 1s, load_interval: 250ms}}
+",
+        tok = qwen.join("tokenizer.json").display(),
+        cfg = qwen.join("tokenizer_config.json").display(),
+    );
+    let settings = Config::parse(&yaml)?.into_settings(&repo_root())?;
+    Ok(Demo { workers, settings })
+}
+
+/// What the demo prints once it is up.
+#[must_use]
+pub fn banner(addr: SocketAddr, workers: &[SimWorker]) -> String {
+    let mut s = format!("Cortex gateway listening on http://{addr}\n\nSimulated workers:\n");
+    for w in workers {
+        let ports: Vec<String> = w.event_endpoints().iter().map(|e| e.publish.port().to_string()).collect();
+        s.push_str(&format!("  {} {} (KV events on port {})\n", w.config().engine.name(), w.base_url(), ports.join(", ")));
+    }
+    let body = format!(
+        "{{\"model\":\"{VLLM_MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Explain KV caches in one long paragraph, please. Explain KV caches in one long paragraph, please.\"}}]}}"
+    );
+    s.push_str("\nTry (run it twice: the second call hits the cache of the worker that served the first):\n");
+    s.push_str(&format!("  curl -si http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n"));
+    s.push_str(&format!("    -d '{body}' | grep -i -e '^x-cortex' -e '^x-sim'\n"));
+    s.push_str(&format!("\nAlso: http://{addr}/debug/workers  http://{addr}/metrics  http://{addr}/health/ready\n"));
+    s
+}
+
+/// How long the demo waits for its workers to be discovered before printing the banner.
+pub const DISCOVERY_WAIT: Duration = Duration::from_secs(10);

@@ -1,0 +1,160 @@
+//! The gateway process, as a library so that end-to-end tests, the replay tool and the binary
+//! start it the same way.
+//!
+//! Wiring happens once, here: the ledger, the event plane (ZeroMQ ingest) and the data plane
+//! (proxy), with the registry's events forwarded to the ingest runtime, the public and admin
+//! listeners, and a graceful shutdown that stops accepting, lets streams finish up to the
+//! deadline, then stops the event plane.
+//!
+//! Key decision: nothing global but the metrics recorder, which the binary installs; every
+//! component is built from [`config::Settings`] and owned by [`Running`].
+
+pub mod config;
+pub mod demo;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use cortex_hash::Engine;
+use cortex_ingest::{HolderSource, Ingest, Unlabeled, Wire};
+use cortex_proxy::{Admin, Gateway, GatewayParts, RegistryEvent};
+use cortex_radix::Ledger;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+
+pub use config::Settings;
+
+/// A started gateway.
+pub struct Running {
+    /// The public listener's address.
+    pub addr: SocketAddr,
+    /// The admin listener's address, if any.
+    pub admin_addr: Option<SocketAddr>,
+    /// The data plane.
+    pub gateway: Arc<Gateway>,
+    /// The event plane.
+    pub ingest: Arc<Ingest>,
+    stop: Vec<oneshot::Sender<()>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running").field("addr", &self.addr).finish_non_exhaustive()
+    }
+}
+
+/// Builds everything from `settings` and starts serving. Binds the listeners first, so the
+/// returned addresses accept connections at once.
+///
+/// # Errors
+/// A listener cannot be bound, or a component cannot start.
+pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> Result<Running> {
+    let ledger = Ledger::new(settings.ledger);
+    let ingest = Arc::new(Ingest::start(Arc::clone(&ledger), settings.ingest.clone()).context("starting the event plane")?);
+    let (gateway, events) = Gateway::new(GatewayParts {
+        config: settings.proxy.clone(),
+        models: settings.models,
+        ledger,
+        sched: settings.sched,
+        health: settings.health,
+        prometheus,
+    })
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    gateway.start_background();
+    let mut tasks = vec![tokio::spawn(forward_events(events, Arc::clone(&ingest)))];
+    let listener = TcpListener::bind(settings.listen).await.with_context(|| format!("binding {}", settings.listen))?;
+    let addr = listener.local_addr()?;
+    let mut stop = Vec::new();
+    let (tx, rx) = oneshot::channel::<()>();
+    stop.push(tx);
+    let gw = Arc::clone(&gateway);
+    tasks.push(tokio::spawn(async move {
+        cortex_proxy::server::serve(listener, gw, async {
+            let _ = rx.await;
+        })
+        .await;
+    }));
+    let mut admin_addr = None;
+    if let Some((admin_listen, token)) = settings.admin {
+        let listener = TcpListener::bind(admin_listen).await.with_context(|| format!("binding admin {admin_listen}"))?;
+        admin_addr = Some(listener.local_addr()?);
+        let admin = Admin::new(Arc::clone(&gateway), &token);
+        let (tx, rx) = oneshot::channel::<()>();
+        stop.push(tx);
+        let limits = settings.proxy.limits.clone();
+        tasks.push(tokio::spawn(async move {
+            let handler = move |req| admin.clone().serve(req);
+            cortex_proxy::server::serve_with(listener, handler, limits.header_read_timeout, std::time::Duration::from_secs(1), async {
+                let _ = rx.await;
+            })
+            .await;
+        }));
+    }
+    for w in settings.workers {
+        gateway.add_worker(w).map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    Ok(Running { addr, admin_addr, gateway, ingest, stop, tasks })
+}
+
+impl Running {
+    /// Graceful shutdown: stop accepting, let in-flight streams finish up to the configured
+    /// deadline, then stop the event plane.
+    pub async fn shutdown(self) {
+        self.gateway.begin_shutdown();
+        for s in self.stop {
+            let _ = s.send(());
+        }
+        let mut tasks = self.tasks;
+        // The event forwarder ends when the gateway (its sender) is dropped; do not wait on it.
+        let forwarder = tasks.remove(0);
+        for t in tasks {
+            let _ = t.await;
+        }
+        forwarder.abort();
+        let ingest = self.ingest;
+        let _ = tokio::task::spawn_blocking(move || drop(ingest)).await;
+    }
+}
+
+/// Turns the registry's events into ingest calls, in order. Removal waits for the event plane
+/// to stop following the worker (blocking), so it runs off the async threads.
+async fn forward_events(mut events: mpsc::UnboundedReceiver<RegistryEvent>, ingest: Arc<Ingest>) {
+    while let Some(ev) = events.recv().await {
+        match ev {
+            RegistryEvent::Follow(sources) => {
+                for s in sources {
+                    let src = HolderSource {
+                        holder: s.holder,
+                        wire: match s.engine {
+                            Engine::Sglang => Wire::Sglang,
+                            _ => Wire::Vllm,
+                        },
+                        model: s.model,
+                        unlabeled: Unlabeled::Plain,
+                        publish: s.endpoints.publish,
+                        replay: s.endpoints.replay,
+                        topic: s.endpoints.topic,
+                        capacity_blocks: s.capacity_blocks,
+                        content_deterministic: s.content_deterministic,
+                    };
+                    if let Err(e) = ingest.add_holder(src) {
+                        tracing::error!(holder = %s.holder, error = %e, "cannot follow holder");
+                    }
+                }
+            }
+            RegistryEvent::Unfollow(worker) => {
+                let ing = Arc::clone(&ingest);
+                match tokio::task::spawn_blocking(move || ing.remove_worker(worker)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::error!(%worker, error = %e, "cannot unfollow worker"),
+                    Err(e) => tracing::error!(%worker, error = %e, "unfollow task failed"),
+                }
+            }
+            RegistryEvent::Running(holder, n) => ingest.report_running(holder, n),
+        }
+    }
+}
