@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -49,7 +49,8 @@ enum Room {
 pub(crate) struct PdRegistry {
     rooms: Mutex<HashMap<u64, Room>>,
     leases: Mutex<HashMap<String, u16>>,
-    ranks: OnceLock<Vec<Arc<Rank>>>,
+    /// Weak: ranks hold the registry, and a cycle would keep every worker's state alive.
+    ranks: OnceLock<Vec<Weak<Rank>>>,
 }
 
 impl std::fmt::Debug for PdRegistry {
@@ -59,12 +60,12 @@ impl std::fmt::Debug for PdRegistry {
 }
 
 impl PdRegistry {
-    pub(crate) fn set_ranks(&self, ranks: Vec<Arc<Rank>>) {
-        let _ = self.ranks.set(ranks);
+    pub(crate) fn set_ranks(&self, ranks: &[Arc<Rank>]) {
+        let _ = self.ranks.set(ranks.iter().map(Arc::downgrade).collect());
     }
 
-    fn rank(&self, r: u16) -> Option<&Arc<Rank>> {
-        self.ranks.get()?.get(usize::from(r))
+    fn rank(&self, r: u16) -> Option<Arc<Rank>> {
+        self.ranks.get()?.get(usize::from(r))?.upgrade()
     }
 
     /// Called by a rank (holding its lock) when a room's prefill is done. True if a decode leg

@@ -190,7 +190,7 @@ impl SimWorker {
                 ))
             })
             .collect();
-        pd.set_ranks(ranks.clone());
+        pd.set_ranks(&ranks);
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let shared = Arc::new(Shared {
             engine_id: format!("sim-{:016x}", fastrand::u64(..)),

@@ -401,7 +401,11 @@ fn sglang_eagle_workers_publish_bigram_pages() {
     let s = sub(&ctx, w.event_endpoints()[0].publish, b"");
     w.wait_subscribed(0, TIMEOUT).expect("subscribed");
     let prompt: Vec<u32> = (500..517).collect();
-    let r = post(w.http_addr(), "/generate", &json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}));
+    let r = post(
+        w.http_addr(),
+        "/generate",
+        &json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}),
+    );
     assert_eq!(r.status, 200, "{}", r.text());
     let m = recv(&s);
     let b = cortex_events_sglang::decode_wire(&m[2]).expect("batch");
