@@ -50,7 +50,7 @@ enum Cmd {
         #[arg(long, default_value_t = 5)]
         rounds: u32,
         /// Configurations, `holders x blocks` each.
-        #[arg(long, default_value = "8x10000,64x10000,8x100000")]
+        #[arg(long, default_value = "8x10000,64x10000,8x100000,64x100000")]
         configs: String,
     },
 }

@@ -12,7 +12,7 @@
 #[path = "../benches/workload.rs"]
 mod workload;
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -42,7 +42,8 @@ const ORPHAN_ONE_IN: u64 = 100;
 
 struct Engine1 {
     writer: HolderWriter,
-    resident: HashSet<u64>,
+    /// Resident blocks and their copies (vLLM keeps a physical copy per store).
+    resident: HashMap<u64, u32>,
     lru: VecDeque<u64>,
     rng: u64,
 }
@@ -71,11 +72,19 @@ impl Engine1 {
             .collect();
         let mut n = 0;
         let orphan = self.next().is_multiple_of(ORPHAN_ONE_IN);
-        for e in 0..CHAIN / EVENT {
-            let r = e * EVENT..(e + 1) * EVENT;
-            let parent = if e == 0 {
+        // Like an engine with prefix caching: the cached prefix is not stored again; the rest is,
+        // in 16-block events, each block's copy counted (a later eviction removes every copy).
+        let first_new = seqs.iter().position(|s| !self.resident.contains_key(&s.to_bits())).unwrap_or(CHAIN);
+        // An orphan store: the chain's tail arrives with a parent nobody has (a lost event); a
+        // later store of the whole chain grafts it, or capacity eviction expires it.
+        let mut start = if orphan { first_new.max(EVENT) } else { first_new };
+        let orphan_at = start;
+        while start < CHAIN {
+            let r = start..(start + EVENT).min(CHAIN);
+            start = r.end;
+            let parent = if r.start == 0 {
                 None
-            } else if orphan && e == 1 {
+            } else if orphan && r.start == orphan_at {
                 Some(EngineHash::from_u64(self.next()))
             } else {
                 Some(EngineHash::from_u64(seqs[r.start - 1].to_bits()))
@@ -83,7 +92,9 @@ impl Engine1 {
             let mut blocks = Vec::with_capacity(EVENT);
             for i in r {
                 let engine = seqs[i].to_bits();
-                if self.resident.insert(engine) {
+                let copies = self.resident.entry(engine).or_insert(0);
+                *copies += 1;
+                if *copies == 1 {
                     self.lru.push_back(engine);
                 }
                 blocks.push(StoredBlock {
@@ -99,9 +110,11 @@ impl Engine1 {
         let mut removed = Vec::new();
         while self.lru.len() > CAPACITY as usize {
             let Some(old) = self.lru.pop_front() else { break };
-            self.resident.remove(&old);
-            if !self.next().is_multiple_of(LOST_REMOVE_ONE_IN) {
-                removed.push(EngineHash::from_u64(old));
+            let copies = self.resident.remove(&old).unwrap_or(0);
+            for _ in 0..copies {
+                if !self.next().is_multiple_of(LOST_REMOVE_ONE_IN) {
+                    removed.push(EngineHash::from_u64(old));
+                }
             }
         }
         if !removed.is_empty() {
@@ -137,7 +150,7 @@ fn main() -> ExitCode {
             writer.set_readiness(Readiness::Ready);
             let room = CAPACITY as usize + 2 * CHAIN;
             let e0 = live_bytes();
-            let (resident, lru) = (HashSet::with_capacity(room), VecDeque::with_capacity(room));
+            let (resident, lru) = (HashMap::with_capacity(room), VecDeque::with_capacity(room));
             // The simulated engines' own (fixed-size) state is not the ledger's.
             before += live_bytes() - e0;
             Engine1 { writer, resident, lru, rng: splitmix(u64::from(h) + 1) }

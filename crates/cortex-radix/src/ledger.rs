@@ -233,6 +233,8 @@ pub struct LedgerStats {
     pub grafts: u64,
     /// Applies refused because the holder's worker was removed.
     pub refused_applies: u64,
+    /// (holder, namespace, parent) waits of content-deterministic orphans on other holders.
+    pub deterministic_waits: usize,
 }
 
 #[derive(Default)]
@@ -283,11 +285,18 @@ type DetMap = std::collections::HashMap<(u64, u64), (u64, u32)>;
 
 /// Countable blocks of deterministic holders by (namespace, engine hash), and the deterministic
 /// orphans waiting on a parent nobody had yet.
-#[derive(Default)]
 struct DetIndex {
-    blocks: Mutex<DetMap>,
+    /// Sharded (64 ways) so that writers of different holders rarely meet and a growing map
+    /// grows by 1/64 of the index at a time.
+    blocks: Box<[Mutex<DetMap>]>,
     waits: Mutex<std::collections::HashMap<(u64, u64), Vec<u32>>>,
     waiting: StdAtomicUsize,
+}
+
+impl DetIndex {
+    fn shard(&self, ns: u64, engine: u64) -> &Mutex<DetMap> {
+        &self.blocks[(mix64(ns ^ engine.rotate_left(32)) >> 58) as usize]
+    }
 }
 
 struct Inner {
@@ -359,7 +368,11 @@ impl Ledger {
                 groups_used: AtomicU32::new(0),
                 registry: Mutex::new(Registry::default()),
                 free_slots: Arc::new(Mutex::new(Vec::new())),
-                det: DetIndex::default(),
+                det: DetIndex {
+                    blocks: (0..64).map(|_| Mutex::new(DetMap::default())).collect(),
+                    waits: Mutex::default(),
+                    waiting: StdAtomicUsize::new(0),
+                },
                 counters: Counters::default(),
             }),
         })
@@ -726,6 +739,7 @@ impl Ledger {
             conflicts: c.conflicts.load(r),
             grafts: c.grafts.load(r),
             refused_applies: c.refused.load(r),
+            deterministic_waits: i.det.waits.lock().values().map(Vec::len).sum(),
         }
     }
 }
@@ -806,7 +820,7 @@ impl Cx<'_> {
         }
         let ns = p.namespaces[e.ns as usize];
         let fresh = {
-            let mut m = self.inner.det.blocks.lock();
+            let mut m = self.inner.det.shard(ns, engine).lock();
             let before = m.capacity();
             let slot = m.entry((ns, engine)).or_insert((e.seq, 0));
             slot.1 += 1;
@@ -843,7 +857,7 @@ impl Cx<'_> {
             return;
         }
         let ns = p.namespaces[e.ns as usize];
-        let mut m = self.inner.det.blocks.lock();
+        let mut m = self.inner.det.shard(ns, engine).lock();
         if let Some(slot) = m.get_mut(&(ns, engine)) {
             slot.1 -= 1;
             if slot.1 == 0 {
@@ -853,7 +867,7 @@ impl Cx<'_> {
     }
 
     fn det_lookup(&self, ns: u64, parent: u64) -> Option<u64> {
-        self.inner.det.blocks.lock().get(&(ns, parent)).map(|v| v.0)
+        self.inner.det.shard(ns, parent).lock().get(&(ns, parent)).map(|v| v.0)
     }
 
     fn det_wait(&self, ns: u64, parent: u64) {
@@ -952,6 +966,10 @@ impl Cx<'_> {
             let Some(children) = p.waiting.remove(&par) else { continue };
             for c in children {
                 let Some(info) = p.orphans.remove(&c) else { continue };
+                if self.me.cfg.content_deterministic {
+                    // Nobody waits on `par` here any more: drop the cross-holder wait too.
+                    self.det_unwait(info.ns, par);
+                }
                 match how {
                     Parent::Known(s) => {
                         let seq = chain(SeqHash::from_bits(s), BlockHash::from_bits(info.content)).to_bits();
@@ -1137,14 +1155,18 @@ impl Cx<'_> {
     /// Removes orphan `engine` from its parent's waiting list (and the deterministic waits when
     /// the list empties).
     fn unlink_waiting(&self, p: &mut Private, engine: u64, info: OrphanInfo) {
-        if let Some(list) = p.waiting.get_mut(&info.parent) {
-            list.retain(|&c| c != engine);
-            if list.is_empty() {
-                p.waiting.remove(&info.parent);
-                if self.me.cfg.content_deterministic {
-                    self.det_unwait(info.ns, info.parent);
-                }
-            }
+        let Some(list) = p.waiting.get_mut(&info.parent) else { return };
+        list.retain(|&c| c != engine);
+        let empty = list.is_empty();
+        // The cross-holder wait is per (namespace, parent): drop it when no orphan of that
+        // namespace waits on the parent any more. (`engine`'s own info is already removed.)
+        let same_ns_left = self.me.cfg.content_deterministic
+            && list.iter().any(|c| p.orphans.get(c).is_some_and(|o| o.ns == info.ns));
+        if empty {
+            p.waiting.remove(&info.parent);
+        }
+        if self.me.cfg.content_deterministic && !same_ns_left {
+            self.det_unwait(info.ns, info.parent);
         }
     }
 

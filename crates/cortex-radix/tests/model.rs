@@ -624,6 +624,23 @@ impl Harness {
         if stats.blocks != blocks {
             return Err(format!("stats.blocks {} != model {blocks}", stats.blocks));
         }
+        // Every content-deterministic orphan waits on other holders for (namespace, parent);
+        // nothing else does (a stale wait would be a leak).
+        let waits: BTreeSet<(usize, u64, u64)> = self
+            .model
+            .holders
+            .iter()
+            .filter(|(_, m)| m.det)
+            .flat_map(|(&h, m)| {
+                m.entries.values().filter_map(move |e| match e.state {
+                    MState::Orphan { parent, ns, .. } => Some((h, ns, parent)),
+                    _ => None,
+                })
+            })
+            .collect();
+        if stats.deterministic_waits != waits.len() {
+            return Err(format!("{} deterministic waits, model {}", stats.deterministic_waits, waits.len()));
+        }
         Ok(())
     }
 }

@@ -208,7 +208,7 @@ fn main() {
     let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
     let rounds: usize = arg("--rounds").and_then(|s| s.parse().ok()).unwrap_or(5);
     let configs: Vec<(u32, usize)> = arg("--configs")
-        .unwrap_or_else(|| "8x10000,64x10000,8x100000".to_owned())
+        .unwrap_or_else(|| "8x10000,64x10000,8x100000,64x100000".to_owned())
         .split(',')
         .filter_map(|c| {
             let (a, b) = c.split_once('x')?;
