@@ -450,3 +450,28 @@ impl Thread {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_taken_explicit_base_is_an_error_and_ranks_are_contiguous() {
+        let ctx = zmq::Context::new();
+        let host = IpAddr::from([127, 0, 0, 1]);
+        let auto = EventsConfig::default();
+        let (socks, eps) = bind_ranges(&ctx, host, 3, &auto).expect("a free range");
+        let base = eps[0].publish.port();
+        for (r, e) in eps.iter().enumerate() {
+            assert_eq!(usize::from(e.publish.port()), usize::from(base) + r);
+            assert_eq!(e.replay.map(|a| usize::from(a.port())), Some(usize::from(base) + 3 + r));
+        }
+        // The same explicit base again: taken, and no other base is tried.
+        let fixed = EventsConfig { port_base: Some(base), ..EventsConfig::default() };
+        assert!(matches!(
+            bind_ranges(&ctx, host, 1, &fixed),
+            Err(SimError::EventPorts { ports: 2, attempts: 1 })
+        ));
+        drop(socks);
+    }
+}

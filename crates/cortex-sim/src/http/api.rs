@@ -419,10 +419,13 @@ async fn prepare(
     }
     let header = |k: &str| parts.headers.get(k).and_then(|h| h.to_str().ok()).map(str::to_owned);
     let request_id = header("x-request-id");
-    let base = request_id
-        .clone()
-        .or_else(|| body.get("rid").and_then(Value::as_str).map(str::to_owned))
-        .unwrap_or_else(hex_id);
+    let rid = body.get("rid").and_then(Value::as_str).map(str::to_owned);
+    // vLLM seeds its id from `X-Request-Id`; SGLang takes the body's `rid` first.
+    let base = match flavor {
+        Flavor::Vllm => request_id.clone().or(rid),
+        Flavor::Sglang => rid.or_else(|| request_id.clone()),
+    }
+    .unwrap_or_else(hex_id);
     let id = match (flavor, kind) {
         (Flavor::Vllm, Kind::Chat) => format!("chatcmpl-{base}"),
         (Flavor::Vllm, _) => format!("cmpl-{base}"),

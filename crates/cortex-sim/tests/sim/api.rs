@@ -426,3 +426,32 @@ fn sglang_eagle_workers_publish_bigram_pages() {
     assert_eq!(w.held_blocks(0).expect("rank")[0].tokens, vec![500, 501, 502, 503, 504]);
     w.shutdown();
 }
+
+#[test]
+fn digest_hashes_and_handles_shareable_across_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<SimWorker>();
+    let mut cfg = SimConfig::new(cortex_sim::EngineConfig::Vllm(cortex_sim::VllmOptions {
+        int_block_hashes: false,
+        ..cortex_sim::VllmOptions::default()
+    }));
+    cfg.events.replay = false;
+    let w = SimWorker::start(cfg).expect("worker");
+    assert_eq!(w.event_endpoints()[0].replay, None);
+    let ctx = zmq::Context::new();
+    let s = sub(&ctx, w.event_endpoints()[0].publish, b"");
+    w.wait_subscribed(0, TIMEOUT).expect("subscribed");
+    post(
+        w.http_addr(),
+        "/v1/completions",
+        &json!({"prompt": (1..=17).collect::<Vec<u32>>(), "max_tokens": 1}),
+    );
+    let m = recv(&s);
+    let b = cortex_events_vllm::decode_wire(&m[2]).expect("batch");
+    let cortex_events_vllm::WireEvent::BlockStored(st) = &b.events[0] else { panic!("{b:?}") };
+    // VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0: the 32-byte digest of tokens 1..16 (research §2.7).
+    let cortex_events_vllm::WireHash::Bytes(d) = st.block_hashes[0] else { panic!("{st:?}") };
+    assert_eq!(hex::encode(d), "7b255da405e1d722823892e4fef187b4d8ac78215d7f0dd2137bb037547f4caf");
+    assert_eq!(w.held_blocks(0).expect("rank")[0].digest.as_deref(), Some(d));
+    w.shutdown();
+}
