@@ -101,6 +101,12 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
 }
 
 impl Running {
+    /// A holder's ledger readiness (for tests and diagnostics).
+    #[must_use]
+    pub fn ledger_state(&self, holder: cortex_hash::kv::HolderId) -> Option<cortex_radix::Readiness> {
+        self.gateway.ledger().readiness(holder)
+    }
+
     /// Graceful shutdown: stop accepting, let in-flight streams finish up to the configured
     /// deadline, then stop the event plane.
     pub async fn shutdown(self) {

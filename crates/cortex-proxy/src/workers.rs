@@ -295,7 +295,9 @@ impl Gateway {
         let now = self.clock.now();
         for (rank, load) in loads {
             entry.state().report_load(rank, load, now);
-            let _ = self.events.send(RegistryEvent::Running(HolderId::new(w.id, rank), u64::from(load.running)));
+            // Queued requests count too: an engine with work and no events is suspicious.
+            let busy = u64::from(load.running) + u64::from(load.waiting);
+            let _ = self.events.send(RegistryEvent::Running(HolderId::new(w.id, rank), busy));
         }
     }
 
