@@ -53,7 +53,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         "m" => n * 60.0,
         "h" => n * 3600.0,
         "us" | "µs" => n / 1e6,
-        _ => return Err(format!("`{s}`: the unit must be ms, s, m or h")),
+        _ => return Err(format!("`{s}` is not a duration: the unit must be ms, s, m or h")),
     };
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("`{s}` is not a valid duration"));
@@ -799,6 +799,20 @@ mod tests {
         assert!(err.contains("max_concurent"), "{err}");
         let err = Config::parse("listen: 127.0.0.1:8080\nmodels: []\nretry: {budget: 30}\n").unwrap_err().to_string();
         assert!(err.contains("budget") || err.contains("duration"), "{err}");
+    }
+
+    #[test]
+    fn the_documented_example_is_valid() {
+        let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
+        let text = std::fs::read_to_string(docs.join("cortex.example.yaml")).unwrap();
+        let mut cfg = Config::parse(&text).unwrap();
+        assert!(cfg.admin.is_some());
+        // The admin token comes from the environment, which a test should not set.
+        cfg.admin = None;
+        let s = cfg.into_settings(&docs).unwrap();
+        assert_eq!(s.workers.len(), 2);
+        assert_eq!(s.workers[1].events.as_ref().map(|e| e.publish_port_base), Some(5557));
+        assert_eq!(s.sched.pools.decode, PolicyConfig::PowerOfTwo);
     }
 
     #[test]
