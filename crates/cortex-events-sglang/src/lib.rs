@@ -27,7 +27,8 @@
 //! `lora_name`), the cache salt seeding the lineage root; SGLang's hashes stay per-holder handles
 //! for parents and removals. Two cases need care, both detailed in [`normalize`]:
 //! - a bigram page is hashed as the token window its pairs cover (`P + 1` tokens), which the
-//!   gateway computes for a request with [`bigram_seq_hashes`];
+//!   gateway computes for a request with
+//!   [`Namespace::bigram_seq_hashes`](cortex_hash::Namespace::bigram_seq_hashes);
 //! - SGLang publishes `lora_name` only for registered adapters, and an unregistered adapter's
 //!   blocks carry the base model's hashes; [`Unlabeled::Unknown`] makes every store without a name
 //!   `lineage: None`, so such blocks are never counted as base-model blocks.
@@ -58,7 +59,7 @@ mod wire;
 
 pub use encode::{Encoding, encode};
 pub use error::{DecodeError, EncodeError, ValueKind};
-pub use normalize::{DecodeContext, Unlabeled, bigram_seq_hashes};
+pub use normalize::{DecodeContext, Unlabeled};
 pub use wire::{LoraId, TokenIds, WireBatch, WireBlockRemoved, WireBlockStored, WireEvent, decode_wire};
 
 use cortex_hash::kv::EventBatch;

@@ -6,7 +6,7 @@
 //! - **bigram pages** (EAGLE / EAGLE3 / FROZEN_KV_MTP: `token_ids` as pairs `[[a,b],[b,c],…]`): a
 //!   page of `P` units covers the `P + 1` tokens `t_j ..= t_{j+P}`, and SGLang's prefix match needs
 //!   all of them (the pairs are the radix key). Cortex hashes exactly that token window, so the
-//!   gateway computes the same identity for a request with [`bigram_seq_hashes`]: page `i` is
+//!   gateway computes the same identity for a request with `Namespace::bigram_seq_hashes`: page `i` is
 //!   `tokens[i*P ..= i*P + P]`, and a request of `N` tokens has `(N - 1) / P` full pages, as many
 //!   as SGLang inserts. A plain page of `P` tokens and a bigram window of `P + 1` never hash alike;
 //! - **unknown namespace**: SGLang publishes `lora_name` only for adapters registered in its
@@ -23,7 +23,7 @@
 use cortex_hash::kv::{
     BlockRemoved, BlockStored, DpRank, EngineHash, EventBatch, KvEvent, Lineage, Medium, StoredBlock,
 };
-use cortex_hash::{Engine, Namespace, SeqHash, Token, chain};
+use cortex_hash::{Engine, Namespace, Token};
 
 use crate::wire::{TokenIds, WireBatch, WireBlockStored, WireEvent};
 
@@ -52,32 +52,6 @@ pub enum Unlabeled {
     Plain,
     /// As unknown: unregistered adapters or extra keys may be in use; `lineage: None`.
     Unknown,
-}
-
-/// The `SeqHash`es a gateway computes for a request to a bigram (EAGLE) worker, matching what
-/// [`decode`](crate::decode) gives the blocks SGLang stores for it: page `i` is the token window
-/// `tokens[i*P ..= i*P + P]` (`P` = the namespace's block size), chained from `ns.root(salt)`.
-///
-/// ```
-/// use cortex_events_sglang::bigram_seq_hashes;
-/// use cortex_hash::{Engine, Namespace};
-///
-/// let ns = Namespace::new(Engine::Sglang, 4, "m", None);
-/// let tokens: Vec<u32> = (500..=516).collect(); // 17 tokens = 16 pairs = 4 pages
-/// assert_eq!(bigram_seq_hashes(ns, None, &tokens).len(), 4);
-/// assert_eq!(bigram_seq_hashes(ns, None, &tokens[..16]).len(), 3);
-/// ```
-#[must_use]
-pub fn bigram_seq_hashes(ns: Namespace, salt: Option<&str>, tokens: &[Token]) -> Vec<SeqHash> {
-    let p = ns.block_size() as usize;
-    let pages = tokens.len().saturating_sub(1) / p;
-    let mut seq = ns.root(salt);
-    (0..pages)
-        .map(|i| {
-            seq = chain(seq, ns.block_hash(&tokens[i * p..=i * p + p]));
-            seq
-        })
-        .collect()
 }
 
 /// The last namespace built, reused while consecutive stores share block size and adapter.

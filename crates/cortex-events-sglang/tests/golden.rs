@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use cortex_events_sglang::{
-    DecodeContext, Encoding, TokenIds, Unlabeled, WireBatch, WireBlockStored, WireEvent, bigram_seq_hashes,
-    decode, decode_wire, encode,
+    DecodeContext, Encoding, TokenIds, Unlabeled, WireBatch, WireBlockStored, WireEvent, decode, decode_wire,
+    encode,
 };
 use cortex_hash::kv::{BlockStored, DpRank, EngineHash, KvEvent, Lineage, Medium};
 use cortex_hash::{Engine, Namespace, SeqHash, chain};
@@ -202,7 +202,7 @@ fn recorded_tree_cache_events_match_the_request_side() {
                 continue; // wide tokens: no tokenizer produces them for a request
             }
             let want =
-                if bigram { bigram_seq_hashes(ns, salt, &tokens) } else { ns.seq_hashes(salt, &tokens) };
+                if bigram { ns.bigram_seq_hashes(salt, &tokens) } else { ns.seq_hashes(salt, &tokens) };
             let mut got = Vec::new();
             for ev in step["events"].as_array().unwrap() {
                 let wire = wire_store(ev);

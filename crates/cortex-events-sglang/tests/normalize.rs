@@ -5,7 +5,7 @@
 
 use cortex_events_sglang::{
     DecodeContext, EncodeError, Encoding, LoraId, TokenIds, Unlabeled, WireBatch, WireBlockStored, WireEvent,
-    bigram_seq_hashes, decode, encode,
+    decode, encode,
 };
 use cortex_hash::kv::{BlockStored, EngineHash, KvEvent, Lineage, Medium};
 use cortex_hash::{Engine, Namespace, chain};
@@ -71,7 +71,7 @@ fn bigram_pages_hash_the_window_the_gateway_hashes() {
             seq
         })
         .collect();
-    assert_eq!(chained, bigram_seq_hashes(ns(), None, &tokens));
+    assert_eq!(chained, ns().bigram_seq_hashes(None, &tokens));
     assert_eq!(got.blocks[0].content, ns().block_hash(&tokens[..5]));
     // Bigram and plain pages of the same tokens never share an identity.
     assert_ne!(got.blocks[0].content, ns().block_hash(&tokens[..4]));

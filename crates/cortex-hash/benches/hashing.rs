@@ -52,7 +52,9 @@ fn benches(c: &mut Criterion) {
         });
         let vllm = BlockHasher::new(HashAlgo::Sha256Cbor, &NoneHashSeed::Default, ExtraKeyForm::Tagged);
         g.bench_with_input(BenchmarkId::new("vllm_sha256_cbor", bs), &bs, |b, &bs| {
-            b.iter(|| vllm.block_hashes(black_box(&tokens), bs as usize, RequestExtras::default()).expect("hash"));
+            b.iter(|| {
+                vllm.block_hashes(black_box(&tokens), bs as usize, RequestExtras::default()).expect("hash")
+            });
         });
     }
     g.finish();

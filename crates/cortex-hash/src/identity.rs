@@ -196,6 +196,34 @@ impl Namespace {
     }
 }
 
+impl Namespace {
+    /// `SeqHash`es of a prompt for an engine that caches *bigram* pages (SGLang with EAGLE
+    /// speculative decoding): page `i` holds the overlapping pairs `(t_j, t_{j+1})` for
+    /// `j in i*P .. (i+1)*P`, which cover the `P + 1` tokens `tokens[i*P ..= i*P + P]`; that
+    /// window is the page's content. `n` tokens give `(n - 1) / P` pages.
+    ///
+    /// ```
+    /// use cortex_hash::{Engine, Namespace};
+    ///
+    /// let ns = Namespace::new(Engine::Sglang, 4, "m", None);
+    /// let tokens: Vec<u32> = (500..=516).collect(); // 17 tokens = 16 pairs = 4 pages
+    /// assert_eq!(ns.bigram_seq_hashes(None, &tokens).len(), 4);
+    /// assert_eq!(ns.bigram_seq_hashes(None, &tokens[..16]).len(), 3);
+    /// ```
+    #[must_use]
+    pub fn bigram_seq_hashes(self, salt: Option<&str>, tokens: &[Token]) -> Vec<SeqHash> {
+        let p = self.block_size as usize;
+        let pages = tokens.len().saturating_sub(1) / p;
+        let mut seq = self.root(salt);
+        (0..pages)
+            .map(|i| {
+                seq = chain(seq, self.block_hash(&tokens[i * p..=i * p + p]));
+                seq
+            })
+            .collect()
+    }
+}
+
 impl fmt::Debug for Namespace {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Namespace({:016x}, block_size={})", self.seed, self.block_size)

@@ -217,8 +217,7 @@ mod tests {
     #[test]
     fn digest_maps_to_the_integer_form() {
         // vLLM's wire u64 is int.from_bytes(digest, "big") & (2**64 - 1).
-        let digest =
-            hex_bytes("7b255da405e1d722823892e4fef187b4d8ac78215d7f0dd2137bb037547f4caf");
+        let digest = hex_bytes("7b255da405e1d722823892e4fef187b4d8ac78215d7f0dd2137bb037547f4caf");
         assert_eq!(EngineHash::from_digest(&digest).to_u64(), 1_403_909_460_543_360_175);
     }
 

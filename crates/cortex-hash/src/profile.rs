@@ -540,8 +540,14 @@ mod tests {
 
     #[test]
     fn unseeded_xxhash_is_not_content_deterministic() {
-        let r = HashRecipe::Vllm { algo: HashAlgo::Xxhash, seed: NoneHashSeed::Default, extra_keys: ExtraKeyForm::Tagged };
+        let r = HashRecipe::Vllm {
+            algo: HashAlgo::Xxhash,
+            seed: NoneHashSeed::Default,
+            extra_keys: ExtraKeyForm::Tagged,
+        };
         assert!(!r.content_deterministic());
-        assert!(HashRecipe::Sglang { format: EventFormat::Dynamo, bigram: Bigram::On }.content_deterministic());
+        assert!(
+            HashRecipe::Sglang { format: EventFormat::Dynamo, bigram: Bigram::On }.content_deterministic()
+        );
     }
 }

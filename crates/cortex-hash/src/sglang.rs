@@ -232,7 +232,8 @@ pub fn event_hashes<T: SglangToken>(
     }
     let units = if bigram { tokens.len().saturating_sub(1) } else { tokens.len() };
     let aligned_units = if page_size == 1 { units } else { units - units % page_size };
-    let raw = if bigram { &tokens[..(aligned_units + 1).min(tokens.len())] } else { &tokens[..aligned_units] };
+    let raw =
+        if bigram { &tokens[..(aligned_units + 1).min(tokens.len())] } else { &tokens[..aligned_units] };
     let prior = key.cache_salt.map(salt_seed);
     let digests = chain_digests(raw, page_size, prior.as_ref(), bigram)?;
     let seed = match format {
@@ -278,8 +279,14 @@ mod tests {
     fn event_hashes_drop_the_partial_page() {
         let tokens: Vec<u32> = (1..=10).collect();
         let all = chain_digests(&tokens, 4, None, false).unwrap();
-        let ev = event_hashes(&tokens, 4, false, RequestKey { extra_key: None, cache_salt: None, lora_registered: false }, EventFormat::Default)
-            .unwrap();
+        let ev = event_hashes(
+            &tokens,
+            4,
+            false,
+            RequestKey { extra_key: None, cache_salt: None, lora_registered: false },
+            EventFormat::Default,
+        )
+        .unwrap();
         assert_eq!(ev.len(), 2);
         assert_eq!(ev, all[..2].iter().map(published_hash).collect::<Vec<_>>());
     }

@@ -260,10 +260,16 @@ impl TokenizerConfig {
         // A special token is either a string or an AddedToken object with a `content`.
         let special = |key: &str| match v.get(key) {
             Some(serde_json::Value::String(s)) => Some(s.clone()),
-            Some(serde_json::Value::Object(o)) => o.get("content").and_then(|c| c.as_str()).map(str::to_owned),
+            Some(serde_json::Value::Object(o)) => {
+                o.get("content").and_then(|c| c.as_str()).map(str::to_owned)
+            }
             _ => None,
         };
-        Ok(TokenizerConfig { chat_template, bos_token: special("bos_token"), eos_token: special("eos_token") })
+        Ok(TokenizerConfig {
+            chat_template,
+            bos_token: special("bos_token"),
+            eos_token: special("eos_token"),
+        })
     }
 }
 
@@ -293,7 +299,14 @@ impl Splitters {
         let mut tokens: Vec<(String, Token)> = tok
             .get_added_tokens_decoder()
             .into_iter()
-            .filter(|(_, t)| t.special && !t.lstrip && !t.rstrip && !t.single_word && !t.normalized && !t.content.is_empty())
+            .filter(|(_, t)| {
+                t.special
+                    && !t.lstrip
+                    && !t.rstrip
+                    && !t.single_word
+                    && !t.normalized
+                    && !t.content.is_empty()
+            })
             .map(|(id, t)| (t.content, id))
             .collect();
         tokens.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
@@ -315,7 +328,8 @@ impl Splitters {
             }
             while pos < bytes.len() {
                 if self.first[usize::from(bytes[pos])]
-                    && let Some((t, id)) = self.tokens.iter().find(|(t, _)| bytes[pos..].starts_with(t.as_bytes()))
+                    && let Some((t, id)) =
+                        self.tokens.iter().find(|(t, _)| bytes[pos..].starts_with(t.as_bytes()))
                 {
                     let piece = &text[start..pos];
                     pos += t.len();
@@ -394,7 +408,10 @@ impl SegmentCache {
     /// A cache holding at most about `budget_tokens` token ids.
     #[must_use]
     pub fn new(budget_tokens: usize) -> Self {
-        SegmentCache { inner: std::sync::Mutex::new(Generations::default()), budget_tokens: budget_tokens.max(2) }
+        SegmentCache {
+            inner: std::sync::Mutex::new(Generations::default()),
+            budget_tokens: budget_tokens.max(2),
+        }
     }
 
     fn key(piece: &str) -> u128 {
@@ -447,7 +464,8 @@ fn py_tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     let _: Option<bool> = kwargs.get("ensure_ascii")?;
     let _: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let json =
+        serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
     let mut out = String::new();
     py_json(&json, indent, 0, &mut out);
     Ok(Value::from_safe_string(out))
@@ -502,15 +520,25 @@ fn py_json(v: &serde_json::Value, indent: Option<usize>, level: usize, out: &mut
 
 /// `strftime_now(format)` for the directives chat templates use (`%d %b %Y` and friends), in UTC.
 fn strftime_now(fmt: &str) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     strftime(fmt, secs)
 }
 
 fn strftime(fmt: &str, unix_secs: u64) -> String {
-    const MONTHS: [&str; 12] =
-        ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
     const DAYS: [&str; 7] = ["Thursday", "Friday", "Saturday", "Sunday", "Monday", "Tuesday", "Wednesday"];
     let days = (unix_secs / 86_400) as i64;
     let rem = unix_secs % 86_400;
@@ -594,7 +622,8 @@ mod tests {
         let source = std::fs::read_to_string(dir.join("chat-templates/Qwen-Qwen3-0.6B.jinja")).unwrap();
         let tpl = ChatTemplate::new(&source).unwrap();
         let cases: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(dir.join("chat-templates/cases_qwen3.json")).unwrap()).unwrap();
+            serde_json::from_slice(&std::fs::read(dir.join("chat-templates/cases_qwen3.json")).unwrap())
+                .unwrap();
         let cache = SegmentCache::new(1 << 16);
         for case in cases.as_array().unwrap() {
             let text = tpl.render(case).unwrap();
@@ -607,7 +636,10 @@ mod tests {
         assert!(hits >= misses, "hits {hits} misses {misses}");
         // Text with no special token and text made only of special tokens.
         for text in ["plain text, no specials", "<|im_start|><|im_end|>", "", "<|im_start|>"] {
-            assert_eq!(tok.encode_cached(text, &cache).unwrap(), tok.encode(text, SpecialTokens::Omit).unwrap());
+            assert_eq!(
+                tok.encode_cached(text, &cache).unwrap(),
+                tok.encode(text, SpecialTokens::Omit).unwrap()
+            );
         }
     }
 

@@ -242,7 +242,12 @@ impl BlockHasher {
     ///
     /// # Errors
     /// [`VllmHashError::PreimageTooLarge`] if a pickle preimage would need several frames.
-    pub fn preimage(&self, parent: &VllmDigest, page: &[Token], extras: &[Extra<'_>]) -> Result<Vec<u8>, VllmHashError> {
+    pub fn preimage(
+        &self,
+        parent: &VllmDigest,
+        page: &[Token],
+        extras: &[Extra<'_>],
+    ) -> Result<Vec<u8>, VllmHashError> {
         if self.algo.is_pickle() {
             pickle_preimage(parent.as_bytes(), page, extras)
         } else {
@@ -488,9 +493,15 @@ mod tests {
             hex(&none_hash_preimage(HashAlgo::Sha256, "vllm-none-hash")),
             "80059512000000000000008c0e766c6c6d2d6e6f6e652d68617368942e"
         );
-        assert_eq!(hex(&none_hash_preimage(HashAlgo::Sha256Cbor, "vllm-none-hash")), "6e766c6c6d2d6e6f6e652d68617368");
+        assert_eq!(
+            hex(&none_hash_preimage(HashAlgo::Sha256Cbor, "vllm-none-hash")),
+            "6e766c6c6d2d6e6f6e652d68617368"
+        );
         let h = BlockHasher::new(HashAlgo::Sha256, &NoneHashSeed::Default, ExtraKeyForm::Tagged);
-        assert_eq!(hex(h.none_hash().as_bytes()), "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198");
+        assert_eq!(
+            hex(h.none_hash().as_bytes()),
+            "066b1e8987e027138e98701c46128929378935f9b6cd1549105ae6b4f0d71198"
+        );
     }
 
     #[test]

@@ -28,7 +28,13 @@ fn spec() -> impl Strategy<Value = Spec> {
         proptest::option::of("[a-c]{0,2}"),
         proptest::option::of("[a-c]{0,2}"),
     )
-        .prop_map(|(engine, block_size, model, lora, salt)| Spec { engine, block_size, model, lora, salt })
+        .prop_map(|(engine, block_size, model, lora, salt)| Spec {
+            engine,
+            block_size,
+            model,
+            lora,
+            salt,
+        })
 }
 
 fn tokens() -> impl Strategy<Value = Vec<u32>> {

@@ -69,20 +69,24 @@ impl Admin {
         }
         let path = req.uri().path().to_owned();
         match (req.method().clone(), path.as_str()) {
-            (Method::GET, "/admin/workers") => Ok(json_response(StatusCode::OK, &self.gateway.debug_workers())),
+            (Method::GET, "/admin/workers") => {
+                Ok(json_response(StatusCode::OK, &self.gateway.debug_workers()))
+            }
             (Method::POST, "/admin/workers") => {
                 let body = self.gateway.read_body(req.into_body()).await?;
-                let v: Value = serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
+                let v: Value =
+                    serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
                 let cfg = worker_config(&v)?;
                 let id = self.gateway.add_worker(cfg)?;
                 Ok(json_response(StatusCode::CREATED, &json!({"id": id.0})))
             }
             (Method::DELETE, p) if p.starts_with("/admin/workers/") => {
                 let name = &p["/admin/workers/".len()..];
-                let w = self.gateway.registry().by_name(name).ok_or_else(|| ProxyError::NotFound {
-                    method: "DELETE".into(),
-                    path: p.to_owned(),
-                })?;
+                let w = self
+                    .gateway
+                    .registry()
+                    .by_name(name)
+                    .ok_or_else(|| ProxyError::NotFound { method: "DELETE".into(), path: p.to_owned() })?;
                 self.gateway.remove_worker(w.id);
                 Ok(json_response(StatusCode::OK, &json!({"removed": name})))
             }
@@ -97,18 +101,27 @@ impl Admin {
 /// [`ProxyError::InvalidRequest`] naming the field.
 pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
     let s = |k: &str| {
-        v.get(k).and_then(Value::as_str).map(str::to_owned).ok_or_else(|| ProxyError::InvalidRequest(format!("`{k}` is required")))
+        v.get(k)
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+            .ok_or_else(|| ProxyError::InvalidRequest(format!("`{k}` is required")))
     };
     let engine = match s("engine")?.as_str() {
         "vllm" => Engine::Vllm,
         "sglang" => Engine::Sglang,
-        other => return Err(ProxyError::InvalidRequest(format!("`engine` must be vllm or sglang, not {other}"))),
+        other => {
+            return Err(ProxyError::InvalidRequest(format!("`engine` must be vllm or sglang, not {other}")));
+        }
     };
     let role = match v.get("role").and_then(Value::as_str).unwrap_or("regular") {
         "regular" => Role::Regular,
         "prefill" => Role::Prefill,
         "decode" => Role::Decode,
-        other => return Err(ProxyError::InvalidRequest(format!("`role` must be regular, prefill or decode, not {other}"))),
+        other => {
+            return Err(ProxyError::InvalidRequest(format!(
+                "`role` must be regular, prefill or decode, not {other}"
+            )));
+        }
     };
     Ok(WorkerConfig { name: s("name")?, url: s("url")?, engine, model: s("model")?, role, events: None })
 }
@@ -126,7 +139,8 @@ mod tests {
 
     #[test]
     fn worker_json() {
-        let w = worker_config(&json!({"name": "a", "url": "http://h:1", "engine": "sglang", "model": "m"})).unwrap();
+        let w = worker_config(&json!({"name": "a", "url": "http://h:1", "engine": "sglang", "model": "m"}))
+            .unwrap();
         assert_eq!((w.engine, w.role), (Engine::Sglang, Role::Regular));
         assert!(worker_config(&json!({"name": "a", "url": "u", "engine": "trt", "model": "m"})).is_err());
         assert!(worker_config(&json!({"url": "u", "engine": "vllm", "model": "m"})).is_err());

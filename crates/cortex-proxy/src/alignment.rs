@@ -136,7 +136,12 @@ mod tests {
     use super::*;
 
     fn tracker() -> AlignmentTracker {
-        AlignmentTracker::new(AlignmentConfig { window: 10, tolerance: 0.2, min_samples: 5, ..AlignmentConfig::default() })
+        AlignmentTracker::new(AlignmentConfig {
+            window: 10,
+            tolerance: 0.2,
+            min_samples: 5,
+            ..AlignmentConfig::default()
+        })
     }
 
     #[test]

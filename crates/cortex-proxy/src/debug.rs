@@ -21,17 +21,21 @@ use crate::request::{self, Route};
 impl Gateway {
     /// `POST /debug/route`: the body of a chat, completion or `/generate` request; answers the
     /// ranked candidates with their score breakdown and the excluded holders with why.
-    pub(crate) async fn debug_route(self: &Arc<Self>, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
+    pub(crate) async fn debug_route(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+    ) -> Result<Response<Body>, ProxyError> {
         let query = req.uri().query().unwrap_or_default().to_owned();
         let body = self.read_body(req.into_body()).await?;
         let v: Value = serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
-        let route = if query.contains("route=generate") || v.get("text").is_some() || v.get("input_ids").is_some() {
-            Route::Generate
-        } else if v.get("messages").is_some() {
-            Route::ChatCompletions
-        } else {
-            Route::Completions
-        };
+        let route =
+            if query.contains("route=generate") || v.get("text").is_some() || v.get("input_ids").is_some() {
+                Route::Generate
+            } else if v.get("messages").is_some() {
+                Route::ChatCompletions
+            } else {
+                Route::Completions
+            };
         let facts = Arc::new(request::parse(route, &body)?);
         let model = Arc::clone(self.models.get(facts.model.as_deref()).ok_or_else(|| {
             ProxyError::UnknownModel(facts.model.clone().unwrap_or_else(|| "(none given)".into()))
@@ -47,7 +51,10 @@ impl Gateway {
         };
         let mut seq = Vec::new();
         let untrusted = match &tokens {
-            Ok(t) => model.seq_hashes(t, facts.cache_salt.as_deref(), &mut seq).err().map(|_| Untrusted::ExactRoutingOff),
+            Ok(t) => model
+                .seq_hashes(t, facts.cache_salt.as_deref(), &mut seq)
+                .err()
+                .map(|_| Untrusted::ExactRoutingOff),
             Err(_) if self.cfg.mode == Mode::ProxyOnly => Some(Untrusted::ExactRoutingOff),
             Err(_) => Some(Untrusted::TokenizerFailed),
         };

@@ -260,7 +260,11 @@ mod tests {
                 502,
                 Blame::Worker,
             ),
-            (ProxyError::Upstream { class: FailureClass::Timeout, attempts: 1, message: "x".into() }, 504, Blame::Worker),
+            (
+                ProxyError::Upstream { class: FailureClass::Timeout, attempts: 1, message: "x".into() },
+                504,
+                Blame::Worker,
+            ),
         ];
         for (e, status, blame) in cases {
             assert_eq!(e.status().as_u16(), status, "{e}");

@@ -24,8 +24,8 @@ use cortex_hash::SeqHash;
 use cortex_hash::kv::{HolderId, WorkerId};
 use cortex_radix::{HolderFilter, Ledger, OverlapScores, QueryOptions};
 use cortex_sched::{
-    CacheView, Candidate, Cluster, FallbackReason, HealthPolicy, MatchMode, MonotonicClock, Ranking, Request as SchedRequest,
-    Role, SchedConfig, Scheduler, Snapshot, Untrusted,
+    CacheView, Candidate, Cluster, FallbackReason, HealthPolicy, MatchMode, MonotonicClock, Ranking,
+    Request as SchedRequest, Role, SchedConfig, Scheduler, Snapshot, Untrusted,
 };
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
@@ -131,7 +131,9 @@ impl Gateway {
     ///
     /// # Errors
     /// [`ProxyError::Internal`] if the scheduler configuration is invalid.
-    pub fn new(parts: GatewayParts) -> Result<(Arc<Gateway>, mpsc::UnboundedReceiver<RegistryEvent>), ProxyError> {
+    pub fn new(
+        parts: GatewayParts,
+    ) -> Result<(Arc<Gateway>, mpsc::UnboundedReceiver<RegistryEvent>), ProxyError> {
         let sched = Scheduler::new(parts.sched).map_err(|e| ProxyError::Internal(e.to_string()))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let limits = &parts.config.limits;
@@ -222,7 +224,11 @@ impl Gateway {
         Ok(resp)
     }
 
-    async fn dispatch(self: &Arc<Self>, req: Request<Incoming>, rid: &str) -> Result<Response<Body>, ProxyError> {
+    async fn dispatch(
+        self: &Arc<Self>,
+        req: Request<Incoming>,
+        rid: &str,
+    ) -> Result<Response<Body>, ProxyError> {
         let path = req.uri().path().to_owned();
         let method = req.method().clone();
         match (method.clone(), path.as_str()) {
@@ -238,8 +244,16 @@ impl Gateway {
             (Method::GET, "/metrics") => Ok(self.metrics()),
             (
                 _,
-                "/v1/chat/completions" | "/v1/completions" | "/generate" | "/tokenize" | "/debug/route" | "/debug/workers"
-                | "/v1/models" | "/health/live" | "/health/ready" | "/metrics",
+                "/v1/chat/completions"
+                | "/v1/completions"
+                | "/generate"
+                | "/tokenize"
+                | "/debug/route"
+                | "/debug/workers"
+                | "/v1/models"
+                | "/health/live"
+                | "/health/ready"
+                | "/metrics",
             ) => Err(ProxyError::MethodNotAllowed(method.to_string())),
             _ => Err(ProxyError::NotFound { method: method.to_string(), path }),
         }
@@ -271,7 +285,12 @@ impl Gateway {
         })
     }
 
-    async fn route(self: &Arc<Self>, route: Route, req: Request<Incoming>, rid: &str) -> Result<Response<Body>, ProxyError> {
+    async fn route(
+        self: &Arc<Self>,
+        route: Route,
+        req: Request<Incoming>,
+        rid: &str,
+    ) -> Result<Response<Body>, ProxyError> {
         if self.is_shutting_down() {
             return Err(ProxyError::ShuttingDown);
         }
@@ -286,7 +305,12 @@ impl Gateway {
     }
 
     /// Tokenizes, hashes, queries the ledger and decides.
-    async fn plan(&self, model: &Arc<ModelRoute>, facts: &Arc<RequestFacts>, routing_key: Option<&[u8]>) -> Result<Plan, ProxyError> {
+    async fn plan(
+        &self,
+        model: &Arc<ModelRoute>,
+        facts: &Arc<RequestFacts>,
+        routing_key: Option<&[u8]>,
+    ) -> Result<Plan, ProxyError> {
         let mut untrusted = None;
         let mut tokens = Vec::new();
         if self.cfg.mode == Mode::ProxyOnly {
@@ -298,7 +322,9 @@ impl Gateway {
             metrics::histogram!(t::TOKENIZE_SECONDS).record(started.elapsed().as_secs_f64());
             match result {
                 Ok(Ok(t)) => tokens = t,
-                Ok(Err(TokenizeError::ExtraKeyNotReproduced(_))) => untrusted = Some(Untrusted::ExactRoutingOff),
+                Ok(Err(TokenizeError::ExtraKeyNotReproduced(_))) => {
+                    untrusted = Some(Untrusted::ExactRoutingOff)
+                }
                 Ok(Err(e)) => {
                     tracing::debug!(error = %e, "tokenization failed; routing by load");
                     untrusted = Some(Untrusted::TokenizerFailed);
@@ -342,12 +368,13 @@ impl Gateway {
                 routing_key,
                 prefix: &seq,
             };
-            self.sched
-                .decide(&snapshot, &req, ranking)
-                .map(|()| (ranking.admissible().copied().collect::<Vec<_>>(), ranking.mode(), ranking.reason()))
+            self.sched.decide(&snapshot, &req, ranking).map(|()| {
+                (ranking.admissible().copied().collect::<Vec<_>>(), ranking.mode(), ranking.reason())
+            })
         });
         metrics::histogram!(t::ROUTING_SECONDS).record(started.elapsed().as_secs_f64());
-        let (candidates, mode, reason) = decided.map_err(|_| ProxyError::NoWorker(model.base_model().to_owned()))?;
+        let (candidates, mode, reason) =
+            decided.map_err(|_| ProxyError::NoWorker(model.base_model().to_owned()))?;
         Ok(Plan { candidates, mode, reason, prompt_tokens, seq, snapshot })
     }
 
@@ -389,17 +416,24 @@ impl Gateway {
                     request::splice_routed_dp_rank(&body, cand.holder.rank.0)
                 }
                 cortex_hash::Engine::Vllm if multi_rank && !headers.contains_key("x-data-parallel-rank") => {
-                    upstream::set_header(&mut headers, "x-data-parallel-rank", &cand.holder.rank.0.to_string());
+                    upstream::set_header(
+                        &mut headers,
+                        "x-data-parallel-rank",
+                        &cand.holder.rank.0.to_string(),
+                    );
                     body.clone()
                 }
                 _ => body.clone(),
             };
             headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
             let uri = upstream::worker_uri(&worker.base, route.path())?;
-            match upstream::send(&self.client, uri, headers, out_body, self.cfg.limits.upstream_head_timeout).await {
+            match upstream::send(&self.client, uri, headers, out_body, self.cfg.limits.upstream_head_timeout)
+                .await
+            {
                 Ok(Answer::Stream(resp)) => {
                     let mode = effective_mode(plan.mode, cand);
-                    metrics::counter!(t::REQUESTS, "route" => route.as_str(), "mode" => mode.as_str()).increment(1);
+                    metrics::counter!(t::REQUESTS, "route" => route.as_str(), "mode" => mode.as_str())
+                        .increment(1);
                     if let Some(r) = plan.reason {
                         metrics::counter!(t::FALLBACKS, "reason" => r.as_str()).increment(1);
                     }
@@ -442,7 +476,8 @@ impl Gateway {
                 }
                 Err(f) => {
                     tracing::info!(worker = %worker.config.name, class = f.class.as_str(), message = %f.message, "attempt failed");
-                    metrics::counter!(t::UPSTREAM_ERRORS, "class" => f.class.as_str(), "stage" => "head").increment(1);
+                    metrics::counter!(t::UPSTREAM_ERRORS, "class" => f.class.as_str(), "stage" => "head")
+                        .increment(1);
                     booking.fail(f.class, self.clock.now());
                     last = Some(f);
                 }
@@ -509,7 +544,9 @@ impl Gateway {
         let check = if held > 0 {
             Check::Ok
         } else {
-            Check::Failed("the worker published no block matching the gateway's tokens for a request it served".into())
+            Check::Failed(
+                "the worker published no block matching the gateway's tokens for a request it served".into(),
+            )
         };
         self.record_check(holder.worker, check);
     }
@@ -532,7 +569,8 @@ impl Gateway {
 
     async fn tokenize(&self, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
         let body = self.read_body(req.into_body()).await?;
-        let v: serde_json::Value = serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
         let route = if v.get("messages").is_some() { Route::ChatCompletions } else { Route::Completions };
         let facts = Arc::new(request::parse(route, &body)?);
         let model = Arc::clone(self.model_for(&facts)?);
@@ -570,7 +608,11 @@ impl Gateway {
             "routing": if self.cfg.mode == Mode::ProxyOnly { "proxy_only" }
                        else if ready_holders > 0 { "exact_kv_events" } else { "degraded" },
         });
-        let status = if live > 0 && !self.is_shutting_down() { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+        let status = if live > 0 && !self.is_shutting_down() {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
         json_response(status, &body)
     }
 
@@ -578,7 +620,8 @@ impl Gateway {
         self.refresh_gauges();
         let text = self.prometheus.as_ref().map(PrometheusHandle::render).unwrap_or_default();
         let mut resp = Response::new(full(text));
-        resp.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain; version=0.0.4"));
+        resp.headers_mut()
+            .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain; version=0.0.4"));
         resp
     }
 
@@ -592,8 +635,9 @@ impl Gateway {
         for w in self.registry.snapshot().values() {
             let name = w.config.name.clone();
             let entry = snap.worker(w.id);
-            metrics::gauge!(t::WORKER_LIVE, "worker" => name.clone())
-                .set(if entry.is_some_and(|e| e.health() == cortex_sched::Health::Healthy) { 1.0 } else { 0.0 });
+            metrics::gauge!(t::WORKER_LIVE, "worker" => name.clone()).set(
+                if entry.is_some_and(|e| e.health() == cortex_sched::Health::Healthy) { 1.0 } else { 0.0 },
+            );
             let aligned = matches!(w.status().alignment, cortex_hash::profile::Alignment::Confirmed)
                 && !matches!(self.alignment.verdict(w.id), Verdict::Misaligned(_));
             metrics::gauge!(t::ALIGNED, "worker" => name.clone()).set(if aligned { 1.0 } else { 0.0 });

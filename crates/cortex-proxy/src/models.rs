@@ -47,7 +47,10 @@ pub struct ModelRoute {
 
 impl std::fmt::Debug for ModelRoute {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelRoute").field("model", &self.spec.profile.model()).field("lora", &self.lora).finish()
+        f.debug_struct("ModelRoute")
+            .field("model", &self.spec.profile.model())
+            .field("lora", &self.lora)
+            .finish()
     }
 }
 
@@ -128,22 +131,18 @@ impl ModelRoute {
     ///
     /// # Errors
     /// As [`ModelRoute::namespace`].
-    pub fn seq_hashes(&self, tokens: &[Token], salt: Option<&str>, out: &mut Vec<SeqHash>) -> Result<(), TokenizeError> {
+    pub fn seq_hashes(
+        &self,
+        tokens: &[Token],
+        salt: Option<&str>,
+        out: &mut Vec<SeqHash>,
+    ) -> Result<(), TokenizeError> {
         let ns = self.namespace(salt)?;
         out.clear();
         match self.spec.profile.recipe() {
             // EAGLE workers store pages of overlapping token pairs: page i covers the tokens
             // i*P ..= i*P + P, so its content is that window.
-            HashRecipe::Sglang { bigram: Bigram::On, .. } => {
-                let p = ns.block_size() as usize;
-                let mut parent = ns.root(salt);
-                let mut i = 0;
-                while (i + 1) * p < tokens.len() {
-                    parent = cortex_hash::chain(parent, ns.block_hash(&tokens[i * p..=(i + 1) * p]));
-                    out.push(parent);
-                    i += 1;
-                }
-            }
+            HashRecipe::Sglang { bigram: Bigram::On, .. } => out.extend(ns.bigram_seq_hashes(salt, tokens)),
             _ => {
                 ns.extend_seq_hashes(ns.root(salt), tokens, out);
             }
@@ -173,7 +172,8 @@ impl ModelRoute {
                 }
                 let key = RequestKey { extra_key: None, cache_salt: salt, lora_registered: false };
                 let hashes =
-                    event_hashes(tokens, self.block_size() as usize, *bigram == Bigram::On, key, *format).ok()?;
+                    event_hashes(tokens, self.block_size() as usize, *bigram == Bigram::On, key, *format)
+                        .ok()?;
                 Some(hashes.into_iter().map(EngineHash::from_i64).collect())
             }
         }

@@ -368,8 +368,10 @@ pub fn parse_kv_event_sources(v: &Value, worker_host: &str) -> Vec<RankEndpoints
                 return None;
             }
             let publish = rewrite_endpoint(s.get("endpoint")?.as_str()?, worker_host)?;
-            let replay =
-                s.get("replay_endpoint").and_then(Value::as_str).and_then(|e| rewrite_endpoint(e, worker_host));
+            let replay = s
+                .get("replay_endpoint")
+                .and_then(Value::as_str)
+                .and_then(|e| rewrite_endpoint(e, worker_host));
             let topic = s.get("topic").and_then(Value::as_str).unwrap_or_default().to_owned();
             Some(RankEndpoints { rank, publish, replay, topic })
         })
@@ -560,7 +562,10 @@ vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 0.0\nvllm:kv_cache_usag
             events: None,
         };
         assert!(r.add(cfg("a", "http://127.0.0.1:8000")).is_ok());
-        assert_eq!(r.add(cfg("a", "http://127.0.0.1:8001")).unwrap_err(), RegistryError::Duplicate("a".into()));
+        assert_eq!(
+            r.add(cfg("a", "http://127.0.0.1:8001")).unwrap_err(),
+            RegistryError::Duplicate("a".into())
+        );
         assert!(matches!(r.add(cfg("b", "not a url")), Err(RegistryError::BadUrl { .. })));
         assert!(matches!(r.add(cfg("c", "https://h:1")), Err(RegistryError::BadUrl { .. })));
         assert_eq!(r.by_name("a").unwrap().host, "127.0.0.1");

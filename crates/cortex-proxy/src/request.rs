@@ -136,7 +136,9 @@ fn chat_prompt(obj: &Map<String, Value>) -> Result<Prompt, ProxyError> {
             for p in parts {
                 match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
                     (Some("text"), Some(t)) => texts.push(t.to_owned()),
-                    (Some(kind), _) if kind != "text" => return Ok(Prompt::Unreproducible("multimodal content")),
+                    (Some(kind), _) if kind != "text" => {
+                        return Ok(Prompt::Unreproducible("multimodal content"));
+                    }
                     _ => return Err(ProxyError::InvalidRequest("a content part has no text".into())),
                 }
             }
@@ -149,7 +151,9 @@ fn chat_prompt(obj: &Map<String, Value>) -> Result<Prompt, ProxyError> {
     let add_generation_prompt = match obj.get("add_generation_prompt") {
         None | Some(Value::Null) => true,
         Some(Value::Bool(b)) => *b,
-        Some(_) => return Err(ProxyError::InvalidRequest("`add_generation_prompt` must be a boolean".into())),
+        Some(_) => {
+            return Err(ProxyError::InvalidRequest("`add_generation_prompt` must be a boolean".into()));
+        }
     };
     ctx.insert("add_generation_prompt".into(), Value::Bool(add_generation_prompt));
     for key in ["tools", "documents", "continue_final_message"] {
@@ -186,11 +190,13 @@ fn completion_prompt(p: Option<&Value>) -> Result<Prompt, ProxyError> {
         }
         Some(Value::Array(items)) if items.first().is_some_and(Value::is_array) => {
             let first = items[0].as_array().map(Vec::as_slice).unwrap_or_default();
-            token_ids(first).map(Prompt::Tokens).ok_or_else(|| ProxyError::InvalidRequest("invalid token ids".into()))
+            token_ids(first)
+                .map(Prompt::Tokens)
+                .ok_or_else(|| ProxyError::InvalidRequest("invalid token ids".into()))
         }
-        Some(Value::Array(items)) => {
-            token_ids(items).map(Prompt::Tokens).ok_or_else(|| ProxyError::InvalidRequest("invalid token ids".into()))
-        }
+        Some(Value::Array(items)) => token_ids(items)
+            .map(Prompt::Tokens)
+            .ok_or_else(|| ProxyError::InvalidRequest("invalid token ids".into())),
         None | Some(Value::Null) => Err(ProxyError::InvalidRequest("`prompt` is required".into())),
         Some(_) => Err(ProxyError::InvalidRequest("`prompt` must be a string or token ids".into())),
     }
@@ -274,7 +280,10 @@ mod tests {
         assert!(matches!(parse(Route::Completions, b"{not json"), Err(ProxyError::MalformedJson(_))));
         assert!(matches!(parse(Route::Completions, b"[1]"), Err(ProxyError::MalformedJson(_))));
         assert!(matches!(parse(Route::Completions, br#"{"model":"m"}"#), Err(ProxyError::InvalidRequest(_))));
-        assert!(matches!(parse(Route::ChatCompletions, br#"{"messages":3}"#), Err(ProxyError::InvalidRequest(_))));
+        assert!(matches!(
+            parse(Route::ChatCompletions, br#"{"messages":3}"#),
+            Err(ProxyError::InvalidRequest(_))
+        ));
         assert!(matches!(
             parse(Route::Completions, br#"{"prompt":"x","stream":"yes"}"#),
             Err(ProxyError::InvalidRequest(_))

@@ -22,8 +22,13 @@ use crate::error::Body;
 use crate::gateway::Gateway;
 
 /// Serves `handler` on `listener` until `shutdown` resolves, then drains for up to `grace`.
-pub async fn serve_with<H, Fut, S>(listener: TcpListener, handler: H, header_read_timeout: Duration, grace: Duration, shutdown: S)
-where
+pub async fn serve_with<H, Fut, S>(
+    listener: TcpListener,
+    handler: H,
+    header_read_timeout: Duration,
+    grace: Duration,
+    shutdown: S,
+) where
     H: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
     S: Future<Output = ()>,

@@ -55,8 +55,16 @@ pub const INFLIGHT: &str = "cortex_inflight_requests";
 /// Registers descriptions for every metric (call once after installing a recorder).
 pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
-    describe_histogram!(ROUTING_SECONDS, metrics::Unit::Seconds, "Routing decision time, tokenization excluded");
-    describe_histogram!(TOKENIZE_SECONDS, metrics::Unit::Seconds, "Chat template rendering and tokenization time");
+    describe_histogram!(
+        ROUTING_SECONDS,
+        metrics::Unit::Seconds,
+        "Routing decision time, tokenization excluded"
+    );
+    describe_histogram!(
+        TOKENIZE_SECONDS,
+        metrics::Unit::Seconds,
+        "Chat template rendering and tokenization time"
+    );
     describe_histogram!(HASH_SECONDS, metrics::Unit::Seconds, "Block identity hashing time");
     describe_counter!(REQUESTS, "Routed requests by route and match mode");
     describe_counter!(FALLBACKS, "Decisions below exact_kv_events, by reason");

@@ -138,8 +138,11 @@ pub async fn send(
     }
     let (parts, incoming) = resp.into_parts();
     // Error bodies are small; read at most 64 KiB of one, briefly.
-    let body = match tokio::time::timeout(Duration::from_secs(5), http_body_util::Limited::new(incoming, 64 * 1024).collect())
-        .await
+    let body = match tokio::time::timeout(
+        Duration::from_secs(5),
+        http_body_util::Limited::new(incoming, 64 * 1024).collect(),
+    )
+    .await
     {
         Ok(Ok(c)) => c.to_bytes(),
         _ => Bytes::new(),
@@ -167,7 +170,15 @@ pub fn classify(status: StatusCode, body: &[u8]) -> Option<FailureClass> {
         402 => Some(FailureClass::QuotaExhausted),
         408 | 504 => Some(FailureClass::Timeout),
         500..=599 => Some(FailureClass::ServerError),
-        400 | 413 | 422 if mentions(&["context length", "context_length", "maximum context", "too long", "max_model_len"]) => {
+        400 | 413 | 422
+            if mentions(&[
+                "context length",
+                "context_length",
+                "maximum context",
+                "too long",
+                "max_model_len",
+            ]) =>
+        {
             Some(FailureClass::ContextLengthExceeded)
         }
         400 | 403 | 451 if mentions(&["content policy", "content_policy", "safety", "moderation"]) => {
@@ -269,7 +280,11 @@ impl RelayBody {
         }
     }
 
-    fn fail(&mut self, class: FailureClass, message: String) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn fail(
+        &mut self,
+        class: FailureClass,
+        message: String,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         tracing::warn!(class = class.as_str(), %message, "upstream failed mid-stream");
         metrics::counter!(crate::telemetry::UPSTREAM_ERRORS, "class" => class.as_str(), "stage" => "stream")
             .increment(1);
@@ -304,7 +319,10 @@ impl HttpBody for RelayBody {
     type Data = Bytes;
     type Error = hyper::Error;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
         if matches!(this.state, RelayState::Done) {
             return Poll::Ready(None);
@@ -325,7 +343,9 @@ impl HttpBody for RelayBody {
                 this.idle.as_mut().reset(deadline);
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => this.fail(FailureClass::ServerError, format!("worker stream broke: {e}")),
+            Poll::Ready(Some(Err(e))) => {
+                this.fail(FailureClass::ServerError, format!("worker stream broke: {e}"))
+            }
             Poll::Ready(None) => {
                 this.state = RelayState::Done;
                 this.finish();
@@ -375,12 +395,16 @@ pub fn find_usage(tail: &[u8], sse: bool) -> Option<Completion> {
         serde_json::Value::Array(mut items) if !items.is_empty() => items.swap_remove(0),
         v => v,
     };
-    let as_u32 = |v: Option<&serde_json::Value>| v.and_then(serde_json::Value::as_u64).and_then(|n| u32::try_from(n).ok());
+    let as_u32 = |v: Option<&serde_json::Value>| {
+        v.and_then(serde_json::Value::as_u64).and_then(|n| u32::try_from(n).ok())
+    };
     let usage = value.get("usage");
     let meta = value.get("meta_info");
-    let cached = as_u32(usage.and_then(|u| u.get("prompt_tokens_details")).and_then(|d| d.get("cached_tokens")))
-        .or_else(|| as_u32(meta.and_then(|m| m.get("cached_tokens"))));
-    let prompt = as_u32(usage.and_then(|u| u.get("prompt_tokens"))).or_else(|| as_u32(meta.and_then(|m| m.get("prompt_tokens"))));
+    let cached =
+        as_u32(usage.and_then(|u| u.get("prompt_tokens_details")).and_then(|d| d.get("cached_tokens")))
+            .or_else(|| as_u32(meta.and_then(|m| m.get("cached_tokens"))));
+    let prompt = as_u32(usage.and_then(|u| u.get("prompt_tokens")))
+        .or_else(|| as_u32(meta.and_then(|m| m.get("prompt_tokens"))));
     if cached.is_none() && prompt.is_none() {
         return None;
     }
@@ -427,9 +451,15 @@ mod tests {
     #[test]
     fn usage_from_stream_tail_and_body() {
         let sse = b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":40,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
-        assert_eq!(find_usage(sse, true), Some(Completion { cached_tokens: Some(32), prompt_tokens: Some(40) }));
+        assert_eq!(
+            find_usage(sse, true),
+            Some(Completion { cached_tokens: Some(32), prompt_tokens: Some(40) })
+        );
         let body = br#"{"text":"x","meta_info":{"prompt_tokens":20,"cached_tokens":16}}"#;
-        assert_eq!(find_usage(body, false), Some(Completion { cached_tokens: Some(16), prompt_tokens: Some(20) }));
+        assert_eq!(
+            find_usage(body, false),
+            Some(Completion { cached_tokens: Some(16), prompt_tokens: Some(20) })
+        );
         assert_eq!(find_usage(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n", true), None);
     }
 

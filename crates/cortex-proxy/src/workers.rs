@@ -63,7 +63,10 @@ impl Gateway {
                 config.name, config.model
             )));
         }
-        let record = self.registry.add(config).map_err(|e: RegistryError| ProxyError::InvalidRequest(e.to_string()))?;
+        let record = self
+            .registry
+            .add(config)
+            .map_err(|e: RegistryError| ProxyError::InvalidRequest(e.to_string()))?;
         let id = record.id;
         let gw = Arc::clone(self);
         let task = tokio::spawn(async move { gw.worker_task(record).await });
@@ -170,7 +173,9 @@ impl Gateway {
             None => Alignment::Unconfirmed(vec!["model"]),
         };
         match &alignment {
-            Alignment::Confirmed => tracing::info!(worker = %w.config.name, "profile confirmed: exact routing on"),
+            Alignment::Confirmed => {
+                tracing::info!(worker = %w.config.name, "profile confirmed: exact routing on")
+            }
             Alignment::Unconfirmed(fields) => {
                 tracing::warn!(worker = %w.config.name, ?fields, "profile unconfirmed: exact routing off")
             }
@@ -243,12 +248,19 @@ impl Gateway {
         self.call(w, Method::GET, path, None).await
     }
 
-    async fn call(&self, w: &WorkerRecord, method: Method, path: &str, body: Option<Value>) -> Result<(StatusCode, Bytes), String> {
+    async fn call(
+        &self,
+        w: &WorkerRecord,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(StatusCode, Bytes), String> {
         let uri = crate::upstream::worker_uri(&w.base, path).map_err(|e| e.to_string())?;
         let mut req = Request::new(Full::new(body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()))));
         *req.method_mut() = method;
         *req.uri_mut() = uri;
-        req.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+        req.headers_mut()
+            .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
         let timeout = self.cfg.probes.timeout;
         let fut = async {
             let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
@@ -260,7 +272,9 @@ impl Gateway {
                 .to_bytes();
             Ok::<_, String>((status, body))
         };
-        tokio::time::timeout(timeout, fut).await.map_err(|_| format!("{path}: no answer within {timeout:?}"))?
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| format!("{path}: no answer within {timeout:?}"))?
     }
 
     async fn get_json(&self, w: &WorkerRecord, path: &str) -> Result<Value, String> {
@@ -286,7 +300,9 @@ impl Gateway {
                 Err(_) => return,
             },
             _ => match self.get(w, "/metrics").await {
-                Ok((s, body)) if s.is_success() => registry::parse_vllm_metrics(&String::from_utf8_lossy(&body)).loads,
+                Ok((s, body)) if s.is_success() => {
+                    registry::parse_vllm_metrics(&String::from_utf8_lossy(&body)).loads
+                }
                 _ => return,
             },
         };
@@ -306,7 +322,12 @@ impl Gateway {
             Engine::Sglang => {
                 let v = self.get_json(w, "/server_info").await?;
                 let info = registry::parse_server_info(&v, &w.host);
-                Discovery { facts: info.facts, dp_size: info.dp_size, sources: info.sources, capacity_blocks: info.capacity_blocks }
+                Discovery {
+                    facts: info.facts,
+                    dp_size: info.dp_size,
+                    sources: info.sources,
+                    capacity_blocks: info.capacity_blocks,
+                }
             }
             _ => {
                 let (status, metrics) = self.get(w, "/metrics").await?;
@@ -347,7 +368,9 @@ impl Gateway {
                 .map(|r| RankEndpoints {
                     rank: DpRank(r),
                     publish: format!("tcp://{}:{}", w.host, u32::from(o.publish_port_base) + u32::from(r)),
-                    replay: o.replay_port_base.map(|p| format!("tcp://{}:{}", w.host, u32::from(p) + u32::from(r))),
+                    replay: o
+                        .replay_port_base
+                        .map(|p| format!("tcp://{}:{}", w.host, u32::from(p) + u32::from(r))),
                     topic: o.topic.clone(),
                 })
                 .collect();
@@ -364,14 +387,16 @@ impl Gateway {
         ctx.insert("messages".into(), probe_conversation());
         ctx.insert("add_generation_prompt".into(), Value::Bool(true));
         let ours = tokio::task::spawn_blocking(move || model.tokens(&Prompt::Chat(ctx))).await.ok()?.ok()?;
-        let body = json!({"model": w.config.model, "messages": probe_conversation(), "add_generation_prompt": true});
+        let body =
+            json!({"model": w.config.model, "messages": probe_conversation(), "add_generation_prompt": true});
         if let Ok((s, b)) = self.call(w, Method::POST, "/tokenize", Some(body)).await
             && s.is_success()
             && let Ok(v) = serde_json::from_slice::<Value>(&b)
             && let Some(tokens) = v.get("tokens").and_then(Value::as_array)
         {
             let theirs: Vec<u64> = tokens.iter().filter_map(Value::as_u64).collect();
-            let agree = theirs.len() == ours.len() && theirs.iter().zip(&ours).all(|(a, b)| *a == u64::from(*b));
+            let agree =
+                theirs.len() == ours.len() && theirs.iter().zip(&ours).all(|(a, b)| *a == u64::from(*b));
             return Some(agree);
         }
         let body = json!({"model": w.config.model, "messages": probe_conversation(), "max_tokens": 1, "stream": false});
