@@ -43,7 +43,12 @@ fn have_cargo_deny() -> bool {
 pub fn run(root: &Path) -> Result<ExitCode> {
     let cargo = cargo();
     step("format", root, &cargo, &["fmt", "--all", "--", "--check"])?;
-    step("clippy", root, &cargo, &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"])?;
+    step(
+        "clippy",
+        root,
+        &cargo,
+        &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"],
+    )?;
     step("tests", root, &cargo, &["test", "--workspace", "--locked"])?;
 
     println!("==> tidy");

@@ -131,7 +131,10 @@ fn check_docs(dir: &Path) -> Result<Vec<Violation>> {
                 let text = std::fs::read_to_string(&path)?;
                 let first = text.lines().map(str::trim).find(|l| !l.is_empty() && !l.starts_with("#!["));
                 if !first.is_some_and(|l| l.starts_with("//!")) {
-                    out.push(Violation(format!("{}: module does not start with a `//!` doc", path.display())));
+                    out.push(Violation(format!(
+                        "{}: module does not start with a `//!` doc",
+                        path.display()
+                    )));
                 }
             }
         }
@@ -161,7 +164,8 @@ fn check_manifest(m: &Member) -> Result<Vec<Violation>> {
     }
     for (section, deps) in tables {
         for (name, spec) in deps {
-            let inherits = spec.as_table().and_then(|t| t.get("workspace")).and_then(toml::Value::as_bool) == Some(true);
+            let inherits =
+                spec.as_table().and_then(|t| t.get("workspace")).and_then(toml::Value::as_bool) == Some(true);
             if !inherits {
                 out.push(Violation(format!(
                     "{}: [{section}] {name} does not use `workspace = true`; versions live in [workspace.dependencies]",
@@ -170,7 +174,11 @@ fn check_manifest(m: &Member) -> Result<Vec<Violation>> {
             }
         }
     }
-    let lints = doc.get("lints").and_then(toml::Value::as_table).and_then(|t| t.get("workspace")).and_then(toml::Value::as_bool);
+    let lints = doc
+        .get("lints")
+        .and_then(toml::Value::as_table)
+        .and_then(|t| t.get("workspace"))
+        .and_then(toml::Value::as_bool);
     if lints != Some(true) {
         out.push(Violation(format!("{}: missing `[lints] workspace = true`", path.display())));
     }
@@ -184,22 +192,32 @@ fn check_direction(members: &[Member]) -> Vec<Violation> {
     let mut out = Vec::new();
     for m in members {
         let Some(ok) = allowed.get(m.name.as_str()) else {
-            out.push(Violation(format!("{}: not in the dependency table of xtask/src/tidy.rs and ARCHITECTURE.md", m.name)));
+            out.push(Violation(format!(
+                "{}: not in the dependency table of xtask/src/tidy.rs and ARCHITECTURE.md",
+                m.name
+            )));
             continue;
         };
         let binary = BINARIES.contains(&m.name.as_str());
         for (dep, kind) in &m.deps {
             if names.contains(&dep.as_str()) {
-                let fine = ok.contains(&"*") || ok.contains(&dep.as_str()) || (kind == "dev" && dep == "cortex-sim");
+                let fine =
+                    ok.contains(&"*") || ok.contains(&dep.as_str()) || (kind == "dev" && dep == "cortex-sim");
                 if !fine {
-                    out.push(Violation(format!("{} may not depend on {dep} ({kind}): see ARCHITECTURE.md", m.name)));
+                    out.push(Violation(format!(
+                        "{} may not depend on {dep} ({kind}): see ARCHITECTURE.md",
+                        m.name
+                    )));
                 }
             } else if let Some(users) = restricted.get(dep.as_str())
                 && !binary
                 && kind != "dev"
                 && !users.contains(&m.name.as_str())
             {
-                out.push(Violation(format!("{} may not use {dep}: only {users:?} and the binaries may", m.name)));
+                out.push(Violation(format!(
+                    "{} may not use {dep}: only {users:?} and the binaries may",
+                    m.name
+                )));
             }
         }
     }

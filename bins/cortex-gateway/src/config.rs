@@ -22,8 +22,8 @@ use cortex_proxy::config::{AlignmentConfig, Limits, Mode, ModelSpec, ProbeConfig
 use cortex_proxy::{EventsOverride, ModelTable, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
-    BoundedLoad, BreakerConfig, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies, Role,
-    SchedConfig, UnreadyHolders, Watermark, Weights,
+    BoundedLoad, BreakerConfig, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies,
+    Role, SchedConfig, UnreadyHolders, Watermark, Weights,
 };
 use serde::Deserialize;
 
@@ -476,7 +476,8 @@ impl Config {
     /// # Errors
     /// The file cannot be read, is not YAML, or has an unknown key (named in the message).
     pub fn load(path: &Path) -> Result<(Config, PathBuf)> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading config {}", path.display()))?;
         let cfg = Config::parse(&text).with_context(|| format!("in config {}", path.display()))?;
         Ok((cfg, path.parent().map_or_else(PathBuf::new, Path::to_path_buf)))
     }
@@ -564,7 +565,8 @@ impl Config {
             bail!("models: at least one model is required");
         }
         for (i, m) in self.models.into_iter().enumerate() {
-            let adapters: Vec<(String, String)> = m.adapters.iter().map(|a| (a.name.clone(), a.path.clone())).collect();
+            let adapters: Vec<(String, String)> =
+                m.adapters.iter().map(|a| (a.name.clone(), a.path.clone())).collect();
             let name = m.name.clone();
             let spec = model_spec(m, base).with_context(|| format!("models[{i}] ({name})"))?;
             if models.get(Some(&name)).is_some() {
@@ -615,12 +617,14 @@ impl Config {
             None => None,
             Some(a) => {
                 if a.listen == self.listen {
-                    bail!("admin.listen must differ from listen: the admin API never shares the public listener");
+                    bail!(
+                        "admin.listen must differ from listen: the admin API never shares the public listener"
+                    );
                 }
-                let token = std::env::var(&a.token_env)
-                    .ok()
-                    .filter(|t| !t.is_empty())
-                    .with_context(|| format!("admin.token_env: the environment variable `{}` is not set", a.token_env))?;
+                let token =
+                    std::env::var(&a.token_env).ok().filter(|t| !t.is_empty()).with_context(|| {
+                        format!("admin.token_env: the environment variable `{}` is not set", a.token_env)
+                    })?;
                 Some((a.listen, token))
             }
         };
@@ -707,10 +711,13 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
 fn model_spec(m: ModelFile, base: &Path) -> Result<ModelSpec> {
     let resolve = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
     let tok_path = resolve(&m.tokenizer);
-    let tokenizer = TextTokenizer::from_file(&tok_path).with_context(|| format!("tokenizer {}", tok_path.display()))?;
+    let tokenizer =
+        TextTokenizer::from_file(&tok_path).with_context(|| format!("tokenizer {}", tok_path.display()))?;
     let cfg_path = resolve(&m.tokenizer_config);
-    let cfg_bytes = std::fs::read(&cfg_path).with_context(|| format!("tokenizer_config {}", cfg_path.display()))?;
-    let tcfg = TokenizerConfig::from_json(&cfg_bytes).with_context(|| format!("tokenizer_config {}", cfg_path.display()))?;
+    let cfg_bytes =
+        std::fs::read(&cfg_path).with_context(|| format!("tokenizer_config {}", cfg_path.display()))?;
+    let tcfg = TokenizerConfig::from_json(&cfg_bytes)
+        .with_context(|| format!("tokenizer_config {}", cfg_path.display()))?;
     let source = match &m.chat_template {
         Some(p) => {
             let p = resolve(p);
@@ -740,8 +747,9 @@ fn model_spec(m: ModelFile, base: &Path) -> Result<ModelSpec> {
             let v = m.vllm.unwrap_or(VllmFile { hash_algo: None, python_hash_seed: None, extra_keys: None });
             let algo = match v.hash_algo.as_deref() {
                 None => HashAlgo::Sha256,
-                Some(a) => HashAlgo::parse(a)
-                    .with_context(|| format!("vllm.hash_algo must be sha256, sha256_cbor, xxhash or xxhash_cbor, not `{a}`"))?,
+                Some(a) => HashAlgo::parse(a).with_context(|| {
+                    format!("vllm.hash_algo must be sha256, sha256_cbor, xxhash or xxhash_cbor, not `{a}`")
+                })?,
             };
             let extra_keys = match v.extra_keys.as_deref() {
                 None | Some("tagged") => ExtraKeyForm::Tagged,
@@ -795,9 +803,13 @@ mod tests {
     fn unknown_keys_are_refused_by_name() {
         let err = Config::parse("listen: 127.0.0.1:8080\nmodels: []\nlimit: {}\n").unwrap_err().to_string();
         assert!(err.contains("unknown field `limit`"), "{err}");
-        let err = Config::parse("listen: 127.0.0.1:8080\nmodels: []\nlimits: {max_concurent: 3}\n").unwrap_err().to_string();
+        let err = Config::parse("listen: 127.0.0.1:8080\nmodels: []\nlimits: {max_concurent: 3}\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("max_concurent"), "{err}");
-        let err = Config::parse("listen: 127.0.0.1:8080\nmodels: []\nretry: {budget: 30}\n").unwrap_err().to_string();
+        let err = Config::parse("listen: 127.0.0.1:8080\nmodels: []\nretry: {budget: 30}\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("budget") || err.contains("duration"), "{err}");
     }
 
@@ -832,7 +844,8 @@ mod tests {
             ("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: other}\n", "workers[0].model"),
             ("alignment: {tolerance: 2.0}\n", "alignment.tolerance"),
         ] {
-            let err = format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
+            let err =
+                format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
             assert!(err.contains(key), "{extra}: {err}");
         }
     }

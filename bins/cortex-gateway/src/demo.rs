@@ -54,7 +54,8 @@ pub fn start(listen: SocketAddr, per_engine: usize, speed: f64) -> Result<Demo> 
             cfg.capacity_blocks = 4096;
             cfg.timing = Timing { speed, ..Timing::default() };
             cfg.default_max_tokens = 32;
-            let w = SimWorker::start(cfg).with_context(|| format!("starting simulated {engine} worker {i}"))?;
+            let w =
+                SimWorker::start(cfg).with_context(|| format!("starting simulated {engine} worker {i}"))?;
             yaml_workers.push_str(&format!(
                 "  - {{name: sim-{engine}-{i}, url: '{}', engine: {engine}, model: {model}}}\n",
                 w.base_url()
@@ -92,15 +93,24 @@ pub fn banner(addr: SocketAddr, workers: &[SimWorker]) -> String {
     let mut s = format!("Cortex gateway listening on http://{addr}\n\nSimulated workers:\n");
     for w in workers {
         let ports: Vec<String> = w.event_endpoints().iter().map(|e| e.publish.port().to_string()).collect();
-        s.push_str(&format!("  {} {} (KV events on port {})\n", w.config().engine.name(), w.base_url(), ports.join(", ")));
+        s.push_str(&format!(
+            "  {} {} (KV events on port {})\n",
+            w.config().engine.name(),
+            w.base_url(),
+            ports.join(", ")
+        ));
     }
     let body = format!(
         "{{\"model\":\"{VLLM_MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Explain KV caches in one long paragraph, please. Explain KV caches in one long paragraph, please.\"}}]}}"
     );
     s.push_str("\nTry (run it twice: the second call hits the cache of the worker that served the first):\n");
-    s.push_str(&format!("  curl -si http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n"));
+    s.push_str(&format!(
+        "  curl -si http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n"
+    ));
     s.push_str(&format!("    -d '{body}' | grep -i -e '^x-cortex' -e '^x-sim'\n"));
-    s.push_str(&format!("\nAlso: http://{addr}/debug/workers  http://{addr}/metrics  http://{addr}/health/ready\n"));
+    s.push_str(&format!(
+        "\nAlso: http://{addr}/debug/workers  http://{addr}/metrics  http://{addr}/health/ready\n"
+    ));
     s
 }
 

@@ -54,7 +54,9 @@ impl std::fmt::Debug for Running {
 /// A listener cannot be bound, or a component cannot start.
 pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> Result<Running> {
     let ledger = Ledger::new(settings.ledger);
-    let ingest = Arc::new(Ingest::start(Arc::clone(&ledger), settings.ingest.clone()).context("starting the event plane")?);
+    let ingest = Arc::new(
+        Ingest::start(Arc::clone(&ledger), settings.ingest.clone()).context("starting the event plane")?,
+    );
     let (gateway, events) = Gateway::new(GatewayParts {
         config: settings.proxy.clone(),
         models: settings.models,
@@ -66,7 +68,8 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     gateway.start_background();
     let mut tasks = vec![tokio::spawn(forward_events(events, Arc::clone(&ingest)))];
-    let listener = TcpListener::bind(settings.listen).await.with_context(|| format!("binding {}", settings.listen))?;
+    let listener =
+        TcpListener::bind(settings.listen).await.with_context(|| format!("binding {}", settings.listen))?;
     let addr = listener.local_addr()?;
     let mut stop = Vec::new();
     let (tx, rx) = oneshot::channel::<()>();
@@ -80,7 +83,8 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
     }));
     let mut admin_addr = None;
     if let Some((admin_listen, token)) = settings.admin {
-        let listener = TcpListener::bind(admin_listen).await.with_context(|| format!("binding admin {admin_listen}"))?;
+        let listener =
+            TcpListener::bind(admin_listen).await.with_context(|| format!("binding admin {admin_listen}"))?;
         admin_addr = Some(listener.local_addr()?);
         let admin = Admin::new(Arc::clone(&gateway), &token);
         let (tx, rx) = oneshot::channel::<()>();
@@ -88,9 +92,15 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
         let limits = settings.proxy.limits.clone();
         tasks.push(tokio::spawn(async move {
             let handler = move |req| admin.clone().serve(req);
-            cortex_proxy::server::serve_with(listener, handler, limits.header_read_timeout, std::time::Duration::from_secs(1), async {
-                let _ = rx.await;
-            })
+            cortex_proxy::server::serve_with(
+                listener,
+                handler,
+                limits.header_read_timeout,
+                std::time::Duration::from_secs(1),
+                async {
+                    let _ = rx.await;
+                },
+            )
             .await;
         }));
     }

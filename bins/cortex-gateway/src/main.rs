@@ -74,7 +74,8 @@ fn run(cli: Cli) -> Result<()> {
         .install_recorder()
         .context("installing the metrics recorder")?;
     cortex_proxy::telemetry::describe();
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the runtime")?;
+    let runtime =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the runtime")?;
     runtime.block_on(async move {
         let (settings, sims) = if cli.demo {
             let d = demo::start(cli.listen, cli.workers_per_engine, cli.sim_speed)?;
@@ -89,7 +90,9 @@ fn run(cli: Cli) -> Result<()> {
         if cli.demo {
             // Let discovery find the workers before telling the user to send traffic.
             let deadline = tokio::time::Instant::now() + demo::DISCOVERY_WAIT;
-            while running.gateway.cluster().load().workers().len() < sims.len() && tokio::time::Instant::now() < deadline {
+            while running.gateway.cluster().load().workers().len() < sims.len()
+                && tokio::time::Instant::now() < deadline
+            {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             println!("{}", demo::banner(running.addr, &sims));

@@ -54,7 +54,10 @@ async fn harness(engine: &str, sims: Vec<SimConfig>, extra: &str) -> Harness {
     let sims: Vec<SimWorker> = sims.into_iter().map(|c| SimWorker::start(c).unwrap()).collect();
     let mut workers = String::new();
     for (i, s) in sims.iter().enumerate() {
-        workers.push_str(&format!("  - {{name: w{i}, url: '{}', engine: {engine}, model: {MODEL}}}\n", s.base_url()));
+        workers.push_str(&format!(
+            "  - {{name: w{i}, url: '{}', engine: {engine}, model: {MODEL}}}\n",
+            s.base_url()
+        ));
     }
     let qwen = demo::repo_root().join("golden/models/qwen3");
     let yaml = format!(
@@ -88,7 +91,14 @@ impl Harness {
     }
 
     fn live_workers(&self) -> usize {
-        self.gw.gateway.cluster().load().workers().iter().filter(|w| w.health() == cortex_sched::Health::Healthy).count()
+        self.gw
+            .gateway
+            .cluster()
+            .load()
+            .workers()
+            .iter()
+            .filter(|w| w.health() == cortex_sched::Health::Healthy)
+            .count()
     }
 
     async fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {
@@ -109,7 +119,11 @@ impl Harness {
         let resp = self.client.request(req).await.unwrap();
         let (parts, body) = resp.into_parts();
         let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-        Reply { status: parts.status, headers: parts.headers, body: String::from_utf8_lossy(&body).into_owned() }
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        }
     }
 
     async fn post(&self, path: &str, v: &Value) -> Reply {
@@ -121,7 +135,10 @@ impl Harness {
         let r = self.post("/debug/route", body).await;
         let v = r.json();
         let first = &v["candidates"][0];
-        (first["worker"].as_str().unwrap_or_default().to_owned(), first["matched_tokens"].as_u64().unwrap_or(0))
+        (
+            first["worker"].as_str().unwrap_or_default().to_owned(),
+            first["matched_tokens"].as_u64().unwrap_or(0),
+        )
     }
 
     async fn wait_hit(&self, body: &Value, pred: impl Fn(&str, u64) -> bool) -> (String, u64) {
@@ -157,7 +174,10 @@ fn chat(prompt: &str, stream: bool) -> Value {
 
 fn cached_tokens(r: &Reply) -> u64 {
     let v = r.json();
-    v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().or_else(|| v["meta_info"]["cached_tokens"].as_u64()).unwrap_or(0)
+    v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .or_else(|| v["meta_info"]["cached_tokens"].as_u64())
+        .unwrap_or(0)
 }
 
 /// The seed's Phase 1 acceptance on one engine, at concurrency 1.
@@ -178,7 +198,10 @@ async fn phase1(engine: &str) {
         let realized = cached_tokens(&r);
         assert!(predicted >= 16 * 20, "predicted {predicted}");
         // The worker counts the last block as a miss: at most one block less than the ledger.
-        assert!(realized <= predicted && predicted - realized <= 16, "predicted {predicted}, worker says {realized}");
+        assert!(
+            realized <= predicted && predicted - realized <= 16,
+            "predicted {predicted}, worker says {realized}"
+        );
         assert!(realized > 0);
     }
     // Flush the holder's cache: the hit disappears.
@@ -225,7 +248,8 @@ async fn stale_ledger_is_routed_by_load_and_says_so() {
     });
     let id = h.gw.gateway.registry().by_name(&holder).unwrap().id;
     let holder_id = cortex_hash::kv::HolderId::new(id, cortex_hash::kv::DpRank(0));
-    h.wait("the holder turns STALE", || h.gw.ledger_state(holder_id) == Some(cortex_radix::Readiness::Stale)).await;
+    h.wait("the holder turns STALE", || h.gw.ledger_state(holder_id) == Some(cortex_radix::Readiness::Stale))
+        .await;
     let r = h.post("/v1/chat/completions", &body).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events");
@@ -252,13 +276,19 @@ async fn misaligned_workers_get_no_exact_routing() {
         w.status().alignment
     };
     h.wait("discovery of every worker", || {
-        ["w0", "w1", "w2"].iter().all(|n| !matches!(verdict(n), cortex_hash::profile::Alignment::Unconfirmed(_)))
+        ["w0", "w1", "w2"]
+            .iter()
+            .all(|n| !matches!(verdict(n), cortex_hash::profile::Alignment::Unconfirmed(_)))
     })
     .await;
     assert_eq!(verdict("w0"), cortex_hash::profile::Alignment::Confirmed);
-    let cortex_hash::profile::Alignment::Mismatch(m1) = verdict("w1") else { panic!("w1 {:?}", verdict("w1")) };
+    let cortex_hash::profile::Alignment::Mismatch(m1) = verdict("w1") else {
+        panic!("w1 {:?}", verdict("w1"))
+    };
     assert!(m1.iter().any(|m| m.field == "tokens"), "{m1:?}");
-    let cortex_hash::profile::Alignment::Mismatch(m2) = verdict("w2") else { panic!("w2 {:?}", verdict("w2")) };
+    let cortex_hash::profile::Alignment::Mismatch(m2) = verdict("w2") else {
+        panic!("w2 {:?}", verdict("w2"))
+    };
     assert!(m2.iter().any(|m| m.field == "block_size"), "{m2:?}");
     // Requests that land on a misaligned worker are never exact, however often repeated.
     for i in 0..12 {
@@ -270,7 +300,8 @@ async fn misaligned_workers_get_no_exact_routing() {
     }
     let dbg = h.send("GET", "/debug/workers", Bytes::new()).await.json();
     let ledger_of = |name: &str| {
-        dbg["workers"].as_array().unwrap().iter().find(|w| w["name"] == name).unwrap()["ranks"][0]["ledger"].clone()
+        dbg["workers"].as_array().unwrap().iter().find(|w| w["name"] == name).unwrap()["ranks"][0]["ledger"]
+            .clone()
     };
     assert_eq!(ledger_of("w1"), "disabled");
     assert_eq!(ledger_of("w2"), "disabled");
@@ -283,9 +314,15 @@ async fn every_route(engine: &str) {
         ("/v1/chat/completions", chat("hello there", false)),
         ("/v1/chat/completions", chat("hello there", true)),
         ("/v1/completions", json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5})),
-        ("/v1/completions", json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "stream": true})),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "stream": true}),
+        ),
         ("/generate", json!({"text": "Once upon a time", "sampling_params": {"max_new_tokens": 5}})),
-        ("/generate", json!({"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 5}, "stream": true})),
+        (
+            "/generate",
+            json!({"input_ids": [1, 2, 3, 4], "sampling_params": {"max_new_tokens": 5}, "stream": true}),
+        ),
     ];
     for (path, body) in cases {
         if engine == "vllm" && path == "/generate" {

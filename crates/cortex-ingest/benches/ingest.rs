@@ -19,7 +19,9 @@ mod support;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cortex_events_vllm::{DecodeContext, Unlabeled as VUnlabeled, Version, WireBatch, WireBlockStored, WireEvent, WireHash};
+use cortex_events_vllm::{
+    DecodeContext, Unlabeled as VUnlabeled, Version, WireBatch, WireBlockStored, WireEvent, WireHash,
+};
 use cortex_hash::kv::{DpRank, HolderId, WorkerId};
 use cortex_ingest::{HolderSource, HolderState, Ingest, IngestConfig, Unlabeled, Wire};
 use cortex_radix::{HolderConfig, Ledger, LedgerConfig};
@@ -83,7 +85,10 @@ fn throughput(payloads: &[Vec<u8>]) -> (f64, f64, f64) {
     // Baseline 2: decode + apply, no sockets.
     let ledger = Ledger::new(LedgerConfig::default());
     let mut w = ledger
-        .add_holder(HolderId::new(WorkerId(1), DpRank(0)), HolderConfig { capacity_blocks: capacity, content_deterministic: true })
+        .add_holder(
+            HolderId::new(WorkerId(1), DpRank(0)),
+            HolderConfig { capacity_blocks: capacity, content_deterministic: true },
+        )
         .unwrap();
     let t = Instant::now();
     for p in payloads {
@@ -157,11 +162,15 @@ fn gap_and_restart(payloads: &[Vec<u8>], gap: usize) -> (Duration, Duration) {
 
 fn main() {
     let payloads: Vec<Vec<u8>> = (0..20_000).map(batch).collect();
-    println!("cortex-ingest: 16-block BlockStored batches, 16-token pages, vLLM 0.33 format, one writer lane");
+    println!(
+        "cortex-ingest: 16-block BlockStored batches, 16-token pages, vLLM 0.33 format, one writer lane"
+    );
     let mut rows = Vec::new();
     for round in 0..3 {
         let (d, a, e) = throughput(&payloads);
-        println!("round {round}: decode only {d:.2} M blocks/s | decode+apply {a:.2} M blocks/s | end to end {e:.2} M blocks/s");
+        println!(
+            "round {round}: decode only {d:.2} M blocks/s | decode+apply {a:.2} M blocks/s | end to end {e:.2} M blocks/s"
+        );
         rows.push((d, a, e));
     }
     let median = |f: fn(&(f64, f64, f64)) -> f64| {
@@ -177,8 +186,14 @@ fn main() {
         100.0 * median(|r| r.2) / median(|r| r.1)
     );
     let cold = cold_start_with_replay(&payloads[..10_000]);
-    println!("time to READY, cold start replaying 10,000 batches (160,000 blocks): {:.1} ms", cold.as_secs_f64() * 1e3);
+    println!(
+        "time to READY, cold start replaying 10,000 batches (160,000 blocks): {:.1} ms",
+        cold.as_secs_f64() * 1e3
+    );
     let (gap, restart) = gap_and_restart(&payloads[..5_000], 1_000);
     println!("time to READY, gap of 1,000 batches filled by replay: {:.1} ms", gap.as_secs_f64() * 1e3);
-    println!("time to apply a restart (clear 64,000 blocks, apply seq 0): {:.1} ms", restart.as_secs_f64() * 1e3);
+    println!(
+        "time to apply a restart (clear 64,000 blocks, apply seq 0): {:.1} ms",
+        restart.as_secs_f64() * 1e3
+    );
 }

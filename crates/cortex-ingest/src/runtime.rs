@@ -94,7 +94,9 @@ impl Shared {
     fn command(&self, cmd: SockCmd) -> Result<(), IngestError> {
         let c = self.commands.lock().map_err(|_| IngestError::ShutDown)?;
         c.tx.send(cmd).map_err(|_| IngestError::ShutDown)?;
-        c.wake.send(&[][..], zmq::DONTWAIT).or_else(|e| if e == zmq::Error::EAGAIN { Ok(()) } else { Err(e) })?;
+        c.wake
+            .send(&[][..], zmq::DONTWAIT)
+            .or_else(|e| if e == zmq::Error::EAGAIN { Ok(()) } else { Err(e) })?;
         Ok(())
     }
 
@@ -162,7 +164,8 @@ impl Ingest {
             );
         }
         let s = Arc::clone(&shared);
-        let sockets = SocketThread { ctx, id, wake: wake_rx, commands: cmd_rx, holders: Vec::new(), next_monitor: 0 };
+        let sockets =
+            SocketThread { ctx, id, wake: wake_rx, commands: cmd_rx, holders: Vec::new(), next_monitor: 0 };
         threads.push(
             std::thread::Builder::new()
                 .name("cortex-ingest-sockets".into())
@@ -266,7 +269,12 @@ impl Ingest {
     /// Waits until `done(status)` holds for `holder` or `timeout` passes; returns whether it
     /// holds. Progress is signalled after every applied batch and state change, so this never
     /// polls.
-    pub fn wait_for(&self, holder: HolderId, timeout: Duration, mut done: impl FnMut(&HolderStatus) -> bool) -> bool {
+    pub fn wait_for(
+        &self,
+        holder: HolderId,
+        timeout: Duration,
+        mut done: impl FnMut(&HolderStatus) -> bool,
+    ) -> bool {
         self.shared.progress.wait_until(timeout, || self.status(holder).is_some_and(|s| done(&s)))
     }
 
@@ -339,9 +347,10 @@ impl SocketThread {
                         Slot::Wake => self.wake.as_poll_item(zmq::POLLIN),
                         Slot::Sub(i) => self.holders[i].sub.as_poll_item(zmq::POLLIN),
                         Slot::Monitor(i) => self.holders[i].monitor.as_poll_item(zmq::POLLIN),
-                        Slot::Dealer(i) => {
-                            self.holders[i].dealer.as_ref().map_or(self.wake.as_poll_item(zmq::POLLIN), |d| d.as_poll_item(zmq::POLLIN))
-                        }
+                        Slot::Dealer(i) => self.holders[i]
+                            .dealer
+                            .as_ref()
+                            .map_or(self.wake.as_poll_item(zmq::POLLIN), |d| d.as_poll_item(zmq::POLLIN)),
                     })
                     .collect();
                 if let Err(e) = zmq::poll(&mut items, -1) {
@@ -380,7 +389,9 @@ impl SocketThread {
                 SockCmd::Add { holder, lane, publish, topic, replay } => {
                     match self.subscribe(shared, holder, lane, &publish, &topic, replay) {
                         Ok(h) => self.holders.push(h),
-                        Err(e) => tracing::error!(%holder, endpoint = %publish, error = %e, "ingest: cannot subscribe"),
+                        Err(e) => {
+                            tracing::error!(%holder, endpoint = %publish, error = %e, "ingest: cannot subscribe")
+                        }
                     }
                 }
                 SockCmd::RemoveWorker { worker, done } => {
@@ -472,8 +483,12 @@ impl SocketThread {
             let Ok(mut parts) = recv_parts(dealer) else { break };
             // vLLM ≥ 0.26 and SGLang: ["", topic, seq, payload]; vLLM ≤ 0.25: ["", seq, payload].
             let (seq, payload) = match parts.len() {
-                4 if parts[0].is_empty() => (seq_of(&parts[2]), parts.pop().unwrap_or_else(zmq::Message::new)),
-                3 if parts[0].is_empty() => (seq_of(&parts[1]), parts.pop().unwrap_or_else(zmq::Message::new)),
+                4 if parts[0].is_empty() => {
+                    (seq_of(&parts[2]), parts.pop().unwrap_or_else(zmq::Message::new))
+                }
+                3 if parts[0].is_empty() => {
+                    (seq_of(&parts[1]), parts.pop().unwrap_or_else(zmq::Message::new))
+                }
                 _ => (None, zmq::Message::new()),
             };
             let input = match seq {
@@ -567,7 +582,11 @@ fn lane_loop(shared: &Shared, rx: &Receiver<LaneMsg>) {
     }
 }
 
-fn check_timers(shared: &Shared, holders: &mut HashMap<HolderId, LaneHolder>, effects: &mut Vec<Effect<zmq::Message>>) {
+fn check_timers(
+    shared: &Shared,
+    holders: &mut HashMap<HolderId, LaneHolder>,
+    effects: &mut Vec<Effect<zmq::Message>>,
+) {
     let now = Instant::now();
     let mut gone = Vec::new();
     for (id, h) in holders.iter_mut() {
@@ -614,7 +633,9 @@ impl LaneHolder {
                         }
                     }
                     Err(LedgerError::Revoked(_)) => return false,
-                    Err(e) => tracing::error!(holder = %self.writer.holder(), error = %e, "ingest: apply failed"),
+                    Err(e) => {
+                        tracing::error!(holder = %self.writer.holder(), error = %e, "ingest: apply failed")
+                    }
                 },
                 Effect::Clear(reason) => {
                     self.writer.clear();
@@ -636,7 +657,9 @@ impl LaneHolder {
                     self.stats.set_state(state);
                     self.stats.count_transition(reason);
                     let readiness = match (state, shared.cfg.stale_routing) {
-                        (HolderState::Ready, _) | (HolderState::Stale, StaleRouting::Included) => Readiness::Ready,
+                        (HolderState::Ready, _) | (HolderState::Stale, StaleRouting::Included) => {
+                            Readiness::Ready
+                        }
                         (HolderState::Syncing, _) => Readiness::Syncing,
                         (HolderState::Stale, StaleRouting::Excluded) => Readiness::Stale,
                     };
@@ -661,16 +684,22 @@ impl LaneHolder {
                     Unlabeled::Plain => cortex_events_vllm::Unlabeled::Plain,
                     Unlabeled::Unknown => cortex_events_vllm::Unlabeled::Unknown,
                 };
-                cortex_events_vllm::decode(payload, &cortex_events_vllm::DecodeContext::new(&self.model, unlabeled))
-                    .map_err(|e| (vllm_error_kind(&e), e.to_string()))
+                cortex_events_vllm::decode(
+                    payload,
+                    &cortex_events_vllm::DecodeContext::new(&self.model, unlabeled),
+                )
+                .map_err(|e| (vllm_error_kind(&e), e.to_string()))
             }
             Wire::Sglang => {
                 let unlabeled = match self.unlabeled {
                     Unlabeled::Plain => cortex_events_sglang::Unlabeled::Plain,
                     Unlabeled::Unknown => cortex_events_sglang::Unlabeled::Unknown,
                 };
-                cortex_events_sglang::decode(payload, &cortex_events_sglang::DecodeContext::new(&self.model, unlabeled))
-                    .map_err(|e| (sglang_error_kind(&e), e.to_string()))
+                cortex_events_sglang::decode(
+                    payload,
+                    &cortex_events_sglang::DecodeContext::new(&self.model, unlabeled),
+                )
+                .map_err(|e| (sglang_error_kind(&e), e.to_string()))
             }
         };
         let holder = self.writer.holder();
@@ -707,7 +736,10 @@ fn vllm_error_kind(e: &cortex_events_vllm::DecodeError) -> usize {
     match e {
         D::Truncated { .. } => 0,
         D::UnexpectedType { .. } | D::OutOfRange { .. } | D::HashLength { .. } => 1,
-        D::UnknownEventType { .. } | D::MissingField { .. } | D::BatchShape { .. } | D::TrailingBytes { .. } => 2,
+        D::UnknownEventType { .. }
+        | D::MissingField { .. }
+        | D::BatchShape { .. }
+        | D::TrailingBytes { .. } => 2,
         _ => 3,
     }
 }
@@ -717,7 +749,10 @@ fn sglang_error_kind(e: &cortex_events_sglang::DecodeError) -> usize {
     match e {
         D::Truncated { .. } => 0,
         D::UnexpectedType { .. } | D::OutOfRange { .. } => 1,
-        D::UnknownEventType { .. } | D::MissingField { .. } | D::BatchShape { .. } | D::TrailingBytes { .. } => 2,
+        D::UnknownEventType { .. }
+        | D::MissingField { .. }
+        | D::BatchShape { .. }
+        | D::TrailingBytes { .. } => 2,
         _ => 3,
     }
 }

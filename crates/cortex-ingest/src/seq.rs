@@ -434,7 +434,10 @@ mod tests {
     }
 
     fn applied(effects: &[E]) -> Vec<u64> {
-        effects.iter().filter_map(|e| if let Effect::Apply { seq, .. } = e { Some(*seq) } else { None }).collect()
+        effects
+            .iter()
+            .filter_map(|e| if let Effect::Apply { seq, .. } = e { Some(*seq) } else { None })
+            .collect()
     }
 
     fn ready_at(replay: Replay, last: u64) -> Sequencer<u64> {
@@ -450,7 +453,10 @@ mod tests {
     fn in_order_applies() {
         let mut m = Sequencer::new(Replay::Unavailable, 100);
         let e = live(&mut m, 0);
-        assert_eq!(e, vec![Effect::Apply { seq: 0, payload: 0 }, Effect::State(HolderState::Ready, Reason::Resumed)]);
+        assert_eq!(
+            e,
+            vec![Effect::Apply { seq: 0, payload: 0 }, Effect::State(HolderState::Ready, Reason::Resumed)]
+        );
         assert_eq!(live(&mut m, 1), vec![Effect::Apply { seq: 1, payload: 1 }]);
     }
 
@@ -481,7 +487,10 @@ mod tests {
     fn gap_with_replay_fills_in_order() {
         let mut m = ready_at(Replay::Available, 3);
         let e = live(&mut m, 7);
-        assert_eq!(e, vec![Effect::RequestReplay { from: 4 }, Effect::State(HolderState::Syncing, Reason::Gap)]);
+        assert_eq!(
+            e,
+            vec![Effect::RequestReplay { from: 4 }, Effect::State(HolderState::Syncing, Reason::Gap)]
+        );
         // Live batches keep arriving while the replay runs.
         assert!(live(&mut m, 8).is_empty());
         let mut effects = Vec::new();
@@ -547,7 +556,10 @@ mod tests {
     fn first_batch_not_zero_replays_from_zero() {
         let mut m = Sequencer::new(Replay::Available, 100);
         let e = live(&mut m, 4);
-        assert_eq!(e, vec![Effect::RequestReplay { from: 0 }, Effect::State(HolderState::Syncing, Reason::ColdStart)]);
+        assert_eq!(
+            e,
+            vec![Effect::RequestReplay { from: 0 }, Effect::State(HolderState::Syncing, Reason::ColdStart)]
+        );
         let mut effects = Vec::new();
         for s in 0..=4 {
             effects.extend(run(&mut m, Input::Replayed { seq: s, payload: s }));
@@ -561,7 +573,10 @@ mod tests {
     fn first_batch_not_zero_without_replay_starts_cold() {
         let mut m = Sequencer::new(Replay::Unavailable, 100);
         let e = live(&mut m, 4);
-        assert_eq!(e, vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::ColdStart)]);
+        assert_eq!(
+            e,
+            vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::ColdStart)]
+        );
     }
 
     #[test]
@@ -610,7 +625,10 @@ mod tests {
         assert_eq!(run(&mut m, Input::Silent), vec![Effect::State(HolderState::Stale, Reason::Silent)]);
         assert!(run(&mut m, Input::Disconnected).is_empty(), "already stale");
         let e = live(&mut m, 4);
-        assert_eq!(e, vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::Resumed)]);
+        assert_eq!(
+            e,
+            vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::Resumed)]
+        );
     }
 
     #[test]

@@ -80,7 +80,8 @@ fn vllm_block_batch(i: u64) -> Vec<u8> {
         medium: Some("GPU"),
         ..WireBlockStored::default()
     };
-    let batch = WireBatch { ts: 1.0, events: vec![WireEvent::BlockStored(stored)], data_parallel_rank: Some(0) };
+    let batch =
+        WireBatch { ts: 1.0, events: vec![WireEvent::BlockStored(stored)], data_parallel_rank: Some(0) };
     cortex_events_vllm::encode(&batch, Version::LATEST).unwrap()
 }
 
@@ -309,7 +310,8 @@ fn first_batch_after_start_replays_from_zero_without_topic_frame() {
     let doc = golden("vllm/zmq_golden_vllm-0.23.0.json");
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("kv-events", Some(ReplayFraming::NoTopic));
-    let payloads: Vec<Vec<u8>> = doc["live"].as_array().unwrap().iter().map(|m| unhex(&m["frames_hex"][2])).collect();
+    let payloads: Vec<Vec<u8>> =
+        doc["live"].as_array().unwrap().iter().map(|m| unhex(&m["frames_hex"][2])).collect();
     assert!(payloads.len() >= 3);
     // The gateway starts after the engine published batches 0 and 1.
     engine.record_only(0, &payloads[0]);

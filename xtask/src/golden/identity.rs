@@ -29,11 +29,51 @@ fn inputs() -> Vec<Input> {
     let seq = |n: u32| (1..=n).collect::<Vec<u32>>();
     let qwen = "Qwen/Qwen3-0.6B";
     vec![
-        Input { name: "vllm_bs16_1_to_48", engine: Engine::Vllm, block_size: 16, model: qwen, lora: None, salt: None, tokens: seq(48) },
-        Input { name: "sglang_bs16_1_to_48", engine: Engine::Sglang, block_size: 16, model: qwen, lora: None, salt: None, tokens: seq(48) },
-        Input { name: "sglang_bs4_1_to_10", engine: Engine::Sglang, block_size: 4, model: qwen, lora: None, salt: None, tokens: seq(10) },
-        Input { name: "vllm_bs16_salted", engine: Engine::Vllm, block_size: 16, model: qwen, lora: None, salt: Some("tenant-a"), tokens: seq(32) },
-        Input { name: "vllm_bs16_lora", engine: Engine::Vllm, block_size: 16, model: qwen, lora: Some("my-lora"), salt: None, tokens: seq(32) },
+        Input {
+            name: "vllm_bs16_1_to_48",
+            engine: Engine::Vllm,
+            block_size: 16,
+            model: qwen,
+            lora: None,
+            salt: None,
+            tokens: seq(48),
+        },
+        Input {
+            name: "sglang_bs16_1_to_48",
+            engine: Engine::Sglang,
+            block_size: 16,
+            model: qwen,
+            lora: None,
+            salt: None,
+            tokens: seq(48),
+        },
+        Input {
+            name: "sglang_bs4_1_to_10",
+            engine: Engine::Sglang,
+            block_size: 4,
+            model: qwen,
+            lora: None,
+            salt: None,
+            tokens: seq(10),
+        },
+        Input {
+            name: "vllm_bs16_salted",
+            engine: Engine::Vllm,
+            block_size: 16,
+            model: qwen,
+            lora: None,
+            salt: Some("tenant-a"),
+            tokens: seq(32),
+        },
+        Input {
+            name: "vllm_bs16_lora",
+            engine: Engine::Vllm,
+            block_size: 16,
+            model: qwen,
+            lora: Some("my-lora"),
+            salt: None,
+            tokens: seq(32),
+        },
         Input {
             name: "sglang_bs64_large_ids",
             engine: Engine::Sglang,
@@ -51,7 +91,11 @@ fn engine_name(e: Engine) -> &'static str {
 }
 
 fn compute(i: &Input) -> Vec<String> {
-    Namespace::new(i.engine, i.block_size, i.model, i.lora).seq_hashes(i.salt, &i.tokens).iter().map(ToString::to_string).collect()
+    Namespace::new(i.engine, i.block_size, i.model, i.lora)
+        .seq_hashes(i.salt, &i.tokens)
+        .iter()
+        .map(ToString::to_string)
+        .collect()
 }
 
 /// Compares every pinned identity with what Cortex computes now.
@@ -63,9 +107,16 @@ pub(super) fn check(dir: &Path) -> Result<Suite> {
     suite.check("cortex identity", "number of cases", current.len(), cases.len());
     for (input, case) in current.iter().zip(cases) {
         suite.check("cortex identity", "case name", input.name, str_field(case, "name")?);
-        suite.check("cortex identity", format!("{} block_size", input.name), u64::from(input.block_size), u64_field(case, "block_size")?);
-        let want: Vec<String> =
-            array(case, "seq_hashes")?.iter().map(|v| v.as_str().map(str::to_owned).context("seq hash")).collect::<Result<_>>()?;
+        suite.check(
+            "cortex identity",
+            format!("{} block_size", input.name),
+            u64::from(input.block_size),
+            u64_field(case, "block_size")?,
+        );
+        let want: Vec<String> = array(case, "seq_hashes")?
+            .iter()
+            .map(|v| v.as_str().map(str::to_owned).context("seq hash"))
+            .collect::<Result<_>>()?;
         suite.check("cortex identity", input.name, want, compute(input));
     }
     Ok(suite)
@@ -94,6 +145,7 @@ pub(super) fn bless(dir: &Path) -> Result<PathBuf> {
     });
     let path = dir.join(FILE);
     std::fs::create_dir_all(path.parent().context("expect dir")?)?;
-    std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n").with_context(|| format!("writing {}", path.display()))?;
+    std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("writing {}", path.display()))?;
     Ok(path)
 }

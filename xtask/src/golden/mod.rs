@@ -32,7 +32,11 @@ pub struct Failure {
 
 impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "[{}] {}\n    expected: {}\n    got:      {}", self.recipe, self.case, self.expected, self.got)
+        write!(
+            f,
+            "[{}] {}\n    expected: {}\n    got:      {}",
+            self.recipe, self.case, self.expected, self.got
+        )
     }
 }
 
@@ -53,7 +57,13 @@ impl Suite {
     }
 
     /// Counts one vector and records a failure if `expected != got`.
-    fn check<T: fmt::Debug + PartialEq>(&mut self, recipe: &str, case: impl Into<String>, expected: T, got: T) {
+    fn check<T: fmt::Debug + PartialEq>(
+        &mut self,
+        recipe: &str,
+        case: impl Into<String>,
+        expected: T,
+        got: T,
+    ) {
         self.checked += 1;
         if expected != got {
             self.fail(recipe, case, format!("{expected:?}"), format!("{got:?}"));

@@ -5,7 +5,8 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use cortex_hash::sglang::{
-    EventFormat, RequestKey, chain_digests, event_hashes, namespace_seed, namespaced_block_hash, published_hash,
+    EventFormat, RequestKey, chain_digests, event_hashes, namespace_seed, namespaced_block_hash,
+    published_hash,
 };
 use serde_json::Value;
 
@@ -24,7 +25,9 @@ enum Tokens {
 fn tokens(v: &Value, typecode: &str) -> Result<Tokens> {
     let list = v.as_array().context("tokens is not an array")?;
     Ok(match typecode {
-        "Q" | "I" => Tokens::Unsigned(list.iter().map(|t| t.as_u64().context("token")).collect::<Result<_>>()?),
+        "Q" | "I" => {
+            Tokens::Unsigned(list.iter().map(|t| t.as_u64().context("token")).collect::<Result<_>>()?)
+        }
         _ => Tokens::Signed(list.iter().map(|t| t.as_i64().context("token")).collect::<Result<_>>()?),
     })
 }
@@ -58,13 +61,15 @@ pub(super) fn chains(dir: &Path) -> Result<Suite> {
                 continue;
             }
         };
-        let want_hex: Vec<String> = array(c, "digests_hex")?.iter().filter_map(|h| h.as_str().map(str::to_owned)).collect();
+        let want_hex: Vec<String> =
+            array(c, "digests_hex")?.iter().filter_map(|h| h.as_str().map(str::to_owned)).collect();
         let got_hex: Vec<String> = digests.iter().map(hex::encode).collect();
         suite.check("sglang chain digests", name, want_hex, got_hex);
         let want: Vec<i64> = array(c, "block_hashes")?.iter().filter_map(Value::as_i64).collect();
         let published: Vec<i64> = digests.iter().map(published_hash).collect();
         suite.check("sglang chain block_hashes", name, want, published.clone());
-        let want_parents: Vec<Option<i64>> = array(c, "parent_block_hashes")?.iter().map(Value::as_i64).collect();
+        let want_parents: Vec<Option<i64>> =
+            array(c, "parent_block_hashes")?.iter().map(Value::as_i64).collect();
         // The parent of page 0 is the prior's published hash; an empty chain lists one parent.
         let first = prior.as_ref().map(published_hash);
         let mut got_parents = vec![first];
@@ -123,12 +128,18 @@ pub(super) fn events(dir: &Path) -> Result<Suite> {
         };
         let bigram = field(case, "is_eagle_bigram")?.as_bool().context("is_eagle_bigram")?;
         for (si, step) in array(case, "steps")?.iter().enumerate() {
-            let toks: Vec<i64> = array(step, "tokens")?.iter().map(|t| t.as_i64().context("token")).collect::<Result<_>>()?;
+            let toks: Vec<i64> =
+                array(step, "tokens")?.iter().map(|t| t.as_i64().context("token")).collect::<Result<_>>()?;
             let predicted = match event_hashes(&toks, page, bigram, key, format) {
                 Ok(p) => p,
                 Err(e) => {
                     suite.checked += 1;
-                    suite.fail("sglang event hashes", format!("{name} step {si}"), "hashes".into(), format!("error: {e}"));
+                    suite.fail(
+                        "sglang event hashes",
+                        format!("{name} step {si}"),
+                        "hashes".into(),
+                        format!("error: {e}"),
+                    );
                     continue;
                 }
             };
@@ -143,7 +154,12 @@ pub(super) fn events(dir: &Path) -> Result<Suite> {
                 let at = hashes.first().and_then(|h| predicted.iter().position(|p| p == h));
                 let Some(at) = at else {
                     suite.checked += 1;
-                    suite.fail("sglang event block_hashes", case_name, format!("{hashes:?}"), format!("{predicted:?}"));
+                    suite.fail(
+                        "sglang event block_hashes",
+                        case_name,
+                        format!("{hashes:?}"),
+                        format!("{predicted:?}"),
+                    );
                     continue;
                 };
                 let got = predicted[at..(at + hashes.len()).min(predicted.len())].to_vec();

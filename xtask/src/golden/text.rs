@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
+use super::{Suite, read_json};
 use anyhow::{Context, Result, bail};
 use cortex_hash::text::{ChatTemplate, SpecialTokens, TextTokenizer};
-use super::{Suite, read_json};
 
 /// The separator between cases in llama.cpp's `.inp` files.
 const CASE_SEPARATOR: &str = "\n__ggml_vocab_test__\n";
@@ -14,8 +14,10 @@ const CASE_SEPARATOR: &str = "\n__ggml_vocab_test__\n";
 pub(super) fn tokenizer(dir: &Path) -> Result<Suite> {
     let mut suite = Suite::new("qwen3 tokenizer");
     let tok = TextTokenizer::from_file(dir.join("models/qwen3/tokenizer.json"))?;
-    let inp = std::fs::read_to_string(dir.join("tokenizer/ggml-vocab-qwen2.gguf.inp")).context("reading .inp")?;
-    let out = std::fs::read_to_string(dir.join("tokenizer/ggml-vocab-qwen2.gguf.out")).context("reading .out")?;
+    let inp =
+        std::fs::read_to_string(dir.join("tokenizer/ggml-vocab-qwen2.gguf.inp")).context("reading .inp")?;
+    let out =
+        std::fs::read_to_string(dir.join("tokenizer/ggml-vocab-qwen2.gguf.out")).context("reading .out")?;
     // The .inp file starts with one separator-free case and ends with a trailing separator.
     let texts: Vec<&str> = inp.strip_suffix(CASE_SEPARATOR).unwrap_or(&inp).split(CASE_SEPARATOR).collect();
     let expected: Vec<&str> = out.lines().collect();
@@ -23,7 +25,8 @@ pub(super) fn tokenizer(dir: &Path) -> Result<Suite> {
         bail!("tokenizer golden has {} texts but {} id lines", texts.len(), expected.len());
     }
     for (i, (text, ids)) in texts.iter().zip(expected).enumerate() {
-        let want: Vec<u32> = ids.split_whitespace().map(str::parse).collect::<Result<_, _>>().context("id line")?;
+        let want: Vec<u32> =
+            ids.split_whitespace().map(str::parse).collect::<Result<_, _>>().context("id line")?;
         let got = tok.encode(text, SpecialTokens::Omit)?;
         suite.check("qwen3 tokenizer", format!("case {i} {text:?}"), want, got);
     }
@@ -40,7 +43,8 @@ pub(super) fn chat_templates(dir: &Path) -> Result<Suite> {
         ("llama31", "meta-llama-Llama-3.1-8B-Instruct.jinja"),
     ] {
         let base = dir.join("chat-templates");
-        let source = std::fs::read_to_string(base.join(template)).with_context(|| format!("reading {template}"))?;
+        let source =
+            std::fs::read_to_string(base.join(template)).with_context(|| format!("reading {template}"))?;
         let tpl = ChatTemplate::new(&source)?;
         let cases = read_json(&base.join(format!("cases_{model}.json")))?;
         let expected = read_json(&base.join(format!("expected_transformers_{model}.json")))?;
@@ -56,7 +60,12 @@ pub(super) fn chat_templates(dir: &Path) -> Result<Suite> {
                 Ok(got) => suite.check("chat template", format!("{template} case {i}"), want.to_owned(), got),
                 Err(e) => {
                     suite.checked += 1;
-                    suite.fail("chat template", format!("{template} case {i}"), format!("{want:?}"), e.to_string());
+                    suite.fail(
+                        "chat template",
+                        format!("{template} case {i}"),
+                        format!("{want:?}"),
+                        e.to_string(),
+                    );
                 }
             }
         }

@@ -29,7 +29,11 @@ pub(super) fn hash_golden(dir: &Path) -> Result<Suite> {
             None => NoneHashSeed::Default,
             Some(s) => NoneHashSeed::PythonHashSeed(s.to_owned()),
         };
-        let name = format!("{algo_name} PYTHONHASHSEED={:?} {}", opt_str(c, "PYTHONHASHSEED"), str_field(c, "case")?);
+        let name = format!(
+            "{algo_name} PYTHONHASHSEED={:?} {}",
+            opt_str(c, "PYTHONHASHSEED"),
+            str_field(c, "case")?
+        );
         suite.check("vllm NONE_HASH seed", name.clone(), str_field(c, "none_hash_seed")?, seed.as_str());
         let hasher = BlockHasher::new(algo, &seed, ExtraKeyForm::Tagged);
         suite.check(
@@ -49,7 +53,9 @@ pub(super) fn hash_golden(dir: &Path) -> Result<Suite> {
         let lora = c.get("lora").filter(|l| !l.is_null());
         let extras = RequestExtras {
             lora: lora
-                .map(|l| -> Result<Lora<'_>> { Ok(Lora { name: str_field(l, "lora_name")?, path: str_field(l, "lora_path")? }) })
+                .map(|l| -> Result<Lora<'_>> {
+                    Ok(Lora { name: str_field(l, "lora_name")?, path: str_field(l, "lora_path")? })
+                })
                 .transpose()?,
             cache_salt: opt_str(c, "cache_salt"),
         };
@@ -62,9 +68,19 @@ pub(super) fn hash_golden(dir: &Path) -> Result<Suite> {
         suite.check("vllm preimage count", name.clone(), want_pre.len(), got_pre.len());
         let want_hex: Vec<&str> = array(c, "block_hash_hex")?.iter().filter_map(Value::as_str).collect();
         let got_hex: Vec<String> = digests.iter().map(|d| hex::encode(d.as_bytes())).collect();
-        suite.check("vllm block digests", name.clone(), want_hex.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>(), got_hex);
+        suite.check(
+            "vllm block digests",
+            name.clone(),
+            want_hex.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>(),
+            got_hex,
+        );
         let want_wire: Vec<u64> = array(c, "wire_u64")?.iter().filter_map(Value::as_u64).collect();
-        suite.check("vllm wire u64", name, want_wire, digests.iter().map(VllmDigest::wire_u64).collect::<Vec<_>>());
+        suite.check(
+            "vllm wire u64",
+            name,
+            want_wire,
+            digests.iter().map(VllmDigest::wire_u64).collect::<Vec<_>>(),
+        );
     }
     Ok(suite)
 }
@@ -121,7 +137,9 @@ pub(super) fn blockpool_chain(dir: &Path) -> Result<Suite> {
             };
             let parent = match field(ev, "parent_block_hash")?.as_u64() {
                 None => *hasher.none_hash(),
-                Some(p) => *digests.get(&p).with_context(|| format!("{case}: parent {p} was never stored"))?,
+                Some(p) => {
+                    *digests.get(&p).with_context(|| format!("{case}: parent {p} was never stored"))?
+                }
             };
             let first_block = parent == *hasher.none_hash();
             let mut chain = parent;

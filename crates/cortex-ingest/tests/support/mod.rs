@@ -99,7 +99,9 @@ impl FakeEngine {
                 ReplayFraming::WithTopic => {
                     router.send_multipart([&id[..], b"", &self.topic[..], &seq[..], payload], 0).unwrap()
                 }
-                ReplayFraming::NoTopic => router.send_multipart([&id[..], b"", &seq[..], payload], 0).unwrap(),
+                ReplayFraming::NoTopic => {
+                    router.send_multipart([&id[..], b"", &seq[..], payload], 0).unwrap()
+                }
             }
         }
         let end = u64::MAX.to_be_bytes();
@@ -117,4 +119,3 @@ impl FakeEngine {
         router.recv_multipart(0).expect("no replay request arrived");
     }
 }
-
