@@ -6,6 +6,7 @@
 pub mod ci;
 pub mod golden;
 pub mod radix;
+pub mod replay;
 pub mod tidy;
 
 use std::path::PathBuf;

@@ -1,0 +1,277 @@
+//! From outcomes to numbers: cache hit ratio against the bound, simulated TTFT percentiles, load
+//! imbalance per window of trace time, failures.
+//!
+//! Key decisions:
+//! - The hit ratio is Σ `cached_tokens` / Σ prompt tokens over answered requests, both as the
+//!   workers reported them, so it is what the engines saw, not what a router believed.
+//! - Load imbalance is measured on routed prompt tokens (the request's tokens, counted for the
+//!   worker it was routed to, in the 10-second window of trace time it arrived in): per window,
+//!   the coefficient of variation across workers and max/mean; the run's figure is their mean
+//!   weighted by the window's tokens, so a window with three requests does not weigh like a busy
+//!   one.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use super::bound::{Analysis, ratio};
+use super::driver::Outcome;
+use super::workload::Workload;
+
+/// Simulated TTFT percentiles, milliseconds.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Ttft {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Mean.
+    pub mean: f64,
+}
+
+/// Load imbalance.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Load {
+    /// Window length, trace time.
+    pub window: Duration,
+    /// Token-weighted mean over windows of the coefficient of variation across workers.
+    pub cov: f64,
+    /// Token-weighted mean over windows of max/mean across workers.
+    pub max_over_mean: f64,
+    /// Coefficient of variation of the whole run's per-worker totals.
+    pub cov_total: f64,
+    /// Routed prompt tokens per window (outer) per worker (inner).
+    pub windows: Vec<Vec<u64>>,
+    /// Requests whose worker is unknown (not counted).
+    pub unattributed: usize,
+}
+
+/// One policy's results on one workload.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PolicyResult {
+    /// The label (`cortex cache_aware`, `sglang-router cache_aware`, …).
+    pub label: String,
+    /// Requests sent.
+    pub requests: usize,
+    /// Answered with usage.
+    pub ok: usize,
+    /// Refused for load (429/503).
+    pub shed: usize,
+    /// Failed otherwise (errors, timeouts, missing usage).
+    pub failed: usize,
+    /// Σ prompt tokens of answered requests (worker-reported).
+    pub prompt_tokens: u64,
+    /// Σ cached tokens of answered requests (worker-reported).
+    pub cached_tokens: u64,
+    /// `cached_tokens / prompt_tokens`.
+    pub hit_ratio: f64,
+    /// `hit_ratio / bound` (the bound over the same answered requests).
+    pub of_bound: f64,
+    /// Simulated TTFT.
+    pub ttft: Ttft,
+    /// Sorted simulated TTFTs, ms (for the CDF).
+    pub ttft_sorted: Vec<f64>,
+    /// Load imbalance.
+    pub load: Load,
+    /// Cortex: requests per match mode.
+    pub match_modes: BTreeMap<String, usize>,
+    /// Cortex: Σ predicted hit tokens.
+    pub predicted_hit_tokens: Option<u64>,
+    /// Answered requests whose worker-counted prompt differs from the replay's tokenization.
+    pub token_mismatches: usize,
+    /// Wall-clock seconds of the sending phase (first send to last answer).
+    pub wall_secs: f64,
+    /// 99th percentile of how late the dispatcher sent, ms.
+    pub late_p99_ms: f64,
+    /// Median of simulated TTFT / (wall time to the response head × compression), over requests
+    /// with a simulated TTFT of at least 500 ms: 1.0 when the simulators keep up with the
+    /// compressed clock, below 1 when their virtual time runs slow.
+    pub clock_ratio: Option<f64>,
+    /// A few distinct errors.
+    pub errors: Vec<String>,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (p / 100.0 * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+fn cov(xs: &[u64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<u64>() as f64 / n;
+    if mean == 0.0 {
+        return (0.0, 0.0);
+    }
+    let var = xs.iter().map(|&x| (x as f64 - mean).powi(2)).sum::<f64>() / n;
+    let max = xs.iter().copied().max().unwrap_or(0) as f64;
+    (var.sqrt() / mean, max / mean)
+}
+
+/// Computes one policy's results.
+#[must_use]
+pub fn summarize(
+    label: &str,
+    workload: &Workload,
+    analysis: &Analysis,
+    outcomes: &[Outcome],
+    workers: usize,
+    compression: f64,
+    wall: Duration,
+) -> PolicyResult {
+    let mut r = PolicyResult {
+        label: label.to_owned(),
+        requests: outcomes.len(),
+        wall_secs: wall.as_secs_f64(),
+        ..PolicyResult::default()
+    };
+    let mut bound_hits = 0u64;
+    let mut ttfts = Vec::new();
+    let mut ratios = Vec::new();
+    let mut predicted = 0u64;
+    let mut any_predicted = false;
+    let mut lates: Vec<f64> = Vec::new();
+    let window = Duration::from_secs(10);
+    let n_windows = workload.requests.last().map_or(0, |q| (q.at.as_secs() / 10) as usize + 1);
+    let mut windows = vec![vec![0u64; workers]; n_windows];
+    for (i, o) in outcomes.iter().enumerate() {
+        lates.push(o.late.as_secs_f64() * 1e3);
+        match o.worker {
+            Some(w) if w < workers => {
+                let k = (workload.requests[i].at.as_secs() / 10) as usize;
+                windows[k][w] += analysis.prompt_tokens[i];
+            }
+            _ => r.load.unattributed += 1,
+        }
+        if let Some(m) = &o.match_mode {
+            *r.match_modes.entry(m.clone()).or_default() += 1;
+        }
+        if o.ok() {
+            r.ok += 1;
+            r.prompt_tokens += o.prompt_tokens;
+            r.cached_tokens += o.cached_tokens;
+            bound_hits += analysis.bound_hits[i];
+            if o.prompt_tokens != analysis.prompt_tokens[i] {
+                r.token_mismatches += 1;
+            }
+            if let Some(p) = o.predicted_hit {
+                predicted += p;
+                any_predicted = true;
+            }
+            if let Some(t) = o.sim_ttft_ms {
+                ttfts.push(t);
+                let wall_ms = o.wall_head.as_secs_f64() * 1e3 * compression;
+                if t >= 500.0 && wall_ms > 0.0 {
+                    ratios.push(t / wall_ms);
+                }
+            }
+        } else if o.shed() {
+            r.shed += 1;
+        } else {
+            r.failed += 1;
+        }
+        if let Some(e) = &o.error
+            && r.errors.len() < 5
+            && !r.errors.contains(e)
+        {
+            r.errors.push(e.clone());
+        }
+    }
+    r.hit_ratio = ratio(r.cached_tokens, r.prompt_tokens);
+    let bound = ratio(bound_hits, r.prompt_tokens);
+    r.of_bound = if bound > 0.0 { r.hit_ratio / bound } else { 0.0 };
+    ttfts.sort_by(f64::total_cmp);
+    r.ttft = Ttft {
+        p50: percentile(&ttfts, 50.0),
+        p90: percentile(&ttfts, 90.0),
+        p99: percentile(&ttfts, 99.0),
+        mean: if ttfts.is_empty() { 0.0 } else { ttfts.iter().sum::<f64>() / ttfts.len() as f64 },
+    };
+    r.ttft_sorted = ttfts;
+    ratios.sort_by(f64::total_cmp);
+    r.clock_ratio = (!ratios.is_empty()).then(|| percentile(&ratios, 50.0));
+    lates.sort_by(f64::total_cmp);
+    r.late_p99_ms = percentile(&lates, 99.0);
+    r.predicted_hit_tokens = any_predicted.then_some(predicted);
+    let (mut wsum, mut cov_acc, mut mm_acc) = (0.0, 0.0, 0.0);
+    for w in &windows {
+        let tokens = w.iter().sum::<u64>() as f64;
+        if tokens > 0.0 {
+            let (c, mm) = cov(w);
+            wsum += tokens;
+            cov_acc += c * tokens;
+            mm_acc += mm * tokens;
+        }
+    }
+    let totals: Vec<u64> = (0..workers).map(|k| windows.iter().map(|w| w[k]).sum()).collect();
+    r.load.window = window;
+    r.load.cov = if wsum > 0.0 { cov_acc / wsum } else { 0.0 };
+    r.load.max_over_mean = if wsum > 0.0 { mm_acc / wsum } else { 0.0 };
+    r.load.cov_total = cov(&totals).0;
+    r.load.windows = windows;
+    r
+}
+
+impl PolicyResult {
+    /// The JSON form (CDF downsampled to 200 points).
+    #[must_use]
+    pub fn to_json(&self) -> Value {
+        let n = self.ttft_sorted.len();
+        let cdf: Vec<Value> = (1..=200usize.min(n))
+            .map(|k| {
+                let idx = (k * n).div_ceil(200.min(n)) - 1;
+                json!([self.ttft_sorted[idx.min(n - 1)], (idx + 1) as f64 / n as f64])
+            })
+            .collect();
+        json!({
+            "policy": self.label,
+            "requests": self.requests,
+            "ok": self.ok,
+            "shed": self.shed,
+            "failed": self.failed,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_ratio": self.hit_ratio,
+            "of_bound": self.of_bound,
+            "ttft_ms": {"p50": self.ttft.p50, "p90": self.ttft.p90, "p99": self.ttft.p99, "mean": self.ttft.mean},
+            "ttft_cdf_ms": cdf,
+            "load": {
+                "window_s": self.load.window.as_secs(),
+                "cov": self.load.cov,
+                "max_over_mean": self.load.max_over_mean,
+                "cov_total": self.load.cov_total,
+                "unattributed": self.load.unattributed,
+                "tokens_per_window_per_worker": self.load.windows,
+            },
+            "match_modes": self.match_modes,
+            "predicted_hit_tokens": self.predicted_hit_tokens,
+            "token_mismatches": self.token_mismatches,
+            "wall_s": self.wall_secs,
+            "dispatch_late_p99_ms": self.late_p99_ms,
+            "clock_ratio": self.clock_ratio,
+            "errors": self.errors,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_and_cov() {
+        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&xs, 50.0), 50.0);
+        assert_eq!(percentile(&xs, 99.0), 99.0);
+        assert_eq!(percentile(&xs, 100.0), 100.0);
+        assert_eq!(cov(&[5, 5, 5, 5]), (0.0, 1.0));
+        let (c, mm) = cov(&[0, 0, 0, 8]);
+        assert!((c - 3f64.sqrt()).abs() < 1e-9);
+        assert!((mm - 4.0).abs() < 1e-9);
+    }
+}

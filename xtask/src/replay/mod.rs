@@ -1,0 +1,463 @@
+//! `cargo xtask replay`: routing quality on a real trace. Replays request streams open loop, at
+//! their own timestamps compressed in time, through a router in front of a fresh simulated
+//! cluster per policy — Cortex's gateway in this process with each of its policies, and SGLang's
+//! router when it is installed — and reports the share of prompt tokens served from cache
+//! against the infinite-cache bound, simulated TTFT, load imbalance and failures, as a table, a
+//! JSON file and SVG plots under `target/replay/`.
+//!
+//! Key decisions:
+//! - Fixed, printed defaults (8 workers; each caches 1/16 of the workload's unique pages; trace
+//!   time 10× faster than real time; the first 2,000 Mooncake requests), so results are
+//!   comparable run to run and cannot be tuned away; every knob is a flag.
+//! - The simulators' virtual clock runs at the trace's clock (speed = 1/compression), so a
+//!   simulated second is a trace second and queueing is modeled; their cost model is scaled by
+//!   the text expansion (one text token stands for 512/`chunk_tokens` trace tokens): prefill
+//!   cost per token and the chunked-prefill budget, so prompts cost what the trace's prompts
+//!   would.
+//! - Every policy gets the same text requests and a cold cluster; the front end is the only
+//!   thing that changes.
+//!
+//! Modules: [`text`] (ids → text), [`workload`] (trace and generators), [`bound`] (tokens,
+//! pages, the bound), [`cluster`] (simulators, Cortex, SGLang's router), [`driver`] (the
+//! open-loop sender), [`metrics`], [`svg`], [`report`].
+
+pub mod bound;
+pub mod cluster;
+pub mod driver;
+pub mod metrics;
+pub mod report;
+pub mod svg;
+pub mod text;
+pub mod workload;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use cortex_hash::text::TextTokenizer;
+use cortex_sim::Timing;
+
+use cluster::{ClusterSpec, Engine, SglangLauncher, Sims};
+use driver::{DriverOptions, Send};
+use metrics::PolicyResult;
+use workload::{Kind, Shape};
+
+/// The flags of `cargo xtask replay`.
+#[derive(Clone, Debug, clap::Parser)]
+#[command(name = "replay")]
+pub struct Args {
+    /// Workloads to replay, in order.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "mooncake,hot-spot")]
+    pub workload: Vec<Kind>,
+    /// Policies, each on a fresh cluster: Cortex's scheduler policies by name (cache_aware is
+    /// Cortex's default) and `sglang` for SGLang's router with its cache_aware policy.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "cache_aware,round_robin,power_of_two,least_load,sglang"
+    )]
+    pub policies: Vec<String>,
+    /// Requests per workload (Mooncake: the first N of the trace; default 2000; synthetic
+    /// workloads have their own defaults).
+    #[arg(long)]
+    pub requests: Option<usize>,
+    /// The whole Mooncake trace (12,031 requests, about 6 minutes per policy).
+    #[arg(long)]
+    pub all: bool,
+    /// Simulated workers.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// Each worker caches 1/N of the workload's unique pages.
+    #[arg(long, default_value_t = 16)]
+    pub capacity_divisor: u64,
+    /// Pages per worker, overriding --capacity-divisor.
+    #[arg(long)]
+    pub capacity_blocks: Option<usize>,
+    /// Trace time runs this many times faster than real time (the simulators' clock follows).
+    #[arg(long, default_value_t = 10.0)]
+    pub compression: f64,
+    /// Text tokens of one trace block (512 tokens): the expansion of the trace.
+    #[arg(long, default_value_t = 64)]
+    pub chunk_tokens: u32,
+    /// Cap on every request's output tokens (Mooncake: the trace's output_length, capped).
+    #[arg(long, default_value_t = 256)]
+    pub max_output: u32,
+    /// Tokens per KV page of the simulated engines and the gateway.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Simulated engine.
+    #[arg(long, value_enum, default_value = "sglang")]
+    pub engine: Engine,
+    /// Simulated prefill cost per text token, µs (default: 100 µs per trace token, times
+    /// 512/chunk_tokens).
+    #[arg(long)]
+    pub prefill_us_per_token: Option<f64>,
+    /// Requests running at once per worker.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: usize,
+    /// Synthetic workloads: arrivals per second of trace time (shared-prefix 4, multi-turn 2,
+    /// hot-spot 12).
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// shared-prefix: groups.
+    #[arg(long, default_value_t = 16)]
+    pub groups: usize,
+    /// Chunks of the shared prefix (shared-prefix 4, hot-spot 16, multi-turn 2).
+    #[arg(long)]
+    pub prefix_chunks: Option<usize>,
+    /// multi-turn: turns per conversation.
+    #[arg(long, default_value_t = 6)]
+    pub turns: usize,
+    /// Seed of the synthetic generators.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// SGLang's router: `auto` (smg on PATH, or a python3 with sglang_router), `off`, or the
+    /// path of an `smg` executable or of a Python that has it.
+    #[arg(long, default_value = "auto")]
+    pub sglang_router: String,
+    /// Output directory (relative to the workspace root).
+    #[arg(long, default_value = "target/replay")]
+    pub out: PathBuf,
+    /// Give up on one request after this many wall-clock seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_secs: u64,
+    /// No progress line.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// Trace tokens per trace block.
+const TRACE_BLOCK: f64 = 512.0;
+
+impl Args {
+    /// Trace tokens one text token stands for.
+    #[must_use]
+    pub fn scale(&self) -> f64 {
+        TRACE_BLOCK / f64::from(self.chunk_tokens.max(1))
+    }
+
+    /// The simulators' latency model.
+    #[must_use]
+    pub fn timing(&self) -> Timing {
+        let per_token = self.prefill_us_per_token.unwrap_or(100.0 * self.scale());
+        Timing {
+            speed: 1.0 / self.compression,
+            prefill_per_token: Duration::from_secs_f64(per_token / 1e6),
+            ..Timing::default()
+        }
+    }
+
+    /// The chunked-prefill budget: 8192 trace tokens per step.
+    #[must_use]
+    pub fn max_batched_tokens(&self) -> usize {
+        ((8192.0 / self.scale()) as usize).max(self.block_size)
+    }
+
+    fn shape(&self) -> Shape {
+        Shape {
+            requests: self.requests,
+            all: self.all,
+            max_output: self.max_output,
+            chunk_tokens: self.chunk_tokens,
+            rate: self.rate,
+            groups: self.groups,
+            prefix_chunks: self.prefix_chunks,
+            turns: self.turns,
+            seed: self.seed,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.workers == 0 || self.capacity_divisor == 0 || self.block_size == 0 {
+            bail!("--workers, --capacity-divisor and --block-size must be positive");
+        }
+        if !(self.compression.is_finite() && self.compression > 0.0) {
+            bail!("--compression must be a positive number");
+        }
+        if self.chunk_tokens < 2 {
+            bail!("--chunk-tokens must be at least 2");
+        }
+        for p in &self.policies {
+            if p != "sglang" {
+                p.parse::<cortex_sched::PolicyKind>()
+                    .map_err(|e| anyhow::anyhow!("--policies: `{p}`: {e}"))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One workload's run.
+#[derive(Clone, Debug)]
+pub struct WorkloadRun {
+    /// Which workload.
+    pub kind: Kind,
+    /// What it is.
+    pub description: String,
+    /// Requests.
+    pub requests: usize,
+    /// Σ prompt tokens (replay tokenization).
+    pub prompt_tokens: u64,
+    /// Infinite-cache bound, share of prompt tokens (engine rule).
+    pub token_bound: f64,
+    /// Infinite-cache bound in trace blocks.
+    pub block_bound: f64,
+    /// Reference: one LRU cache of the cluster's total size (see [`bound::Analysis::lru_share`]).
+    pub lru_share: f64,
+    /// Unique pages.
+    pub unique_pages: u64,
+    /// Pages per worker used.
+    pub capacity_blocks: usize,
+    /// Why the capacity differs from the rule, if it does.
+    pub capacity_note: Option<String>,
+    /// Trace time covered.
+    pub span: Duration,
+    /// Per policy.
+    pub results: Vec<PolicyResult>,
+    /// Policies skipped, with the reason.
+    pub skipped: Vec<(String, String)>,
+}
+
+/// A whole replay.
+#[derive(Clone, Debug)]
+pub struct Replay {
+    /// The flags used.
+    pub args: Args,
+    /// Per workload.
+    pub workloads: Vec<WorkloadRun>,
+    /// SGLang's router version, when it ran.
+    pub sglang_version: Option<String>,
+    /// Wall-clock duration of the whole replay.
+    pub wall: Duration,
+}
+
+fn label(policy: &str) -> String {
+    if policy == "sglang" { "sglang-router cache_aware".to_owned() } else { format!("cortex {policy}") }
+}
+
+/// Runs the replay described by `args` on the workspace at `root`.
+///
+/// # Errors
+/// A workload cannot be built, or a cluster or front end cannot start.
+pub fn run(root: &Path, args: &Args) -> Result<Replay> {
+    args.validate()?;
+    let began = Instant::now();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let tokenizer = TextTokenizer::from_file(root.join("golden/models/qwen3/tokenizer.json"))
+        .context("loading the Qwen3 tokenizer")?;
+    let out_dir = root.join(&args.out);
+    std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let launcher = if args.policies.iter().any(|p| p == "sglang") {
+        Some(SglangLauncher::find(&args.sglang_router))
+    } else {
+        None
+    };
+    let sglang_version = match &launcher {
+        Some(Ok(l)) => Some(l.version()),
+        _ => None,
+    };
+    let mut workloads = Vec::new();
+    for &kind in &args.workload {
+        let w = workload::build(kind, &args.shape(), root)?;
+        let analysis = bound::analyse(&w, &tokenizer, args.block_size)?;
+        let rule = analysis.unique_pages.div_ceil(args.capacity_divisor) as usize;
+        let need =
+            analysis.max_prompt_pages as usize + (args.max_output as usize).div_ceil(args.block_size) + 1;
+        let (capacity_blocks, capacity_note) = match args.capacity_blocks {
+            Some(c) => (
+                c,
+                Some(format!("set by --capacity-blocks (the 1/{} rule gives {rule})", args.capacity_divisor)),
+            ),
+            None if rule < need => (
+                need,
+                Some(format!(
+                    "raised from {rule} (1/{} of the unique pages) to fit the longest request",
+                    args.capacity_divisor
+                )),
+            ),
+            None => (rule, None),
+        };
+        let max_prompt = analysis.prompt_tokens.iter().copied().max().unwrap_or(0) as usize;
+        let spec = ClusterSpec {
+            workers: args.workers,
+            engine: args.engine,
+            block_size: args.block_size,
+            capacity_blocks,
+            timing: args.timing(),
+            max_model_len: (max_prompt + args.max_output as usize + 16).max(32_768),
+            max_running: args.max_running,
+            max_batched_tokens: args.max_batched_tokens(),
+        };
+        let sends: Vec<Send> = w
+            .requests
+            .iter()
+            .map(|r| Send {
+                at: r.at.div_f64(args.compression),
+                prompt: Arc::from(text::prompt(&r.pieces)),
+                max_tokens: r.max_tokens,
+            })
+            .collect();
+        let mut run = WorkloadRun {
+            kind,
+            description: w.description.clone(),
+            requests: w.requests.len(),
+            prompt_tokens: analysis.total_prompt_tokens(),
+            token_bound: analysis.token_bound(),
+            block_bound: analysis.block_bound,
+            lru_share: analysis.lru_share(capacity_blocks as u64 * args.workers as u64, args.block_size),
+            unique_pages: analysis.unique_pages,
+            capacity_blocks,
+            capacity_note,
+            span: w.requests.last().map_or(Duration::ZERO, |r| r.at),
+            results: Vec::new(),
+            skipped: Vec::new(),
+        };
+        if !args.quiet {
+            eprintln!(
+                "replay {}: {} requests over {:.0} s of trace time ({:.0} s wall), capacity {} pages per worker",
+                kind.name(),
+                run.requests,
+                run.span.as_secs_f64(),
+                run.span.as_secs_f64() / args.compression,
+                capacity_blocks
+            );
+        }
+        for policy in &args.policies {
+            let launcher = match (policy.as_str(), &launcher) {
+                ("sglang", Some(Err(why))) => {
+                    eprintln!("  skipping SGLang's router: {why}");
+                    run.skipped.push((label(policy), why.clone()));
+                    continue;
+                }
+                ("sglang", Some(Ok(l))) => Some(l.clone()),
+                _ => None,
+            };
+            let log = out_dir.join(format!("{}-sglang-router.log", kind.name()));
+            let result = rt.block_on(run_policy(
+                root,
+                args,
+                &spec,
+                policy,
+                launcher.as_ref(),
+                &log,
+                &sends,
+                &w,
+                &analysis,
+            ))?;
+            if !args.quiet {
+                eprintln!(
+                    "  {:<30} hit {:>5.1}% ({:.0}% of bound)  TTFT p50/p99 {:.0}/{:.0} ms  CoV {:.2}  failed {} shed {}",
+                    result.label,
+                    result.hit_ratio * 100.0,
+                    result.of_bound * 100.0,
+                    result.ttft.p50,
+                    result.ttft.p99,
+                    result.load.cov,
+                    result.failed,
+                    result.shed
+                );
+            }
+            run.results.push(result);
+        }
+        workloads.push(run);
+    }
+    drop(rt);
+    Ok(Replay { args: args.clone(), workloads, sglang_version, wall: began.elapsed() })
+}
+
+#[allow(clippy::too_many_arguments)] // one call site; the pieces of one run
+async fn run_policy(
+    root: &Path,
+    args: &Args,
+    spec: &ClusterSpec,
+    policy: &str,
+    launcher: Option<&SglangLauncher>,
+    log: &Path,
+    sends: &[Send],
+    w: &workload::Workload,
+    analysis: &bound::Analysis,
+) -> Result<PolicyResult> {
+    let spec2 = spec.clone();
+    let sims = tokio::task::spawn_blocking(move || Sims::start(&spec2)).await??;
+    let label = label(policy);
+    let progress = (!args.quiet).then(|| label.clone());
+    let timeout = Duration::from_secs(args.timeout_secs);
+    let (outcomes, wall) = match launcher {
+        Some(l) => {
+            let router = match cluster::start_sglang(l, &sims, log).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tokio::task::spawn_blocking(move || sims.shutdown()).await?;
+                    return Err(e);
+                }
+            };
+            let opts = DriverOptions { target: router.addr, timeout, progress };
+            let t = Instant::now();
+            let outcomes = driver::run(sends, &opts, Some(Arc::clone(&router.seen))).await;
+            let wall = t.elapsed();
+            router.stop().await;
+            (outcomes, wall)
+        }
+        None => {
+            let gw = match cluster::start_cortex(root, &sims, args.engine, args.block_size, policy).await {
+                Ok(g) => g,
+                Err(e) => {
+                    tokio::task::spawn_blocking(move || sims.shutdown()).await?;
+                    return Err(e);
+                }
+            };
+            let opts = DriverOptions { target: gw.addr, timeout, progress };
+            let t = Instant::now();
+            let outcomes = driver::run(sends, &opts, None).await;
+            let wall = t.elapsed();
+            gw.shutdown().await;
+            (outcomes, wall)
+        }
+    };
+    tokio::task::spawn_blocking(move || sims.shutdown()).await?;
+    Ok(metrics::summarize(&label, w, analysis, &outcomes, args.workers, args.compression, wall))
+}
+
+/// `cargo xtask replay`: runs, prints the report on stdout, writes the files.
+///
+/// # Errors
+/// As [`run`], or a result file cannot be written.
+#[allow(clippy::print_stdout)] // the report is the command's output
+pub fn cli(root: &Path, args: &Args) -> Result<std::process::ExitCode> {
+    let command = format!("cargo xtask {}", std::env::args().skip(1).collect::<Vec<_>>().join(" "));
+    let replay = run(root, args)?;
+    let goals = report::goals(&replay);
+    println!("{}", report::table(&replay, &goals));
+    for f in report::write(&replay, &goals, &command, &root.join(&args.out))? {
+        println!("wrote {}", f.strip_prefix(root).unwrap_or(&f).display());
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn defaults_are_the_issues() {
+        let a = Args::try_parse_from(["replay"]).unwrap();
+        assert_eq!(a.workload, vec![Kind::Mooncake, Kind::HotSpot]);
+        assert_eq!(a.policies, ["cache_aware", "round_robin", "power_of_two", "least_load", "sglang"]);
+        assert_eq!((a.workers, a.capacity_divisor, a.chunk_tokens), (8, 16, 64));
+        assert!((a.compression - 10.0).abs() < f64::EPSILON);
+        assert!((a.timing().speed - 0.1).abs() < 1e-12);
+        assert_eq!(a.timing().prefill_per_token, Duration::from_micros(800));
+        assert_eq!(a.max_batched_tokens(), 1024);
+        assert!(a.requests.is_none() && !a.all);
+        a.validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_policies_are_refused() {
+        let a = Args::try_parse_from(["replay", "--policies", "cache_aware,fastest"]).unwrap();
+        let e = a.validate().unwrap_err().to_string();
+        assert!(e.contains("fastest"), "{e}");
+    }
+}

@@ -1,0 +1,303 @@
+//! The replay's report: the parameters used, one table per workload, the issue's goals marked
+//! met or not met, and the files — `results.json` and the SVG plots — under the output
+//! directory.
+//!
+//! Key decision: goals are evaluated from the same numbers the table prints, and a goal that
+//! could not be measured (SGLang's router absent, a policy left out) says so instead of passing.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde_json::{Value, json};
+
+use super::metrics::PolicyResult;
+use super::workload::Kind;
+use super::{Replay, WorkloadRun, svg};
+
+/// One goal of the issue, evaluated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Goal {
+    /// What is asked.
+    pub name: String,
+    /// What was measured.
+    pub value: String,
+    /// Met, not met, or not measured (`None`).
+    pub met: Option<bool>,
+}
+
+fn find<'a>(w: &'a WorkloadRun, label: &str) -> Option<&'a PolicyResult> {
+    w.results.iter().find(|r| r.label == label)
+}
+
+const DEFAULT: &str = "cortex cache_aware";
+const RR: &str = "cortex round_robin";
+const SGLANG: &str = "sglang-router cache_aware";
+
+/// The issue's goals, for the workloads and policies that ran.
+#[must_use]
+pub fn goals(replay: &Replay) -> Vec<Goal> {
+    let mut out = Vec::new();
+    for w in &replay.workloads {
+        let Some(c) = find(w, DEFAULT) else { continue };
+        match w.kind {
+            Kind::Mooncake => {
+                out.push(Goal {
+                    name: "mooncake: Cortex's hit ratio ≥ 90 % of the infinite-cache bound".to_owned(),
+                    value: format!(
+                        "{:.1} % of the bound ({:.1} % vs {:.1} %)",
+                        c.of_bound * 100.0,
+                        c.hit_ratio * 100.0,
+                        c.hit_ratio / c.of_bound.max(1e-9) * 100.0
+                    ),
+                    met: Some(c.of_bound >= 0.9),
+                });
+                for (other, name) in [(RR, "round-robin"), (SGLANG, "SGLang's cache_aware")] {
+                    let goal = format!("mooncake: Cortex's hit ratio ≥ 1.5× {name}'s");
+                    match find(w, other) {
+                        Some(o) if o.hit_ratio > 0.0 => out.push(Goal {
+                            name: goal,
+                            value: format!(
+                                "{:.2}× ({:.1} % vs {:.1} %)",
+                                c.hit_ratio / o.hit_ratio,
+                                c.hit_ratio * 100.0,
+                                o.hit_ratio * 100.0
+                            ),
+                            met: Some(c.hit_ratio >= 1.5 * o.hit_ratio),
+                        }),
+                        Some(o) => out.push(Goal {
+                            name: goal,
+                            value: format!("{name} served nothing from cache ({} answered)", o.ok),
+                            met: Some(c.hit_ratio > 0.0),
+                        }),
+                        None => {
+                            let why = w
+                                .skipped
+                                .iter()
+                                .find(|(l, _)| l == other)
+                                .map_or("not in --policies", |(_, why)| why.as_str());
+                            out.push(Goal { name: goal, value: format!("not measured: {why}"), met: None });
+                        }
+                    }
+                }
+                out.push(Goal {
+                    name: "mooncake: Cortex's load CoV ≤ 0.15".to_owned(),
+                    value: format!("{:.3} (max/mean {:.2})", c.load.cov, c.load.max_over_mean),
+                    met: Some(c.load.cov <= 0.15),
+                });
+            }
+            Kind::HotSpot => {
+                let goal = "hot-spot: Cortex's TTFT p99 no worse than round-robin's".to_owned();
+                match find(w, RR) {
+                    Some(o) => out.push(Goal {
+                        name: goal,
+                        value: format!("{:.0} ms vs {:.0} ms", c.ttft.p99, o.ttft.p99),
+                        met: Some(c.ttft.p99 <= o.ttft.p99),
+                    }),
+                    None => out.push(Goal {
+                        name: goal,
+                        value: "not measured: round_robin not in --policies".to_owned(),
+                        met: None,
+                    }),
+                }
+            }
+            Kind::SharedPrefix | Kind::MultiTurn => {}
+        }
+    }
+    out
+}
+
+/// The parameters, one line.
+#[must_use]
+pub fn parameters(replay: &Replay) -> String {
+    let a = &replay.args;
+    let t = a.timing();
+    format!(
+        "{} simulated {} workers · {}-token pages · each worker caches 1/{} of the workload's unique pages · trace time {}× faster than real time (simulator speed {}) · one {}-token text chunk per 512-token trace block · prefill {:.0} µs per text token + {} ms per step, chunked at {} tokens · decode {} ms per step + {} µs per running request · max {} running per worker · output ≤ {} tokens",
+        a.workers,
+        a.engine.name(),
+        a.block_size,
+        a.capacity_divisor,
+        a.compression,
+        t.speed,
+        a.chunk_tokens,
+        t.prefill_per_token.as_secs_f64() * 1e6,
+        t.prefill_overhead.as_millis(),
+        a.max_batched_tokens(),
+        t.itl_base.as_millis(),
+        t.itl_per_running.as_micros(),
+        a.max_running,
+        a.max_output,
+    )
+}
+
+/// The text report.
+#[must_use]
+pub fn table(replay: &Replay, goals: &[Goal]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "Parameters: {}.", parameters(replay));
+    for w in &replay.workloads {
+        let _ = writeln!(s, "\n## {} — {}", w.kind.name(), w.description);
+        let _ = writeln!(
+            s,
+            "{} requests over {:.0} s of trace time · {} prompt tokens · {} unique pages · {} pages per worker{}",
+            w.requests,
+            w.span.as_secs_f64(),
+            w.prompt_tokens,
+            w.unique_pages,
+            w.capacity_blocks,
+            w.capacity_note.as_deref().map(|n| format!(" ({n})")).unwrap_or_default()
+        );
+        let _ = writeln!(
+            s,
+            "Infinite-cache bound: {:.1} % of prompt tokens (whole pages, last token excluded) · {:.1} % of trace blocks · for reference, one LRU cache the size of the whole cluster's (perfect routing, load ignored) would serve {:.1} %\n",
+            w.token_bound * 100.0,
+            w.block_bound * 100.0,
+            w.lru_share * 100.0
+        );
+        let _ = writeln!(
+            s,
+            "| policy | answered | failed | shed | cache hit | of bound | TTFT p50 | p90 | p99 (ms) | load CoV | max/mean |"
+        );
+        let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+        for r in &w.results {
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {:.1} % | {:.0} % | {:.0} | {:.0} | {:.0} | {:.3} | {:.2} |",
+                r.label,
+                r.ok,
+                r.failed,
+                r.shed,
+                r.hit_ratio * 100.0,
+                r.of_bound * 100.0,
+                r.ttft.p50,
+                r.ttft.p90,
+                r.ttft.p99,
+                r.load.cov,
+                r.load.max_over_mean
+            );
+        }
+        for (l, why) in &w.skipped {
+            let _ = writeln!(s, "\n{l}: skipped — {why}");
+        }
+        let _ = writeln!(s, "\nDiagnostics:");
+        for r in &w.results {
+            let modes: Vec<String> = r.match_modes.iter().map(|(k, v)| format!("{k} {v}")).collect();
+            let _ = writeln!(
+                s,
+                "- {}: wall {:.0} s; dispatch late p99 {:.1} ms; simulated/wall clock ratio {}; whole-run CoV {:.3}{}{}{}{}",
+                r.label,
+                r.wall_secs,
+                r.late_p99_ms,
+                r.clock_ratio.map_or("n/a".to_owned(), |c| format!("{c:.2}")),
+                r.load.cov_total,
+                r.predicted_hit_tokens
+                    .map(|p| format!(
+                        "; predicted hits {:.1} % of prompt tokens",
+                        p as f64 / r.prompt_tokens.max(1) as f64 * 100.0
+                    ))
+                    .unwrap_or_default(),
+                if modes.is_empty() { String::new() } else { format!("; match modes: {}", modes.join(", ")) },
+                if r.token_mismatches > 0 {
+                    format!("; {} prompt-length mismatches", r.token_mismatches)
+                } else {
+                    String::new()
+                },
+                if r.errors.is_empty() {
+                    String::new()
+                } else {
+                    format!("; errors: {}", r.errors.join(" | "))
+                },
+            );
+        }
+    }
+    if !goals.is_empty() {
+        let _ = writeln!(s, "\nGoals:");
+        for g in goals {
+            let mark = match g.met {
+                Some(true) => "met",
+                Some(false) => "NOT MET",
+                None => "not measured",
+            };
+            let _ = writeln!(s, "- [{mark}] {} — {}", g.name, g.value);
+        }
+    }
+    let _ = writeln!(s, "\nWall clock: {:.0} s for the whole replay.", replay.wall.as_secs_f64());
+    s
+}
+
+/// The JSON result.
+#[must_use]
+pub fn to_json(replay: &Replay, goals: &[Goal], command: &str) -> Value {
+    let a = &replay.args;
+    let t = a.timing();
+    json!({
+        "command": command,
+        "parameters": {
+            "workers": a.workers,
+            "engine": a.engine.name(),
+            "block_size": a.block_size,
+            "capacity_divisor": a.capacity_divisor,
+            "compression": a.compression,
+            "simulator_speed": t.speed,
+            "chunk_tokens": a.chunk_tokens,
+            "prefill_us_per_token": t.prefill_per_token.as_secs_f64() * 1e6,
+            "prefill_overhead_ms": t.prefill_overhead.as_secs_f64() * 1e3,
+            "max_batched_tokens": a.max_batched_tokens(),
+            "itl_base_ms": t.itl_base.as_secs_f64() * 1e3,
+            "itl_per_running_us": t.itl_per_running.as_secs_f64() * 1e6,
+            "max_running": a.max_running,
+            "max_output": a.max_output,
+            "seed": a.seed,
+            "sglang_router": replay.sglang_version,
+        },
+        "workloads": replay.workloads.iter().map(|w| json!({
+            "workload": w.kind.name(),
+            "description": w.description,
+            "requests": w.requests,
+            "trace_span_s": w.span.as_secs_f64(),
+            "prompt_tokens": w.prompt_tokens,
+            "bound_token_share": w.token_bound,
+            "bound_block_share": w.block_bound,
+            "cluster_lru_share": w.lru_share,
+            "unique_pages": w.unique_pages,
+            "capacity_blocks": w.capacity_blocks,
+            "capacity_note": w.capacity_note,
+            "results": w.results.iter().map(PolicyResult::to_json).collect::<Vec<_>>(),
+            "skipped": w.skipped.iter().map(|(l, why)| json!({"policy": l, "reason": why})).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
+        "goals": goals.iter().map(|g| json!({"goal": g.name, "value": g.value, "met": g.met})).collect::<Vec<_>>(),
+        "wall_s": replay.wall.as_secs_f64(),
+    })
+}
+
+/// Writes `results.json` and the plots under `dir`; returns the paths written.
+///
+/// # Errors
+/// A file cannot be written.
+pub fn write(replay: &Replay, goals: &[Goal], command: &str, dir: &Path) -> Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let mut files = Vec::new();
+    let mut put = |name: String, text: String| -> Result<()> {
+        let p = dir.join(name);
+        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))?;
+        files.push(p);
+        Ok(())
+    };
+    let json = serde_json::to_string_pretty(&to_json(replay, goals, command))?;
+    put("results.json".to_owned(), json + "\n")?;
+    put("report.md".to_owned(), table(replay, goals))?;
+    for w in &replay.workloads {
+        let n = w.kind.name();
+        put(
+            format!("{n}-hit-ratio.svg"),
+            svg::hit_ratio(&format!("{n}: prompt tokens served from cache"), &w.results, w.token_bound),
+        )?;
+        put(format!("{n}-ttft-cdf.svg"), svg::ttft_cdf(&format!("{n}: simulated TTFT"), &w.results))?;
+        put(
+            format!("{n}-load.svg"),
+            svg::load(&format!("{n}: routed prompt tokens per worker"), &w.results),
+        )?;
+    }
+    Ok(files)
+}
