@@ -28,15 +28,20 @@ const GROUPS: usize = (MAX_HOLDERS / GROUP) as usize;
 /// How many positions ahead a query prefetches its lookups.
 const PREFETCH: usize = 16;
 
-/// The least bytes per block the budget arithmetic assumes (a table slot and a map bucket).
-const MIN_BYTES_PER_BLOCK: u64 = 40;
+/// The bytes per (holder, block) that [`LedgerConfig::byte_budget`] is converted to blocks with:
+/// about twice what a block costs at the structures' usual load (41–43 B in the §4 benchmark, up
+/// to ~80 B in the soak, whose deterministic holders also fill the cross-holder index), so that
+/// the budget holds with load factors at their worst. Converting to blocks once, rather than
+/// evicting while measured bytes exceed the budget, cannot thrash: arrays that have not shrunk
+/// yet never make the ledger evict again.
+pub const BUDGET_BYTES_PER_BLOCK: usize = 96;
 
 /// Ledger-wide settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LedgerConfig {
-    /// Memory the ledger may use. While over it, a writer whose holder holds more than its
-    /// capacity-proportional share of the blocks that fit the budget (at the current average
-    /// bytes per block) evicts its least recently stored blocks down to that share.
+    /// Memory the ledger may use. Converted to blocks ([`BUDGET_BYTES_PER_BLOCK`] each) and
+    /// shared among holders in proportion to their capacity: a holder over its share evicts its
+    /// least recently stored blocks down to it.
     pub byte_budget: usize,
     /// Extra blocks a holder may keep beyond its engine capacity before the ledger evicts, in
     /// percent of that capacity. Only lost removes make a holder exceed its capacity; when it
@@ -207,6 +212,10 @@ pub struct LedgerStats {
     pub live_bytes: usize,
     /// Of which the shared table.
     pub table_bytes: usize,
+    /// Of which the holders' private maps (engine hashes, orphans, waiting lists).
+    pub holder_bytes: usize,
+    /// Of which the index of content-deterministic holders' blocks.
+    pub deterministic_index_bytes: usize,
     /// Registered holders.
     pub holders: usize,
     /// (holder, block) entries, orphans and uncountable blocks included.
@@ -235,6 +244,8 @@ pub struct LedgerStats {
     pub refused_applies: u64,
     /// (holder, namespace, parent) waits of content-deterministic orphans on other holders.
     pub deterministic_waits: usize,
+    /// Distinct (namespace, engine hash) countable blocks of content-deterministic holders.
+    pub deterministic_blocks: usize,
 }
 
 #[derive(Default)]
@@ -281,7 +292,15 @@ struct Registry {
     next_slot: u32,
 }
 
-type DetMap = std::collections::HashMap<(u64, u64), (u64, u32)>;
+/// `det_key(ns, engine) → (SeqHash in the entry's seq, holders in its stamp)`: an [`EngineMap`]
+/// (no tombstones, so churn does not grow it).
+type DetMap = crate::holder::EngineMap;
+
+/// The deterministic index's key: the engine hash XOR a mix of the namespace (a bijection for
+/// each namespace; two namespaces collide with probability 2^-64, like two `SeqHash`es).
+fn det_key(ns: u64, engine: u64) -> u64 {
+    engine ^ mix64(ns ^ 0x6465_7465_726d_696e)
+}
 
 /// Countable blocks of deterministic holders by (namespace, engine hash), and the deterministic
 /// orphans waiting on a parent nobody had yet.
@@ -369,7 +388,9 @@ impl Ledger {
                 registry: Mutex::new(Registry::default()),
                 free_slots: Arc::new(Mutex::new(Vec::new())),
                 det: DetIndex {
-                    blocks: (0..64).map(|_| Mutex::new(DetMap::default())).collect(),
+                    blocks: (0..64)
+                        .map(|_| Mutex::new(DetMap::with_capacity_target(usize::MAX / 8)))
+                        .collect(),
                     waits: Mutex::default(),
                     waiting: StdAtomicUsize::new(0),
                 },
@@ -726,6 +747,8 @@ impl Ledger {
         LedgerStats {
             live_bytes: self.inner.live_bytes(),
             table_bytes,
+            holder_bytes: c.private_bytes.load(r),
+            deterministic_index_bytes: c.det_bytes.load(r),
             holders: i.registry.lock().by_id.len(),
             blocks: c.blocks.load(r),
             countable_blocks: c.countable.load(r),
@@ -740,6 +763,7 @@ impl Ledger {
             grafts: c.grafts.load(r),
             refused_applies: c.refused.load(r),
             deterministic_waits: i.det.waits.lock().values().map(Vec::len).sum(),
+            deterministic_blocks: i.det.blocks.iter().map(|m| m.lock().len()).sum(),
         }
     }
 }
@@ -755,20 +779,12 @@ impl Inner {
             + GROUPS * 8
     }
 
-    /// When the ledger is over its byte budget: the block count a holder of capacity `cap` is
-    /// cut down to — its capacity-proportional share of the blocks the budget holds at the
-    /// current average bytes per block, with 1/16 headroom. `None` within budget.
-    fn budget_blocks(&self, cap: u32) -> Option<usize> {
-        let live = self.live_bytes();
-        if live <= self.cfg.byte_budget {
-            return None;
-        }
-        let r = StdOrdering::Relaxed;
-        let blocks = self.counters.blocks.load(r).max(1);
-        let per_block = (live as u64 / blocks).max(MIN_BYTES_PER_BLOCK);
-        let allowed = self.cfg.byte_budget as u64 / per_block * 15 / 16;
-        let total_cap = self.counters.capacity.load(r).max(1);
-        Some((u128::from(allowed) * u128::from(cap) / u128::from(total_cap)) as usize)
+    /// The most blocks a holder of capacity `cap` may keep under the byte budget: its
+    /// capacity-proportional share of `byte_budget / BUDGET_BYTES_PER_BLOCK` blocks.
+    fn budget_blocks(&self, cap: u32) -> usize {
+        let allowed = (self.cfg.byte_budget / BUDGET_BYTES_PER_BLOCK) as u128;
+        let total_cap = self.counters.capacity.load(StdOrdering::Relaxed).max(1);
+        (allowed * u128::from(cap) / u128::from(total_cap)) as usize
     }
 }
 
@@ -821,14 +837,23 @@ impl Cx<'_> {
         let ns = p.namespaces[e.ns as usize];
         let fresh = {
             let mut m = self.inner.det.shard(ns, engine).lock();
-            let before = m.capacity();
-            let slot = m.entry((ns, engine)).or_insert((e.seq, 0));
-            slot.1 += 1;
-            let fresh = slot.1 == 1;
-            if m.capacity() != before {
-                self.account_det(before, m.capacity());
+            let key = det_key(ns, engine);
+            if let Some(slot) = m.get_mut(&key) {
+                slot.stamp += 1;
+                false
+            } else {
+                let before = m.heap_bytes();
+                m.insert_new(
+                    key,
+                    Entry { seq: e.seq, stamp: 1, gpu: 0, low: 0, state: COUNTABLE, ns: NS_NONE },
+                );
+                let after = m.heap_bytes();
+                if after != before {
+                    self.inner.counters.det_bytes.fetch_add(after, StdOrdering::Relaxed);
+                    self.inner.counters.det_bytes.fetch_sub(before, StdOrdering::Relaxed);
+                }
+                true
             }
-            fresh
         };
         if fresh && self.inner.det.waiting.load(StdOrdering::SeqCst) > 0 {
             let waiters = {
@@ -845,29 +870,23 @@ impl Cx<'_> {
         }
     }
 
-    fn account_det(&self, before: usize, after: usize) {
-        let per = std::mem::size_of::<((u64, u64), (u64, u32))>() + 1;
-        let bytes = |c: usize| if c == 0 { 0 } else { (c * 8 / 7).next_power_of_two() * per };
-        self.inner.counters.det_bytes.fetch_add(bytes(after), StdOrdering::Relaxed);
-        self.inner.counters.det_bytes.fetch_sub(bytes(before), StdOrdering::Relaxed);
-    }
-
     fn det_unregister(&self, p: &Private, engine: u64, e: &Entry) {
         if !self.me.cfg.content_deterministic || e.ns == NS_NONE || e.state != COUNTABLE {
             return;
         }
         let ns = p.namespaces[e.ns as usize];
         let mut m = self.inner.det.shard(ns, engine).lock();
-        if let Some(slot) = m.get_mut(&(ns, engine)) {
-            slot.1 -= 1;
-            if slot.1 == 0 {
-                m.remove(&(ns, engine));
+        let key = det_key(ns, engine);
+        if let Some(slot) = m.get_mut(&key) {
+            slot.stamp -= 1;
+            if slot.stamp == 0 {
+                m.remove(&key);
             }
         }
     }
 
     fn det_lookup(&self, ns: u64, parent: u64) -> Option<u64> {
-        self.inner.det.shard(ns, parent).lock().get(&(ns, parent)).map(|v| v.0)
+        self.inner.det.shard(ns, parent).lock().get(&det_key(ns, parent)).map(|v| v.seq)
     }
 
     fn det_wait(&self, ns: u64, parent: u64) {
@@ -1264,15 +1283,14 @@ impl Cx<'_> {
             let n = self.evict(p, self.me.cfg.capacity_blocks as usize);
             self.inner.counters.evictions_capacity.fetch_add(n, StdOrdering::Relaxed);
         }
-        if let Some(budget) = self.inner.budget_blocks(self.me.cfg.capacity_blocks)
-            && p.entries.len() > budget
-        {
+        let budget = self.inner.budget_blocks(self.me.cfg.capacity_blocks);
+        if p.entries.len() > budget {
             let n = self.evict(p, budget);
             self.inner.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
-            // Give the memory back now, or the budget would keep evicting.
-            p.entries.shrink_to(budget);
-            p.orphans.shrink_to_fit();
-            p.waiting.shrink_to_fit();
+            // Give the memory back: the map was sized for the capacity, not the budget.
+            if p.entries.capacity() > 2 * budget {
+                p.entries.shrink_to(budget);
+            }
         }
     }
 

@@ -42,7 +42,8 @@ mod sync;
 mod table;
 
 pub use ledger::{
-    ApplyOutcome, DumpBlock, DumpState, EarlyExit, HolderConfig, HolderDump, HolderFilter, HolderWriter,
-    Ledger, LedgerConfig, LedgerError, LedgerStats, MAX_HOLDERS, QueryOptions, Readiness,
+    ApplyOutcome, BUDGET_BYTES_PER_BLOCK, DumpBlock, DumpState, EarlyExit, HolderConfig, HolderDump,
+    HolderFilter, HolderWriter, Ledger, LedgerConfig, LedgerError, LedgerStats, MAX_HOLDERS, QueryOptions,
+    Readiness,
 };
 pub use overlap::{Overlap, OverlapScores};
