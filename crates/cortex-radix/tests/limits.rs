@@ -1,0 +1,69 @@
+//! The byte budget: converted to blocks and shared among holders by capacity, the least
+//! recently stored blocks going first; and the ledger's measured bytes stay within it.
+
+use cortex_hash::kv::{
+    BlockStored, DpRank, EngineHash, HolderId, KvEvent, Lineage, Medium, StoredBlock, WorkerId,
+};
+use cortex_hash::{BlockHash, Engine, Namespace, chain};
+use cortex_radix::{
+    BUDGET_BYTES_PER_BLOCK, HolderConfig, HolderFilter, Ledger, LedgerConfig, OverlapScores, QueryOptions,
+};
+
+#[test]
+fn budget_shares_blocks_by_capacity_and_evicts_the_oldest() {
+    let budget_blocks = 3_000;
+    let ledger = Ledger::new(LedgerConfig {
+        byte_budget: budget_blocks * BUDGET_BYTES_PER_BLOCK,
+        capacity_slack_percent: 25,
+    });
+    let l = Lineage::new(Namespace::new(Engine::Vllm, 16, "m", None), None);
+    // Capacities 1:2, both far above their budget shares (1000 and 2000 blocks).
+    let mut writers: Vec<_> = [10_000u32, 20_000]
+        .iter()
+        .enumerate()
+        .map(|(i, &cap)| {
+            let cfg = HolderConfig { capacity_blocks: cap, content_deterministic: false };
+            ledger.add_holder(HolderId::new(WorkerId(i as u32), DpRank(0)), cfg).expect("add")
+        })
+        .collect();
+    // Each holder stores 500 single-block chains of 8 blocks (4000 blocks), oldest first.
+    let chain_seqs = |h: u64, c: u64| {
+        let mut seq = l.root;
+        (0..8u64)
+            .map(|i| {
+                let content = BlockHash::from_bits((h << 40) ^ (c << 8) ^ i);
+                seq = chain(seq, content);
+                (content, seq)
+            })
+            .collect::<Vec<_>>()
+    };
+    for c in 0..500u64 {
+        for (h, w) in writers.iter_mut().enumerate() {
+            let blocks = chain_seqs(h as u64, c)
+                .into_iter()
+                .map(|(content, seq)| StoredBlock { engine: EngineHash::from_u64(seq.to_bits()), content })
+                .collect();
+            w.apply(&KvEvent::Stored(BlockStored {
+                parent: None,
+                blocks,
+                lineage: Some(l),
+                medium: Medium::Gpu,
+            }))
+            .expect("store");
+        }
+    }
+    let stats = ledger.stats();
+    assert!(stats.evictions_budget > 0 && stats.evictions_capacity == 0, "{stats:?}");
+    let blocks = |h: u32| ledger.dump(HolderId::new(WorkerId(h), DpRank(0))).expect("dump").blocks.len();
+    assert_eq!(blocks(0), budget_blocks / 3);
+    assert_eq!(blocks(1), budget_blocks * 2 / 3);
+    assert!(stats.live_bytes <= budget_blocks * BUDGET_BYTES_PER_BLOCK, "{stats:?}");
+    // The newest chains survive whole, the oldest are gone.
+    let mut out = OverlapScores::default();
+    let opts = QueryOptions { holders: HolderFilter::All, ..QueryOptions::default() };
+    let seqs = |h, c| chain_seqs(h, c).into_iter().map(|(_, s)| s).collect::<Vec<_>>();
+    ledger.query(&seqs(0, 499), opts, &mut out);
+    assert_eq!(out.get(HolderId::new(WorkerId(0), DpRank(0))).map(|o| o.gpu_blocks), Some(8));
+    ledger.query(&seqs(1, 0), opts, &mut out);
+    assert!(out.is_empty());
+}
