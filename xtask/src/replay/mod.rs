@@ -262,8 +262,11 @@ pub fn run(root: &Path, args: &Args) -> Result<Replay> {
         let w = workload::build(kind, &args.shape(), root)?;
         let analysis = bound::analyse(&w, &tokenizer, args.block_size)?;
         let rule = analysis.unique_pages.div_ceil(args.capacity_divisor) as usize;
-        let need =
-            analysis.max_prompt_pages as usize + (args.max_output as usize).div_ceil(args.block_size) + 1;
+        // Room for eight of the workload's longest requests at once (prompt and output): a small
+        // synthetic workload's 1/16 would not even let a worker run its requests.
+        let longest =
+            analysis.max_prompt_pages as usize + (args.max_output as usize).div_ceil(args.block_size);
+        let need = 8 * longest;
         let (capacity_blocks, capacity_note) = match args.capacity_blocks {
             Some(c) => (
                 c,
@@ -272,7 +275,7 @@ pub fn run(root: &Path, args: &Args) -> Result<Replay> {
             None if rule < need => (
                 need,
                 Some(format!(
-                    "raised from {rule} (1/{} of the unique pages) to fit the longest request",
+                    "raised from {rule} (1/{} of the unique pages) to room for eight of the longest requests",
                     args.capacity_divisor
                 )),
             ),

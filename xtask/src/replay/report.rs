@@ -185,12 +185,17 @@ pub fn table(replay: &Replay, goals: &[Goal]) -> String {
             let modes: Vec<String> = r.match_modes.iter().map(|(k, v)| format!("{k} {v}")).collect();
             let _ = writeln!(
                 s,
-                "- {}: wall {:.0} s; dispatch late p99 {:.1} ms; simulated/wall clock ratio {}; whole-run CoV {:.3}{}{}{}{}",
+                "- {}: wall {:.0} s; dispatch late p99 {:.1} ms; simulated/wall clock ratio {}; whole-run CoV {:.3}{}{}{}{}{}",
                 r.label,
                 r.wall_secs,
                 r.late_p99_ms,
                 r.clock_ratio.map_or("n/a".to_owned(), |c| format!("{c:.2}")),
                 r.load.cov_total,
+                if r.load.idle_workers > 0 {
+                    format!("; {} worker(s) routed nothing", r.load.idle_workers)
+                } else {
+                    String::new()
+                },
                 r.predicted_hit_tokens
                     .map(|p| format!(
                         "; predicted hits {:.1} % of prompt tokens",

@@ -95,13 +95,20 @@ fn legend(svg: &mut Svg, x: f64, y: f64, labels: &[&str]) {
     }
 }
 
+/// The smallest of 1, 2, 2.5, 5 × 10^k (as a share) at or above `v`.
+fn nice_top(v: f64) -> f64 {
+    let v = v.max(0.01);
+    let mag = 10f64.powf(v.log10().floor());
+    [1.0, 2.0, 2.5, 5.0, 10.0].iter().map(|m| m * mag).find(|t| *t >= v - 1e-12).unwrap_or(10.0 * mag)
+}
+
 /// Bars of the hit ratio per policy, the bound as a dashed line.
 #[must_use]
 pub fn hit_ratio(title: &str, results: &[PolicyResult], bound: f64) -> String {
     let (w, h) = (760u32, 420u32);
     let mut svg = Svg::new(w, h, title);
     let f = Frame { x: 60.0, y: 40.0, w: f64::from(w) - 90.0, h: f64::from(h) - 140.0 };
-    let top = results.iter().map(|r| r.hit_ratio).fold(bound, f64::max).max(0.05) * 1.15;
+    let top = nice_top(results.iter().map(|r| r.hit_ratio).fold(bound, f64::max) * 1.1).min(1.0);
     let y = |v: f64| f.y + f.h - v / top * f.h;
     for k in 0..=5 {
         let v = top * f64::from(k) / 5.0;
@@ -122,10 +129,13 @@ pub fn hit_ratio(title: &str, results: &[PolicyResult], bound: f64) -> String {
             PALETTE[i % PALETTE.len()]
         );
         svg.text(x + slot * 0.3, y(r.hit_ratio) - 4.0, "middle", &format!("{:.1}%", r.hit_ratio * 100.0));
-        svg.text(x + slot * 0.3, f.y + f.h + 16.0, "middle", &r.label);
+        // Two lines: the router, then the policy.
+        let (first, rest) = r.label.split_once(' ').unwrap_or((r.label.as_str(), ""));
+        svg.text(x + slot * 0.3, f.y + f.h + 16.0, "middle", first);
+        svg.text(x + slot * 0.3, f.y + f.h + 30.0, "middle", rest);
     }
     svg.line(f.x, y(bound), f.x + f.w, y(bound), r##"stroke="#000" stroke-dasharray="6,4""##);
-    svg.text(f.x + f.w, y(bound) - 4.0, "end", &format!("infinite-cache bound {:.1}%", bound * 100.0));
+    svg.text(f.x + 4.0, y(bound) - 4.0, "start", &format!("infinite-cache bound {:.1}%", bound * 100.0));
     svg.text(
         f.x + f.w / 2.0,
         f64::from(h) - 50.0,
@@ -138,9 +148,9 @@ pub fn hit_ratio(title: &str, results: &[PolicyResult], bound: f64) -> String {
 /// The CDF of simulated TTFT per policy, log time axis.
 #[must_use]
 pub fn ttft_cdf(title: &str, results: &[PolicyResult]) -> String {
-    let (w, h) = (760u32, 460u32);
+    let (w, h) = (760u32, 470u32 + 16 * results.len() as u32);
     let mut svg = Svg::new(w, h, title);
-    let f = Frame { x: 60.0, y: 40.0, w: f64::from(w) - 290.0, h: f64::from(h) - 100.0 };
+    let f = Frame { x: 60.0, y: 40.0, w: f64::from(w) - 90.0, h: 360.0 };
     let all = results.iter().flat_map(|r| r.ttft_sorted.iter().copied());
     let (lo, hi) = all.fold((f64::MAX, 0.0f64), |(lo, hi), t| (lo.min(t.max(0.1)), hi.max(t)));
     let (lo, hi) =
@@ -184,8 +194,8 @@ pub fn ttft_cdf(title: &str, results: &[PolicyResult]) -> String {
     let labels: Vec<String> =
         results.iter().map(|r| format!("{} (p99 {:.0} ms)", r.label, r.ttft.p99)).collect();
     let refs: Vec<&str> = labels.iter().map(String::as_str).collect();
-    legend(&mut svg, f.x + f.w + 20.0, f.y + 10.0, &refs);
-    svg.text(f.x + f.w / 2.0, f64::from(h) - 30.0, "middle", "simulated time to first token (trace time)");
+    svg.text(f.x + f.w / 2.0, f.y + f.h + 34.0, "middle", "simulated time to first token (trace time)");
+    legend(&mut svg, f.x + 10.0, f.y + f.h + 58.0, &refs);
     svg.finish()
 }
 
