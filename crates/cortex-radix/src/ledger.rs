@@ -41,7 +41,7 @@ pub const BUDGET_BYTES_PER_BLOCK: usize = 96;
 pub struct LedgerConfig {
     /// Memory the ledger may use. Converted to blocks ([`BUDGET_BYTES_PER_BLOCK`] each) and
     /// shared among holders in proportion to their capacity: a holder over its share evicts its
-    /// least recently stored blocks down to it.
+    /// least recently stored blocks down to the share less the slack.
     pub byte_budget: usize,
     /// Extra blocks a holder may keep beyond its engine capacity before the ledger evicts, in
     /// percent of that capacity. Only lost removes make a holder exceed its capacity; when it
@@ -1285,11 +1285,14 @@ impl Cx<'_> {
         }
         let budget = self.inner.budget_blocks(self.me.cfg.capacity_blocks);
         if p.entries.len() > budget {
-            let n = self.evict(p, budget);
+            // Down to the share less the slack, as for the capacity: one selection pass per
+            // slack's worth of stores, not one per store.
+            let slack = self.inner.cfg.capacity_slack_percent as usize;
+            let n = self.evict(p, budget * 100 / (100 + slack));
             self.inner.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
             // Give the memory back: the map was sized for the capacity, not the budget.
             if p.entries.capacity() > 2 * budget {
-                p.entries.shrink_to(budget);
+                p.entries.shrink_to(budget * 100 / (100 + slack));
             }
         }
     }

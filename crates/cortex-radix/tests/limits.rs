@@ -55,8 +55,10 @@ fn budget_shares_blocks_by_capacity_and_evicts_the_oldest() {
     let stats = ledger.stats();
     assert!(stats.evictions_budget > 0 && stats.evictions_capacity == 0, "{stats:?}");
     let blocks = |h: u32| ledger.dump(HolderId::new(WorkerId(h), DpRank(0))).expect("dump").blocks.len();
-    assert_eq!(blocks(0), budget_blocks / 3);
-    assert_eq!(blocks(1), budget_blocks * 2 / 3);
+    // Over its share, a holder goes down to the share less the 25 % slack (then refills).
+    let (b0, b1) = (blocks(0), blocks(1));
+    assert!((budget_blocks / 3 * 100 / 125..=budget_blocks / 3).contains(&b0), "{b0}");
+    assert!((budget_blocks * 2 / 3 * 100 / 125..=budget_blocks * 2 / 3).contains(&b1), "{b1}");
     assert!(stats.live_bytes <= budget_blocks * BUDGET_BYTES_PER_BLOCK, "{stats:?}");
     // The newest chains survive whole, the oldest are gone.
     let mut out = OverlapScores::default();
