@@ -3,6 +3,7 @@
 //! Key decision: every bit of automation is Rust in this crate (no shell scripts, no Makefile);
 //! `cargo xtask <command>` is the interface, and `cargo xtask ci` is the one command CI runs.
 
+pub mod bench;
 pub mod ci;
 pub mod golden;
 pub mod radix;

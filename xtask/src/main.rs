@@ -53,6 +53,9 @@ enum Cmd {
         #[arg(long, default_value = "8x10000,64x10000,8x100000,64x100000")]
         configs: String,
     },
+    /// Every benchmark of the workspace (criterion, ingest, gateway overhead), then rewrite the
+    /// generated tables of docs/perf.md.
+    Bench(xtask::bench::Args),
     /// Replay a request trace open loop through each routing policy onto a simulated cluster:
     /// cache hits against the infinite-cache bound, simulated TTFT, load imbalance, failures.
     Replay(xtask::replay::Args),
@@ -71,6 +74,7 @@ fn main() -> Result<ExitCode> {
         Cmd::BenchPeers { rounds, configs } => {
             radix::bench_peers(&root, rounds, &configs, std::time::Duration::from_secs(3600))
         }
+        Cmd::Bench(args) => xtask::bench::run(&root, &args),
         Cmd::Replay(args) => xtask::replay::cli(&root, &args),
         Cmd::Tidy => {
             let violations = tidy::run(&root)?;
