@@ -117,6 +117,35 @@ fn cov(xs: &[u64]) -> (f64, f64) {
     (var.sqrt() / mean, max / mean)
 }
 
+/// A reference for the load goal: the token-weighted mean per-window CoV of an offline
+/// assignment that knows each window's requests in advance and balances their tokens greedily
+/// (largest first, to the lightest worker) — about the best any router could do on these
+/// windows, cache ignored.
+#[must_use]
+pub fn balanced_cov(workload: &Workload, analysis: &Analysis, workers: usize) -> f64 {
+    let n_windows = workload.requests.last().map_or(0, |q| (q.at.as_secs() / 10) as usize + 1);
+    let mut per_window: Vec<Vec<u64>> = vec![Vec::new(); n_windows];
+    for (r, &t) in workload.requests.iter().zip(&analysis.prompt_tokens) {
+        per_window[(r.at.as_secs() / 10) as usize].push(t);
+    }
+    let (mut wsum, mut acc) = (0.0, 0.0);
+    for mut reqs in per_window {
+        reqs.sort_unstable_by(|a, b| b.cmp(a));
+        let mut bins = vec![0u64; workers.max(1)];
+        for t in reqs {
+            if let Some(min) = bins.iter_mut().min() {
+                *min += t;
+            }
+        }
+        let tokens = bins.iter().sum::<u64>() as f64;
+        if tokens > 0.0 {
+            wsum += tokens;
+            acc += cov(&bins).0 * tokens;
+        }
+    }
+    if wsum > 0.0 { acc / wsum } else { 0.0 }
+}
+
 /// Computes one policy's results.
 #[must_use]
 pub fn summarize(

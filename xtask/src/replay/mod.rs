@@ -205,6 +205,9 @@ pub struct WorkloadRun {
     pub block_bound: f64,
     /// Reference: one LRU cache of the cluster's total size (see [`bound::Analysis::lru_share`]).
     pub lru_share: f64,
+    /// Reference: the per-window load CoV of an offline greedy balance (see
+    /// [`metrics::balanced_cov`]).
+    pub balanced_cov: f64,
     /// Unique pages.
     pub unique_pages: u64,
     /// Pages per worker used.
@@ -309,6 +312,7 @@ pub fn run(root: &Path, args: &Args) -> Result<Replay> {
             token_bound: analysis.token_bound(),
             block_bound: analysis.block_bound,
             lru_share: analysis.lru_share(capacity_blocks as u64 * args.workers as u64, args.block_size),
+            balanced_cov: metrics::balanced_cov(&w, &analysis, args.workers),
             unique_pages: analysis.unique_pages,
             capacity_blocks,
             capacity_note,
