@@ -443,6 +443,7 @@ impl Ledger {
         inner.ids[slot as usize].store(encode_id(holder), Ordering::Relaxed);
         // Release (both): a reused slot starts not ready; `ready` is only read with `active`.
         inner.ready[g].fetch_and(!bit, Ordering::Release);
+        // Release: a reader that sees the new group count (Acquire) sees its masks' set-up.
         inner.groups_used.fetch_max(g as u32 + 1, Ordering::Release);
         // Release: a reader that sees the active bit (Acquire) sees the holder's id.
         inner.active[g].fetch_or(bit, Ordering::Release);
@@ -451,6 +452,7 @@ impl Ledger {
         }
         reg.by_slot[slot as usize] = Some(shared.clone());
         reg.by_id.insert(holder, shared.clone());
+        // Relaxed: a statistics counter; nothing is published through it.
         inner.counters.capacity.fetch_add(u64::from(cfg.capacity_blocks), StdOrdering::Relaxed);
         Ok(HolderWriter { inner: inner.clone(), me: shared })
     }
@@ -686,6 +688,7 @@ impl Ledger {
             p.namespaces = Vec::new();
             cx.report(&mut p, before);
             drop(p);
+            // Relaxed: a statistics counter; nothing is published through it.
             inner.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
             {
                 let mut waits = inner.det.waits.lock();
@@ -693,6 +696,7 @@ impl Ledger {
                     v.retain(|&s| s != h.slot);
                     !v.is_empty()
                 });
+                // Relaxed: a hint read under the waits lock or rechecked by it.
                 inner.det.waiting.store(waits.len(), StdOrdering::Relaxed);
             }
             // The slot is reused only after every query that may still read it has ended.
@@ -742,6 +746,7 @@ impl Ledger {
     pub fn stats(&self) -> LedgerStats {
         let i = &self.inner;
         let c = &i.counters;
+        // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
         let table_bytes = i.table.counters.bytes.load(r);
         LedgerStats {
@@ -770,6 +775,7 @@ impl Ledger {
 
 impl Inner {
     fn live_bytes(&self) -> usize {
+        // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
         self.table.counters.bytes.load(r)
             + self.counters.private_bytes.load(r)
@@ -783,6 +789,7 @@ impl Inner {
     /// capacity-proportional share of `byte_budget / BUDGET_BYTES_PER_BLOCK` blocks.
     fn budget_blocks(&self, cap: u32) -> usize {
         let allowed = (self.cfg.byte_budget / BUDGET_BYTES_PER_BLOCK) as u128;
+        // Relaxed: a statistics counter; nothing is published through it.
         let total_cap = self.counters.capacity.load(StdOrdering::Relaxed).max(1);
         (allowed * u128::from(cap) / u128::from(total_cap)) as usize
     }
@@ -849,7 +856,9 @@ impl Cx<'_> {
                 );
                 let after = m.heap_bytes();
                 if after != before {
+                    // Relaxed: a statistics counter; nothing is published through it.
                     self.inner.counters.det_bytes.fetch_add(after, StdOrdering::Relaxed);
+                    // Relaxed: a statistics counter; nothing is published through it.
                     self.inner.counters.det_bytes.fetch_sub(before, StdOrdering::Relaxed);
                 }
                 true
@@ -1133,6 +1142,7 @@ impl Cx<'_> {
                 self.sync((false, false), &new);
                 self.det_unregister(p, engine, &old);
                 self.det_register(p, engine, &new);
+                // Relaxed: a statistics counter; nothing is published through it.
                 self.inner.counters.conflicts.fetch_add(1, StdOrdering::Relaxed);
             }
             (ORPHAN, Ident::Countable(seq, ns)) => {
@@ -1281,6 +1291,7 @@ impl Cx<'_> {
     fn enforce_limits(&mut self, p: &mut Private) {
         if p.entries.len() > self.me.limit {
             let n = self.evict(p, self.me.cfg.capacity_blocks as usize);
+            // Relaxed: a statistics counter; nothing is published through it.
             self.inner.counters.evictions_capacity.fetch_add(n, StdOrdering::Relaxed);
         }
         let budget = self.inner.budget_blocks(self.me.cfg.capacity_blocks);
@@ -1289,6 +1300,7 @@ impl Cx<'_> {
             // slack's worth of stores, not one per store.
             let slack = self.inner.cfg.capacity_slack_percent as usize;
             let n = self.evict(p, budget * 100 / (100 + slack));
+            // Relaxed: a statistics counter; nothing is published through it.
             self.inner.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
             // Give the memory back: the map was sized for the capacity, not the budget.
             if p.entries.capacity() > 2 * budget {
@@ -1300,6 +1312,7 @@ impl Cx<'_> {
     fn event(&mut self, p: &mut Private, ev: &KvEvent) {
         match ev {
             KvEvent::Stored(s) => self.store(p, s),
+            // Relaxed: a statistics counter; nothing is published through it.
             KvEvent::Removed(r) => self.remove(p, r),
             KvEvent::AllCleared => self.clear(p),
         }
@@ -1309,18 +1322,27 @@ impl Cx<'_> {
 
     /// Publishes this holder's gauges to the ledger's counters.
     fn report(&self, p: &mut Private, before: (usize, usize, usize)) {
+        // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
         let c = &self.inner.counters;
         let bytes = p.heap_bytes();
+        // Relaxed: a statistics counter; nothing is published through it.
         c.private_bytes.fetch_add(bytes, r);
+        // Relaxed: a statistics counter; nothing is published through it.
         c.private_bytes.fetch_sub(p.reported_bytes, r);
         p.reported_bytes = bytes;
         let now = (p.entries.len(), p.countable, p.orphans.len());
+        // Relaxed: a statistics counter; nothing is published through it.
         c.blocks.fetch_add(now.0 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
         c.blocks.fetch_sub(before.0 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
         c.countable.fetch_add(now.1 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
         c.countable.fetch_sub(before.1 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
         c.orphans.fetch_add(now.2 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
         c.orphans.fetch_sub(before.2 as u64, r);
     }
 }
@@ -1344,6 +1366,7 @@ fn unlock<'a>(inner: &Inner, me: &'a HolderShared, guard: &Guard, mut p: MutexGu
             let before = (p.entries.len(), p.countable, p.orphans.len());
             cx.drain_mail(&mut p);
             cx.report(&mut p, before);
+            // Relaxed: a statistics counter; nothing is published through it.
             inner.counters.grafts.fetch_add(out.grafted, StdOrdering::Relaxed);
             grafted += out.grafted;
         }
@@ -1371,6 +1394,7 @@ impl HolderWriter {
     fn run(&mut self, f: impl FnOnce(&mut Cx<'_>, &mut Private)) -> Result<ApplyOutcome, LedgerError> {
         let p = self.me.private.lock();
         if self.me.revoked.load(Ordering::SeqCst) {
+            // Relaxed: a statistics counter; nothing is published through it.
             self.inner.counters.refused.fetch_add(1, StdOrdering::Relaxed);
             return Err(LedgerError::Revoked(self.me.id));
         }
@@ -1387,7 +1411,9 @@ impl HolderWriter {
             cx.report(&mut p, before);
         }
         let c = &self.inner.counters;
+        // Relaxed: a statistics counter; nothing is published through it.
         c.unknown_removes.fetch_add(out.unknown_removes, StdOrdering::Relaxed);
+        // Relaxed: a statistics counter; nothing is published through it.
         c.grafts.fetch_add(out.grafted, StdOrdering::Relaxed);
         // Relaxed: a counter only this writer increments; readers poll it.
         self.me.applied.fetch_add(out.events, Ordering::Relaxed);

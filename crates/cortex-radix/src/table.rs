@@ -153,6 +153,7 @@ impl Table {
                 return Ok(i);
             }
             #[cfg(cortex_loom_bug = "reuse_dead")]
+            // Relaxed: bits are only written under the shard lock, which this thread holds.
             if k != EMPTY && first_dead.is_none() && slot.bits.load(Ordering::Relaxed) == 0 {
                 first_dead = Some(i);
             }
@@ -173,9 +174,10 @@ impl Table {
     /// Fills an unpublished table (no reader can see it yet).
     fn fill(&self, key: u64, bits: u64) {
         let Err(i) = self.probe(key) else { return };
-        // Relaxed: the table is published later with a Release pointer store.
         let slot = self.slot(i);
+        // Relaxed: the table is not published yet; its pointer is stored with Release.
         slot.bits.store(bits, Ordering::Relaxed);
+        // Relaxed: as above.
         slot.key.store(key, Ordering::Relaxed);
     }
 }
@@ -220,6 +222,7 @@ fn shard_of(key: u64) -> usize {
 impl SlotTable {
     pub(crate) fn new() -> SlotTable {
         let counters = TableCounters::default();
+        // Relaxed: a statistics counter; nothing is published through it.
         counters.bytes.store(SHARDS * MIN_CAP * SLOT_BYTES, std::sync::atomic::Ordering::Relaxed);
         SlotTable {
             shards: (0..SHARDS)
@@ -289,12 +292,16 @@ impl SlotTable {
                 if old == 0 {
                     st.dead -= 1;
                     st.live += 1;
+                    // Relaxed: a statistics counter; nothing is published through it.
                     self.counters.dead.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                    // Relaxed: a statistics counter; nothing is published through it.
                     self.counters.live.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 } else if new == 0 {
                     st.live -= 1;
                     st.dead += 1;
+                    // Relaxed: a statistics counter; nothing is published through it.
                     self.counters.live.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+                    // Relaxed: a statistics counter; nothing is published through it.
                     self.counters.dead.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     if st.live * 8 < table.cap() && table.cap() > MIN_CAP {
                         self.rebuild(shard, &mut st, current, guard);
@@ -318,10 +325,12 @@ impl SlotTable {
                 }
                 let slot = table.slot(i);
                 #[cfg(cortex_loom_bug = "reuse_dead")]
+                // Relaxed: keys are only written under the shard lock, which this thread holds.
                 let was_dead = slot.key.load(Ordering::Relaxed) != EMPTY;
                 #[cfg(cortex_loom_bug = "reuse_dead")]
                 if was_dead {
                     st.dead -= 1;
+                    // Relaxed: a statistics counter; nothing is published through it.
                     self.counters.dead.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 #[cfg(not(cortex_loom_bug = "publish_key_first"))]
@@ -333,10 +342,13 @@ impl SlotTable {
                 }
                 #[cfg(cortex_loom_bug = "publish_key_first")]
                 {
+                    // Release (negative control): the deliberate bug is the order, key before bits.
                     slot.key.store(key, Ordering::Release);
+                    // Release: as above.
                     slot.bits.store(want, Ordering::Release);
                 }
                 st.live += 1;
+                // Relaxed: a statistics counter; nothing is published through it.
                 self.counters.live.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
@@ -364,11 +376,16 @@ impl SlotTable {
                 fresh.fill(k, b);
             }
         }
+        // Relaxed: statistics counters; nothing is published through them.
         let relaxed = std::sync::atomic::Ordering::Relaxed;
+        // Relaxed: a statistics counter; nothing is published through it.
         self.counters.dead.fetch_sub(st.dead, relaxed);
         st.dead = 0;
+        // Relaxed: a statistics counter; nothing is published through it.
         self.counters.bytes.fetch_add(new_cap * SLOT_BYTES, relaxed);
+        // Relaxed: a statistics counter; nothing is published through it.
         self.counters.bytes.fetch_sub(old_table.cap() * SLOT_BYTES, relaxed);
+        // Relaxed: a statistics counter; nothing is published through it.
         self.counters.rebuilds.fetch_add(1, relaxed);
         let fresh = Owned::new(fresh).into_shared(guard);
         // Release: publishes the filled table to readers, which load the pointer with Acquire.
@@ -417,6 +434,7 @@ impl Drop for SlotTable {
         // SAFETY: `&mut self` means no reader or writer is left; each shard owns its table.
         let guard = unsafe { epoch::unprotected() };
         for shard in self.shards.iter() {
+            // Relaxed: `&mut self`, no other thread can see the table any more.
             let t = shard.table.swap(Shared::null(), Ordering::Relaxed, guard);
             if !t.is_null() {
                 #[cfg(not(loom))]
@@ -444,13 +462,17 @@ mod tests {
             let bit = (n % 32) as u32;
             assert_eq!(b, (u64::from(n % 2 == 0) << bit) | (1 << (bit + 32)));
         }
+        // Relaxed: a statistics counter; nothing is published through it.
         assert_eq!(t.counters.live.load(std::sync::atomic::Ordering::Relaxed), 5000);
+        // Relaxed: a statistics counter; nothing is published through it.
         let grown = t.counters.bytes.load(std::sync::atomic::Ordering::Relaxed);
         for (n, &k) in keys.iter().enumerate() {
             t.set(k, (n % 32) as u32, false, false, &g);
             assert_eq!(t.get(k, &g), 0);
         }
+        // Relaxed: a statistics counter; nothing is published through it.
         assert_eq!(t.counters.live.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // Relaxed: a statistics counter; nothing is published through it.
         let shrunk = t.counters.bytes.load(std::sync::atomic::Ordering::Relaxed);
         assert!(grown > 4 * shrunk, "never grew: {grown}");
         assert_eq!(shrunk, SHARDS * MIN_CAP * SLOT_BYTES, "no structural reclamation: {grown} -> {shrunk}");
@@ -462,12 +484,14 @@ mod tests {
         let g = epoch::pin();
         t.set(42 << 1, 3, true, true, &g);
         t.set(42 << 1, 3, false, false, &g);
+        // Relaxed: a statistics counter; nothing is published through it.
         assert_eq!(t.counters.dead.load(std::sync::atomic::Ordering::Relaxed), 1);
         t.set(43 << 1, 4, false, true, &g);
         assert_eq!(t.get(42 << 1, &g), 0);
         assert_eq!(t.get(43 << 1, &g), 1 << 36);
         t.set(42 << 1, 5, true, true, &g);
         assert_eq!(t.get(42 << 1, &g), (1 << 5) | (1 << 37));
+        // Relaxed: a statistics counter; nothing is published through it.
         assert_eq!(t.counters.dead.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
 }
