@@ -3,11 +3,12 @@
 //! Key decision: everything that is per (holder, block) and only ever touched by that holder's
 //! writer lives here, in plain (non-atomic) maps behind the holder's own mutex, which only its
 //! writer (and, rarely, `remove_worker` or another holder's writer grafting a deterministic
-//! orphan) takes. The shared [`crate::table`] holds only what readers need: one bit per holder
-//! per block. An entry is 16 bytes of value: the block's `SeqHash` (or nothing, for orphans and
-//! uncountable blocks), its store stamp (the LRU order is the stamp order, evicted in batches with
-//! a selection, not a linked list), its reference counts on GPU and on lower tiers, its state and
-//! its namespace (by index, for deterministic grafting).
+//! orphan) takes. The shared [`crate::table`] holds only what readers need: two bits per holder
+//! per block. A block is one 24-byte slot of an [`EngineMap`] (its engine hash, then 16 bytes:
+//! the block's `SeqHash` (unused for orphans and uncountable blocks), its store stamp — the LRU
+//! order is the stamp order, evicted in batches by a selection, not a linked list — its reference
+//! counts on GPU and on lower tiers, its state and its namespace, by index, for deterministic
+//! grafting). Orphans' extra data and waiting lists are small side maps.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};

@@ -1,9 +1,9 @@
 //! The ledger: holders, writers, the overlap query, removal, budgets, dumps and stats.
 //!
 //! Key decision: a query is a run of independent lookups `SeqHash → holder bits` in the shared
-//! [`SlotTable`] (the `SeqHash` chain already encodes the prefix, so no tree is walked), and all
+//! table (`table.rs`) (the `SeqHash` chain already encodes the prefix, so no tree is walked), and all
 //! per-(holder, block) bookkeeping — engine hashes, reference counts, tiers, orphans, LRU stamps —
-//! is private to the holder's single writer ([`crate::holder`]). The table stores only what a
+//! is private to the holder's single writer (`holder.rs`). The table stores only what a
 //! reader needs: two bits per holder per block. Writers of different holders run in parallel and
 //! meet only on short shard locks of the table; readers pin an epoch and never lock.
 
