@@ -198,7 +198,9 @@ pub fn run(root: &Path, args: &Args) -> Result<ExitCode> {
         overhead_command: args.overhead_command(),
     };
 
-    let mut doc = doc;
+    // Read the page again: its prose may have been edited while the benchmarks ran.
+    let mut doc = std::fs::read_to_string(&perf_path).with_context(|| format!("reading {}", perf_path.display()))?;
+    perfmd::check(&doc, &blocks)?;
     for b in &blocks {
         let content = match *b {
             "hashing" => report::hashing(&results),

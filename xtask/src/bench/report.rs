@@ -449,6 +449,12 @@ pub fn chat8k(r: &Results) -> String {
     if let Some((p50, _)) = total {
         let _ = writeln!(s, "\nGoal routing decision ≤ 50 µs p50: {} ({}).", met(p50 <= 50_000.0), time(p50));
     }
+    let _ = writeln!(
+        s,
+        "\nThe overhead benchmark's small request (a 40-token `/v1/completions` prompt), criterion mean per call: parsing the body {}, tokenizing the prompt {}.",
+        opt(r.get("small_completion/parse_body"), |e| time(e.mean_ns)),
+        opt(r.get("small_completion/tokens"), |e| time(e.mean_ns)),
+    );
     s
 }
 
