@@ -199,7 +199,8 @@ pub fn run(root: &Path, args: &Args) -> Result<ExitCode> {
     };
 
     // Read the page again: its prose may have been edited while the benchmarks ran.
-    let mut doc = std::fs::read_to_string(&perf_path).with_context(|| format!("reading {}", perf_path.display()))?;
+    let mut doc =
+        std::fs::read_to_string(&perf_path).with_context(|| format!("reading {}", perf_path.display()))?;
     perfmd::check(&doc, &blocks)?;
     for b in &blocks {
         let content = match *b {
