@@ -14,11 +14,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-/// The deliberate bugs of the loom negative controls, each caught by one model.
+/// The deliberate bugs of the loom negative controls, each caught by one model (in
+/// `crates/cortex-radix/src/table.rs` and `slots.rs`).
 pub const LOOM_BUGS: &[(&str, &str)] = &[
     ("publish_key_first", "publish_key_with_bits"),
     ("reuse_dead", "dead_slot_is_never_reused_by_another_key"),
     ("free_now", "rebuild_reclaims_only_after_readers_leave"),
+    ("id_after_active", "holder_is_published_with_its_id"),
 ];
 
 fn cargo() -> String {
@@ -125,7 +127,11 @@ mod tests {
     fn every_loom_bug_has_a_negative_control() {
         let crate_dir = crate::workspace_root().join("crates").join("cortex-radix");
         let build = std::fs::read_to_string(crate_dir.join("build.rs")).expect("build.rs");
-        let table = std::fs::read_to_string(crate_dir.join("src").join("table.rs")).expect("table.rs");
+        let table = ["table.rs", "slots.rs"]
+            .iter()
+            .map(|f| std::fs::read_to_string(crate_dir.join("src").join(f)).expect("model source"))
+            .collect::<Vec<_>>()
+            .join("\n");
         let declared =
             build.split("cortex_loom_bug, values(").nth(1).and_then(|s| s.split(')').next()).expect("values");
         let declared: Vec<&str> =

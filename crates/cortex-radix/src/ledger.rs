@@ -15,12 +15,11 @@ use cortex_hash::{BlockHash, SeqHash, chain};
 
 use crate::holder::{COUNTABLE, Entry, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE, mix64};
 use crate::overlap::{Overlap, OverlapScores};
+use crate::slots::{GROUP, Slots};
 use crate::sync::epoch::{self, Guard};
-use crate::sync::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Mutex, MutexGuard, Ordering, fence};
+use crate::sync::{AtomicBool, AtomicU8, AtomicU64, Mutex, MutexGuard, Ordering, fence};
 use crate::table::{EMPTY, SLOT_BYTES, SlotTable};
 
-/// Holders per group: one group's GPU and any-tier bits share one 64-bit table word.
-pub(crate) const GROUP: u32 = 32;
 /// The most holders one ledger indexes at once (32 groups).
 pub const MAX_HOLDERS: u32 = 1024;
 const GROUPS: usize = (MAX_HOLDERS / GROUP) as usize;
@@ -321,10 +320,7 @@ impl DetIndex {
 struct Inner {
     cfg: LedgerConfig,
     table: SlotTable,
-    active: Box<[AtomicU32]>,
-    ready: Box<[AtomicU32]>,
-    ids: Box<[AtomicU64]>,
-    groups_used: AtomicU32,
+    slots: Slots,
     registry: Mutex<Registry>,
     free_slots: Arc<Mutex<Vec<u32>>>,
     det: DetIndex,
@@ -381,10 +377,7 @@ impl Ledger {
             inner: Arc::new(Inner {
                 cfg,
                 table: SlotTable::new(),
-                active: (0..GROUPS).map(|_| AtomicU32::new(0)).collect(),
-                ready: (0..GROUPS).map(|_| AtomicU32::new(0)).collect(),
-                ids: (0..MAX_HOLDERS).map(|_| AtomicU64::new(0)).collect(),
-                groups_used: AtomicU32::new(0),
+                slots: Slots::new(MAX_HOLDERS),
                 registry: Mutex::new(Registry::default()),
                 free_slots: Arc::new(Mutex::new(Vec::new())),
                 det: DetIndex {
@@ -438,15 +431,7 @@ impl Ledger {
             mail: AtomicBool::new(false),
             applied: AtomicU64::new(0),
         });
-        let (g, bit) = ((slot / GROUP) as usize, 1u32 << (slot % GROUP));
-        // Relaxed: published by the Release fetch_or of the active bit below.
-        inner.ids[slot as usize].store(encode_id(holder), Ordering::Relaxed);
-        // Release (both): a reused slot starts not ready; `ready` is only read with `active`.
-        inner.ready[g].fetch_and(!bit, Ordering::Release);
-        // Release: a reader that sees the new group count (Acquire) sees its masks' set-up.
-        inner.groups_used.fetch_max(g as u32 + 1, Ordering::Release);
-        // Release: a reader that sees the active bit (Acquire) sees the holder's id.
-        inner.active[g].fetch_or(bit, Ordering::Release);
+        inner.slots.publish(slot, encode_id(holder));
         if reg.by_slot.len() <= slot as usize {
             reg.by_slot.resize(slot as usize + 1, None);
         }
@@ -469,19 +454,13 @@ impl Ledger {
             return;
         }
         let guard = epoch::pin();
-        // Acquire: pairs with the Release in `add_holder`.
-        let groups = inner.groups_used.load(Ordering::Acquire) as usize;
+        let groups = inner.slots.groups();
         // Per group: (group, gpu-active bits, any-active bits, GPU lengths of holders whose GPU run
         // ended while their any-tier run goes on).
         let mut states: [(u32, u32, u32); GROUPS] = [(0, 0, 0); GROUPS];
         let mut n_states = 0;
         for g in 0..groups {
-            // Acquire: see `add_holder` (ids are published by the active bit).
-            let mut mask = inner.active[g].load(Ordering::Acquire);
-            if opts.holders == HolderFilter::Ready {
-                // Acquire: pairs with the Release updates in `set_readiness`.
-                mask &= inner.ready[g].load(Ordering::Acquire);
-            }
+            let mask = inner.slots.counted(g, opts.holders == HolderFilter::Ready);
             if mask != 0 {
                 states[n_states] = (g as u32, mask, mask);
                 n_states += 1;
@@ -543,7 +522,7 @@ impl Ledger {
                         if i > 0 {
                             let slot = st.0 * GROUP + b;
                             // Acquire: see `add_holder`.
-                            let id = decode_id(inner.ids[slot as usize].load(Ordering::Acquire));
+                            let id = decode_id(inner.slots.id(slot));
                             out.push(Overlap {
                                 holder: id,
                                 gpu_blocks: lens[b as usize],
@@ -577,7 +556,7 @@ impl Ledger {
                 };
                 let slot = st.0 * GROUP + b;
                 // Acquire: see `add_holder`.
-                let id = decode_id(inner.ids[slot as usize].load(Ordering::Acquire));
+                let id = decode_id(inner.slots.id(slot));
                 out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: ended as u32 });
                 d &= d - 1;
             }
@@ -600,7 +579,7 @@ impl Ledger {
         let n = seq.len();
         let emit = |out: &mut OverlapScores, b: u32, gpu: u32, any: u32| {
             // Acquire: see `add_holder`.
-            let id = decode_id(inner.ids[(g * GROUP + b) as usize].load(Ordering::Acquire));
+            let id = decode_id(inner.slots.id(g * GROUP + b));
             out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: any });
         };
         for s in seq.iter().take(PREFETCH) {
@@ -676,9 +655,7 @@ impl Ledger {
         };
         for h in victims {
             h.revoked.store(true, Ordering::SeqCst);
-            let (g, bit) = ((h.slot / GROUP) as usize, 1u32 << (h.slot % GROUP));
-            inner.active[g].fetch_and(!bit, Ordering::SeqCst);
-            inner.ready[g].fetch_and(!bit, Ordering::SeqCst);
+            inner.slots.retract(h.slot);
             let mut p = h.private.lock();
             let guard = epoch::pin();
             let mut out = ApplyOutcome::default();
@@ -781,8 +758,7 @@ impl Inner {
             + self.counters.private_bytes.load(r)
             + self.counters.det_bytes.load(r)
             + std::mem::size_of::<Inner>()
-            + MAX_HOLDERS as usize * 8
-            + GROUPS * 8
+            + self.slots.heap_bytes()
     }
 
     /// The most blocks a holder of capacity `cap` may keep under the byte budget: its
@@ -1458,14 +1434,7 @@ impl HolderWriter {
         }
         // Relaxed: the status value itself; queries read the ready mask below.
         self.me.readiness.store(r.to_u8(), Ordering::Relaxed);
-        let (g, bit) = ((self.me.slot / GROUP) as usize, 1u32 << (self.me.slot % GROUP));
-        if r == Readiness::Ready {
-            // Release: pairs with the Acquire load in `query`.
-            self.inner.ready[g].fetch_or(bit, Ordering::Release);
-        } else {
-            // Release: as above.
-            self.inner.ready[g].fetch_and(!bit, Ordering::Release);
-        }
+        self.inner.slots.set_ready(self.me.slot, r == Readiness::Ready);
     }
 
     /// Events applied so far (clears included): a monotone counter tests and the ingest runtime

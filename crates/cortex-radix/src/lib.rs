@@ -38,6 +38,7 @@
 mod holder;
 pub mod ledger;
 pub mod overlap;
+mod slots;
 mod sync;
 mod table;
 
