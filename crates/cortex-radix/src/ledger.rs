@@ -471,8 +471,9 @@ impl Ledger {
             return;
         }
         let states = &mut states[..n_states];
-        let mut gpu_len = [[0u32; GROUP as usize]; 2];
-        let mut gpu_len_big: Option<Box<[[u32; GROUP as usize]]>> = None;
+        // GPU run lengths of holders whose GPU run ended before their any-tier run: on the stack
+        // (4 KiB), so that the query allocates nothing whatever the number of groups.
+        let mut gpu_len = [[0u32; GROUP as usize]; GROUPS];
         let mut ended = seq.len();
         for s in seq.iter().take(PREFETCH) {
             for st in states.iter() {
@@ -496,12 +497,7 @@ impl Ledger {
                 let (gpu, any) = (bits as u32, (bits >> 32) as u32);
                 let gpu_drop = st.1 & !gpu;
                 if gpu_drop != 0 {
-                    let lens = if si < 2 {
-                        &mut gpu_len[si]
-                    } else {
-                        &mut gpu_len_big.get_or_insert_with(|| vec![[0u32; GROUP as usize]; GROUPS].into())
-                            [si]
-                    };
+                    let lens = &mut gpu_len[si];
                     let mut d = gpu_drop;
                     while d != 0 {
                         lens[d.trailing_zeros() as usize] = i as u32;
@@ -511,17 +507,12 @@ impl Ledger {
                 }
                 let any_drop = st.2 & !any;
                 if any_drop != 0 {
-                    let lens = if si < 2 {
-                        &gpu_len[si]
-                    } else {
-                        &gpu_len_big.as_ref().expect("set with gpu drops")[si]
-                    };
+                    let lens = &gpu_len[si];
                     let mut d = any_drop;
                     while d != 0 {
                         let b = d.trailing_zeros();
                         if i > 0 {
                             let slot = st.0 * GROUP + b;
-                            // Acquire: see `add_holder`.
                             let id = decode_id(inner.slots.id(slot));
                             out.push(Overlap {
                                 holder: id,
@@ -547,15 +538,8 @@ impl Ledger {
             let mut d = st.2;
             while d != 0 {
                 let b = d.trailing_zeros();
-                let gpu = if st.1 & (1 << b) != 0 {
-                    ended as u32
-                } else if si < 2 {
-                    gpu_len[si][b as usize]
-                } else {
-                    gpu_len_big.as_ref().map_or(0, |l| l[si][b as usize])
-                };
+                let gpu = if st.1 & (1 << b) != 0 { ended as u32 } else { gpu_len[si][b as usize] };
                 let slot = st.0 * GROUP + b;
-                // Acquire: see `add_holder`.
                 let id = decode_id(inner.slots.id(slot));
                 out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: ended as u32 });
                 d &= d - 1;
@@ -578,7 +562,6 @@ impl Ledger {
         let table = &inner.table;
         let n = seq.len();
         let emit = |out: &mut OverlapScores, b: u32, gpu: u32, any: u32| {
-            // Acquire: see `add_holder`.
             let id = decode_id(inner.slots.id(g * GROUP + b));
             out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: any });
         };
