@@ -481,7 +481,8 @@ pub fn overhead(r: &Results) -> String {
         Some("measured") => {
             let _ = writeln!(
                 s,
-                "SGLang's router: `{}`.\n",
+                "SGLang's router ({}): `{}`.\n",
+                v["sglang_router"]["version"].as_str().unwrap_or("unknown version"),
                 v["sglang_router"]["command"].as_str().unwrap_or_default()
             );
         }
@@ -505,7 +506,7 @@ pub fn overhead(r: &Results) -> String {
                 "direct" => "worker directly (baseline)",
                 "passthrough" => "do-nothing hyper proxy (baseline)",
                 "cortex" => "**Cortex**",
-                "sglang_router" => "SGLang router 0.3.2 (`cache_aware`)",
+                "sglang_router" => "SGLang's router (`cache_aware`)",
                 n => n,
             };
             let _ = writeln!(

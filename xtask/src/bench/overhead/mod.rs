@@ -67,7 +67,7 @@ pub fn run(root: &Path, opts: &Options, log_dir: &Path) -> Result<Value> {
     if opts.sglang {
         match targets::SglangRouter::start(&sim.base_url(), &probe, &log_dir.join("sglang-router.log")) {
             Ok(r) => {
-                sglang_status = json!({"status": "measured", "command": r.command});
+                sglang_status = json!({"status": "measured", "command": r.command, "version": r.version});
                 sglang = Some(r);
             }
             Err(e) => {

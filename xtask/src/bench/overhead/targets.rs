@@ -149,8 +149,10 @@ impl Drop for Cortex {
 pub struct SglangRouter {
     /// Its address.
     pub addr: SocketAddr,
-    /// What was run.
+    /// What was run (the worker's URL and the port as placeholders).
     pub command: String,
+    /// What the router says its version is (`smg --version`).
+    pub version: String,
     child: Child,
 }
 
@@ -217,7 +219,24 @@ impl SglangRouter {
             ]
             .map(str::to_owned),
         );
-        let command = format!("{} {}", exe.display(), args.join(" "));
+        let shown = args
+            .join(" ")
+            .replace(worker_url, "<worker>")
+            .replace(&format!("--port {port}"), "--port <port>");
+        let name =
+            exe.file_name().map_or_else(|| exe.display().to_string(), |n| n.to_string_lossy().into_owned());
+        let command = format!("{name} {shown}");
+        let version = if args.first().is_some_and(|a| a == "launch") {
+            Command::new(&exe)
+                .arg("--version")
+                .output()
+                .ok()
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+                .filter(|v| !v.is_empty())
+                .unwrap_or_else(|| "unknown version".to_owned())
+        } else {
+            "unknown version".to_owned()
+        };
         let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
         let err = out.try_clone()?;
         let child = Command::new(&exe)
@@ -227,7 +246,7 @@ impl SglangRouter {
             .spawn()
             .with_context(|| command.clone())?;
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
-        let mut router = SglangRouter { addr, command, child };
+        let mut router = SglangRouter { addr, command, version, child };
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
