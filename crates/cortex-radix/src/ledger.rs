@@ -667,6 +667,31 @@ impl Ledger {
         }
     }
 
+    /// One block of a holder, by the engine's hash: its state and references, `None` if the
+    /// holder does not have it. Locks the holder briefly (waits for an apply in progress): for
+    /// verification off the request path, such as checking that a worker published the engine
+    /// hashes the gateway predicted for a request.
+    #[must_use]
+    pub fn block(&self, holder: HolderId, engine: cortex_hash::kv::EngineHash) -> Option<DumpBlock> {
+        let h = self.inner.registry.lock().by_id.get(&holder).cloned()?;
+        let p = h.private.lock();
+        let e = p.entries.get(&engine.to_u64())?;
+        Some(DumpBlock {
+            engine,
+            state: match e.state {
+                COUNTABLE => DumpState::Countable(SeqHash::from_bits(e.seq)),
+                ORPHAN => DumpState::Orphan {
+                    parent: cortex_hash::kv::EngineHash::from_u64(
+                        p.orphans.get(&engine.to_u64()).map_or(0, |o| o.parent),
+                    ),
+                },
+                _ => DumpState::Uncountable,
+            },
+            gpu_refs: u32::from(e.gpu),
+            lower_refs: u32::from(e.low),
+        })
+    }
+
     /// A holder's blocks, orphans included, `None` if it is not registered. Locks the holder
     /// (waits for an apply in progress): for debugging and tests.
     #[must_use]
