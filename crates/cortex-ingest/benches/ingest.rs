@@ -140,6 +140,8 @@ fn gap_and_restart(payloads: &[Vec<u8>], gap: usize) -> (Duration, Duration) {
     let capacity = u32::try_from(payloads.len() as u64 * BLOCKS_PER_BATCH * 2).unwrap();
     ingest.add_holder(source(&engine, h, capacity)).unwrap();
     engine.wait_subscribed();
+    // The holder's start replay (the engine has nothing buffered yet).
+    engine.serve_replay();
     let split = payloads.len() - gap - 1;
     for (i, p) in payloads[..split].iter().enumerate() {
         engine.publish(i as u64, p);

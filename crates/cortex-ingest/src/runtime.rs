@@ -206,14 +206,16 @@ impl Ingest {
             last_event: Instant::now(),
         };
         holder.writer.set_readiness(Readiness::Syncing);
-        self.shared.lanes[lane].send(LaneMsg::Add(Box::new(holder))).map_err(|_| IngestError::ShutDown)?;
+        // Sockets first: the lane's first act may be a replay request, which the socket thread
+        // must find the holder for.
         self.shared.command(SockCmd::Add {
             holder: source.holder,
             lane,
             publish: source.publish,
             topic: source.topic,
             replay: source.replay,
-        })
+        })?;
+        self.shared.lanes[lane].send(LaneMsg::Add(Box::new(holder))).map_err(|_| IngestError::ShutDown)
     }
 
     /// Stops following every rank of `worker`: unsubscribes first (no late event can be
@@ -557,8 +559,13 @@ fn lane_loop(shared: &Shared, rx: &Receiver<LaneMsg>) {
         match rx.recv_timeout(TICK) {
             Ok(LaneMsg::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
             Ok(LaneMsg::Add(h)) => {
+                let id = h.writer.holder();
+                let h = holders.entry(id).or_insert(*h);
+                h.seq.step(Input::Start, &mut effects);
+                if !h.execute(shared, &mut effects) {
+                    holders.remove(&id);
+                }
                 shared.progress.notify();
-                holders.insert(h.writer.holder(), *h);
             }
             Ok(LaneMsg::RemoveWorker { worker, done }) => {
                 holders.retain(|id, _| id.worker != worker);

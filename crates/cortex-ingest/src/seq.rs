@@ -12,6 +12,7 @@
 //! | seq > last + 1 (gap) | ask the replay socket for last+1…; buffer live batches | SYNCING |
 //! | replay returns a contiguous range to its end marker | apply it, then the buffered batches, skipping duplicates | READY |
 //! | no replay socket, replay incomplete (first replayed seq later than asked, or a hole), or timeout | clear, apply the buffered batches from a contiguous point | READY (cold) |
+//! | holder added | ask the replay socket for everything buffered, else start cold from an empty ledger | SYNCING → READY, or READY |
 //! | first batch after start has seq > 0 | replay from 0 if possible, else start cold | SYNCING → READY |
 //! | socket disconnected, or silent while the engine reports running requests | count | STALE |
 //! | a payload that does not decode | clear, continue with the next batch | READY (cold) |
@@ -138,6 +139,10 @@ pub enum Effect<P> {
 /// An input of the machine.
 #[derive(Debug)]
 pub enum Input<P> {
+    /// The holder was just added (subscribed). With a replay socket, ask for everything the
+    /// engine still buffers; without one, start READY from an empty ledger: nothing is known yet,
+    /// which can only under-count.
+    Start,
     /// A live batch from the SUB socket.
     Live {
         /// Sequence number.
@@ -239,6 +244,16 @@ impl<P> Sequencer<P> {
     /// Feeds one input; the effects to execute are appended to `out` in order.
     pub fn step(&mut self, input: Input<P>, out: &mut Vec<Effect<P>>) {
         match input {
+            Input::Start => {
+                if self.last.is_none() && !self.replaying() {
+                    if self.replay == Replay::Available {
+                        self.start_replay(0, Reason::ColdStart, out);
+                    } else {
+                        self.cold = true;
+                        self.set_state(HolderState::Ready, Reason::ColdStart, out);
+                    }
+                }
+            }
             Input::Live { seq, payload } => self.live(seq, payload, out),
             Input::Replayed { seq, payload } => self.replayed(seq, payload, out),
             Input::ReplayEnd => self.replay_end(out),
@@ -354,6 +369,11 @@ impl<P> Sequencer<P> {
             return;
         }
         self.phase = Phase::Live;
+        if self.last.is_none() && self.buffered.is_empty() {
+            // The engine had nothing buffered (an idle engine just started): the next live batch,
+            // whatever its number, is the baseline.
+            self.cold = true;
+        }
         // Catch up with what arrived live meanwhile.
         while let Some((seq, payload)) = self.buffered.pop_front() {
             match self.last {
@@ -595,6 +615,25 @@ mod tests {
         live(&mut m, 4);
         let e = run(&mut m, Input::ReplayEnd); // nothing replayed from 0
         assert_eq!(applied(&e), vec![4]);
+    }
+
+    #[test]
+    fn start_replays_everything_buffered_or_starts_cold() {
+        let mut m = Sequencer::new(Replay::Available, 100);
+        assert_eq!(
+            run(&mut m, Input::Start),
+            vec![Effect::RequestReplay { from: 0 }, Effect::State(HolderState::Syncing, Reason::ColdStart)]
+        );
+        // An idle engine buffered nothing: READY, and its first batch (any number) is the baseline.
+        let e = run(&mut m, Input::ReplayEnd);
+        assert_eq!(e, vec![Effect::State(HolderState::Ready, Reason::ReplayOk)]);
+        assert_eq!(live(&mut m, 7), vec![Effect::Apply { seq: 7, payload: 7 }]);
+        let mut m = Sequencer::new(Replay::Unavailable, 100);
+        assert_eq!(run(&mut m, Input::Start), vec![Effect::State(HolderState::Ready, Reason::ColdStart)]);
+        assert_eq!(live(&mut m, 3), vec![Effect::Apply { seq: 3, payload: 3 }]);
+        // A start after batches were seen does nothing.
+        let mut m = ready_at(Replay::Available, 2);
+        assert!(run(&mut m, Input::Start).is_empty());
     }
 
     #[test]

@@ -175,6 +175,8 @@ fn gap_is_filled_by_replay() {
     let h = holder(3, 0);
     s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
+    // Added: the holder asks for everything buffered (nothing yet) and is READY.
+    assert_eq!(engine.serve_replay(), 0);
     for i in 0..3 {
         engine.publish(i, &vllm_block_batch(i));
     }
@@ -188,7 +190,7 @@ fn gap_is_filled_by_replay() {
     assert_eq!(synthetic_overlap(&s.ledger, h, 6), 6, "every block is back, in order");
     let st = s.ingest.status(h).unwrap();
     assert_eq!(st.transitions(Reason::Gap), 1);
-    assert_eq!(st.transitions(Reason::ReplayOk), 1);
+    assert_eq!(st.transitions(Reason::ReplayOk), 2, "the start replay and the gap's");
     assert_eq!(st.clears, 0);
     assert!(st.duplicates >= 1, "batch 5 came live and replayed");
 }
@@ -221,6 +223,7 @@ fn replay_timeout_rebuilds_cold() {
     let h = holder(5, 0);
     s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
+    engine.serve_replay();
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
     engine.publish(4, &vllm_block_batch(4));
@@ -237,6 +240,7 @@ fn incomplete_replay_rebuilds_cold() {
     let h = holder(6, 0);
     s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
     engine.wait_subscribed();
+    engine.serve_replay();
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
     // The engine's ring buffer no longer holds 1..3: it replays from 4.
@@ -369,4 +373,21 @@ fn silence_while_busy_is_stale_until_events_resume() {
     wait_seq(&s, h, 1);
     assert_eq!(s.ingest.status(h).unwrap().transitions(Reason::Silent), 1);
     assert_eq!(synthetic_overlap(&s.ledger, h, 2), 2);
+}
+
+#[test]
+fn an_idle_engine_is_ready_without_any_event() {
+    let s = setup(IngestConfig::default());
+    // Without a replay socket: READY at once, from an empty ledger.
+    let engine = FakeEngine::new("", None);
+    let h = holder(13, 0);
+    s.ingest.add_holder(source(&engine, h, Wire::Sglang)).unwrap();
+    assert!(s.ingest.wait_for(h, WAIT, |st| st.state == HolderState::Ready));
+    // With one: READY once the engine said it buffers nothing.
+    let with_replay = FakeEngine::new("", Some(ReplayFraming::WithTopic));
+    let h2 = holder(14, 0);
+    s.ingest.add_holder(source(&with_replay, h2, Wire::Sglang)).unwrap();
+    assert_eq!(with_replay.serve_replay(), 0);
+    assert!(s.ingest.wait_for(h2, WAIT, |st| st.state == HolderState::Ready));
+    assert_eq!(s.ledger.readiness(h2), Some(cortex_radix::Readiness::Ready));
 }
