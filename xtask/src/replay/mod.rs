@@ -97,7 +97,7 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     pub max_running: usize,
     /// Synthetic workloads: arrivals per second of trace time (shared-prefix 4, multi-turn 2,
-    /// hot-spot 12).
+    /// hot-spot 8).
     #[arg(long)]
     pub rate: Option<f64>,
     /// shared-prefix: groups.

@@ -302,26 +302,34 @@ fn hot_spot(shape: &Shape) -> Workload {
     let mut rng = Rng(shape.seed ^ 0x484f_5453);
     let mut ids = Ids(3 << 40);
     let n = shape.requests.unwrap_or(800);
-    let rate = shape.rate.unwrap_or(12.0);
+    let rate = shape.rate.unwrap_or(HOT_SPOT_RATE);
     let prefix: Vec<Piece> =
         (0..shape.prefix_chunks.unwrap_or(16).max(1)).map(|_| full(ids.take(), shape)).collect();
     let requests = poisson(&mut rng, n, rate)
         .into_iter()
         .map(|at| {
             let mut pieces = prefix.clone();
-            pieces.push(full(ids.take(), shape));
+            pieces.extend((0..HOT_SPOT_SUFFIX).map(|_| full(ids.take(), shape)));
             Request { at, pieces, max_tokens: shape.max_output.clamp(1, 64) }
         })
         .collect();
     Workload {
         kind: Kind::HotSpot,
         description: format!(
-            "{n} requests sharing one {}-chunk prefix, each with a one-chunk unique suffix, Poisson {rate} req/s",
+            "{n} requests sharing one {}-chunk prefix, each with a {HOT_SPOT_SUFFIX}-chunk unique suffix and 64 output tokens, Poisson {rate} req/s",
             prefix.len()
         ),
         requests,
     }
 }
+
+/// Unique chunks after the hot prefix: enough prefill per request that piling onto the prefix's
+/// holder costs queueing, at a rate the replay machine sends without falling behind.
+const HOT_SPOT_SUFFIX: usize = 4;
+/// Default arrivals per second of the hot-spot workload: the suffixes alone need about 1.7
+/// workers' worth of prefill (8 × 210 ms per second with the default cost model), so no single
+/// holder of the prefix can take the traffic, while eight workers run at about a fifth of theirs.
+const HOT_SPOT_RATE: f64 = 8.0;
 
 #[cfg(test)]
 mod tests {
