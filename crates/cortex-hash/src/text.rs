@@ -115,6 +115,12 @@ pub struct TextTokenizer {
     /// [`TextTokenizer::encode_cached`]); empty when the self-check at load found that splitting
     /// changes the result.
     splitters: Splitters,
+    /// The same tokenizer without its normalizer, for ASCII text, when the normalizer is Unicode
+    /// NFC (the identity on ASCII): normalizing with offset tracking is a third of the cost of
+    /// short prompts.
+    ascii: Option<tokenizers::Tokenizer>,
+    /// Whether the post-processor adds tokens (a BOS, say) with `add_special_tokens`.
+    adds_specials: bool,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -140,7 +146,23 @@ impl TextTokenizer {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, TextError> {
         let inner =
             tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| TextError::TokenizerLoad(e.to_string()))?;
-        let mut tok = TextTokenizer { inner, digest: FileDigest::of(bytes), splitters: Splitters::default() };
+        let ascii = match inner.get_normalizer() {
+            Some(tokenizers::NormalizerWrapper::NFC(_)) => {
+                let mut t = inner.clone();
+                t.with_normalizer(None::<tokenizers::NormalizerWrapper>)
+                    .map_err(|e| TextError::TokenizerLoad(e.to_string()))?;
+                Some(t)
+            }
+            _ => None,
+        };
+        let mut tok = TextTokenizer {
+            inner,
+            digest: FileDigest::of(bytes),
+            splitters: Splitters::default(),
+            ascii,
+            adds_specials: true,
+        };
+        tok.adds_specials = tok.encode("a", SpecialTokens::Add)? != tok.encode("a", SpecialTokens::Omit)?;
         let candidates = Splitters::from_added_tokens(&tok.inner);
         if candidates.self_check(&tok) {
             tok.splitters = candidates;
@@ -153,6 +175,24 @@ impl TextTokenizer {
     #[must_use]
     pub fn segment_reuse(&self) -> bool {
         !self.splitters.tokens.is_empty()
+    }
+
+    /// Token ids of a plain prompt encoded with `special`, reusing cached segments when that
+    /// gives the same ids: always for [`SpecialTokens::Omit`], and for [`SpecialTokens::Add`]
+    /// when the tokenizer's post-processor adds nothing (Qwen, for one).
+    ///
+    /// # Errors
+    /// [`TextError::Encode`].
+    pub fn encode_text_cached(
+        &self,
+        text: &str,
+        special: SpecialTokens,
+        cache: &SegmentCache,
+    ) -> Result<Vec<Token>, TextError> {
+        match special {
+            SpecialTokens::Add if self.adds_specials => self.encode(text, special),
+            _ => self.encode_cached(text, cache),
+        }
     }
 
     /// Token ids of `text` with [`SpecialTokens::Omit`] (a rendered chat prompt), reusing the
@@ -202,8 +242,11 @@ impl TextTokenizer {
     /// # Errors
     /// [`TextError::Encode`].
     pub fn encode(&self, text: &str, special: SpecialTokens) -> Result<Vec<Token>, TextError> {
-        let enc = self
-            .inner
+        let tok = match &self.ascii {
+            Some(fast) if text.is_ascii() => fast,
+            _ => &self.inner,
+        };
+        let enc = tok
             .encode_fast(text, matches!(special, SpecialTokens::Add))
             .map_err(|e| TextError::Encode(e.to_string()))?;
         Ok(enc.get_ids().to_vec())

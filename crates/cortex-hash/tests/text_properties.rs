@@ -43,3 +43,25 @@ proptest! {
         prop_assert_eq!(&tok.encode_cached(&text, &cache).unwrap(), &plain);
     }
 }
+
+fn reference() -> &'static tokenizers::Tokenizer {
+    static TOK: OnceLock<tokenizers::Tokenizer> = OnceLock::new();
+    TOK.get_or_init(|| {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../golden/models/qwen3");
+        tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).expect("tokenizer")
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    /// ASCII text skips the NFC normalizer (the identity on ASCII): the ids must equal those of
+    /// the unmodified tokenizer, with and without special tokens.
+    #[test]
+    fn ascii_fast_path_equals_the_full_pipeline(text in "([ -~\\t\\n]|<\\|im_start\\|>|<\\|im_end\\|>){0,60}") {
+        let tok = tokenizer();
+        for (special, add) in [(SpecialTokens::Omit, false), (SpecialTokens::Add, true)] {
+            let want = reference().encode_fast(text.as_str(), add).unwrap().get_ids().to_vec();
+            prop_assert_eq!(tok.encode(&text, special).unwrap(), want);
+        }
+    }
+}

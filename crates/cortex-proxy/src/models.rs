@@ -105,7 +105,9 @@ impl ModelRoute {
                 let text = self.spec.template.render(&serde_json::Value::Object(ctx))?;
                 Ok(self.spec.tokenizer.encode_cached(&text, &self.cache)?)
             }
-            Prompt::Text(t) => Ok(self.spec.tokenizer.encode(t, SpecialTokens::Add)?),
+            Prompt::Text(t) => {
+                Ok(self.spec.tokenizer.encode_text_cached(t, SpecialTokens::Add, &self.cache)?)
+            }
             Prompt::Tokens(ids) => Ok(ids.clone()),
             Prompt::Unreproducible(why) => Err(TokenizeError::Unreproducible(why)),
         }
