@@ -431,3 +431,31 @@ async fn bad_requests_get_clear_client_errors() {
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     h.gw.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_hashing_differently_is_caught_by_the_published_hashes() {
+    // The worker's PYTHONHASHSEED differs from what the profile assumes: nothing discovery can
+    // read says so, but the engine hashes it publishes differ from the recipe's prediction.
+    let mut seeded = sim("vllm");
+    if let cortex_sim::EngineConfig::Vllm(o) = &mut seeded.engine {
+        o.none_hash_seed = cortex_sim::formats::NoneHashSeed::PythonHashSeed("0".into());
+    }
+    let h = harness("vllm", vec![seeded], "").await;
+    let id = h.gw.gateway.registry().by_name("w0").unwrap().id;
+    let mut i = 0;
+    while !matches!(h.gw.gateway.verdict(id), cortex_proxy::alignment::Verdict::Misaligned(_)) {
+        let r = h.post("/v1/chat/completions", &chat(&long_prompt(&format!("seed {i}")), false)).await;
+        assert_eq!(r.status, StatusCode::OK);
+        i += 1;
+        assert!(i < 40, "never flagged: {:?}", h.gw.gateway.verdict(id));
+        tokio::time::sleep(Duration::from_millis(150)).await; // let each block check run (settle 100ms)
+    }
+    let cortex_proxy::alignment::Verdict::Misaligned(why) = h.gw.gateway.verdict(id) else { unreachable!() };
+    assert!(why.contains("engine hashes"), "{why}");
+    h.gw.gateway.sync_ledger_states();
+    let body = chat(&long_prompt("after"), false);
+    h.post("/v1/chat/completions", &body).await;
+    let r = h.post("/v1/chat/completions", &body).await;
+    assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events");
+    h.gw.shutdown().await;
+}

@@ -115,6 +115,13 @@ impl AlignmentTracker {
         all.get(&worker).and_then(|w| w.verdict.clone()).unwrap_or(Verdict::Unknown)
     }
 
+    /// Checks recorded in the worker's window.
+    #[must_use]
+    pub fn samples(&self, worker: WorkerId) -> usize {
+        let all = self.windows.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        all.get(&worker).map_or(0, |w| w.results.len())
+    }
+
     /// Forgets a worker (removed, or re-registered with a new verdict to earn).
     pub fn forget(&self, worker: WorkerId) {
         self.windows.lock().unwrap_or_else(std::sync::PoisonError::into_inner).remove(&worker);

@@ -12,8 +12,11 @@ use cortex_sched::FailureClass;
 use http::{HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full, combinators::UnsyncBoxBody};
 
+/// The error a response body may end with (hyper then aborts the connection).
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
 /// The body type of every response the gateway writes.
-pub type Body = UnsyncBoxBody<Bytes, hyper::Error>;
+pub type Body = UnsyncBoxBody<Bytes, BodyError>;
 
 /// Who caused an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -118,6 +118,8 @@ struct Plan {
     reason: Option<FallbackReason>,
     prompt_tokens: u32,
     seq: Vec<SeqHash>,
+    /// The tokens of the prompt's first block (for the alignment checks), when it has one.
+    first_page: Vec<cortex_hash::Token>,
     snapshot: Arc<Snapshot>,
 }
 
@@ -379,7 +381,8 @@ impl Gateway {
         metrics::histogram!(t::ROUTING_SECONDS).record(started.elapsed().as_secs_f64());
         let (candidates, mode, reason) =
             decided.map_err(|_| ProxyError::NoWorker(model.base_model().to_owned()))?;
-        Ok(Plan { candidates, mode, reason, prompt_tokens, seq, snapshot })
+        let first_page = if seq.is_empty() { Vec::new() } else { tokens[..block_tokens as usize].to_vec() };
+        Ok(Plan { candidates, mode, reason, prompt_tokens, seq, first_page, snapshot })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -450,7 +453,7 @@ impl Gateway {
                             .get(http::header::CONTENT_TYPE)
                             .and_then(|v| v.to_str().ok())
                             .is_some_and(|v| v.starts_with("text/event-stream"));
-                    let on_complete = self.completion_check(model, cand, mode, plan.prompt_tokens, &plan.seq);
+                    let on_complete = self.completion_check(model, facts, cand, mode, &plan);
                     let relay = RelayBody::new(
                         incoming,
                         booking,
@@ -506,16 +509,23 @@ impl Gateway {
     fn completion_check(
         self: &Arc<Self>,
         model: &Arc<ModelRoute>,
+        facts: &Arc<RequestFacts>,
         cand: &Candidate,
         mode: MatchMode,
-        prompt_tokens: u32,
-        seq: &[SeqHash],
+        plan: &Plan,
     ) -> upstream::OnComplete {
         let gw = Arc::clone(self);
         let holder = cand.holder;
-        let predicted = cand.matched_tokens.min(model.max_cached_tokens(prompt_tokens as usize));
-        let seq: Vec<SeqHash> = seq.to_vec();
+        let predicted = cand.matched_tokens.min(model.max_cached_tokens(plan.prompt_tokens as usize));
         let exact = mode == MatchMode::ExactKvEvents;
+        // The block check costs a timer and a ledger lookup: every request while the worker's
+        // window fills, then one in 16.
+        let sample =
+            self.alignment.samples(holder.worker) < self.cfg.alignment.window || fastrand::u8(..16) == 0;
+        let first = (sample && !plan.seq.is_empty()).then(|| {
+            let salt = facts.cache_salt.clone();
+            (plan.seq[0], plan.first_page.clone(), Arc::clone(model), salt)
+        });
         Box::new(move |c: Completion| {
             if let Some(realized) = c.cached_tokens {
                 metrics::counter!(t::PREDICTED_HIT_TOKENS).increment(u64::from(predicted));
@@ -524,33 +534,45 @@ impl Gateway {
                     gw.record_check(holder.worker, hit_check(predicted, realized));
                 }
             }
-            if !seq.is_empty() {
+            if let Some((seq, page, model, salt)) = first {
                 let gw2 = Arc::clone(&gw);
                 tokio::spawn(async move {
                     tokio::time::sleep(gw2.cfg.alignment.settle).await;
-                    gw2.presence_check(holder, &seq);
+                    // The worker's hash of the first page, as the engine's recipe computes it.
+                    let engine =
+                        model.predict_engine_hashes(&page, salt.as_deref()).and_then(|h| h.first().copied());
+                    gw2.block_check(holder, seq, engine);
                 });
             }
         })
     }
 
-    /// After a worker served a request, its ledger must hold the request's first block under
-    /// Cortex's identity (both engines store prompt blocks). If the holder is READY and does not,
-    /// the worker's tokens or block size differ from the gateway's.
-    fn presence_check(&self, holder: HolderId, seq: &[SeqHash]) {
+    /// After a worker served a request it holds the request's first block (both engines store
+    /// prompt blocks): the ledger must show it under Cortex's identity (else the worker's tokens
+    /// or block size differ from the gateway's), and under the engine hash the recipe predicts
+    /// (else its hash algorithm, seed, salt or LoRA namespacing differ). Checked only while the
+    /// holder is READY; a block evicted that fast reads as a failure the tolerance absorbs.
+    fn block_check(&self, holder: HolderId, seq: SeqHash, engine: Option<cortex_hash::kv::EngineHash>) {
         if self.ledger.readiness(holder) != Some(cortex_radix::Readiness::Ready) {
             return;
         }
         let mut out = OverlapScores::with_capacity(4);
         let opts = QueryOptions { holders: HolderFilter::All, ..QueryOptions::default() };
-        self.ledger.query(&seq[..1], opts, &mut out);
-        let held = out.get(holder).map_or(0, |o| o.any_tier_blocks);
-        let check = if held > 0 {
-            Check::Ok
-        } else {
-            Check::Failed(
+        self.ledger.query(&[seq], opts, &mut out);
+        let held = out.get(holder).is_some_and(|o| o.any_tier_blocks > 0);
+        let check = match (held, engine.map(|e| self.ledger.block(holder, e))) {
+            (false, _) => Check::Failed(
                 "the worker published no block matching the gateway's tokens for a request it served".into(),
-            )
+            ),
+            (true, None) => Check::Ok,
+            (true, Some(Some(b))) if b.state == cortex_radix::DumpState::Countable(seq) => Check::Ok,
+            (true, Some(Some(_))) => {
+                Check::Failed("the predicted engine hash names another block on the worker".into())
+            }
+            (true, Some(None)) => Check::Failed(
+                "the worker published other engine hashes than its recipe predicts (hash algorithm, seed, salt or LoRA)"
+                    .into(),
+            ),
         };
         self.record_check(holder.worker, check);
     }

@@ -24,7 +24,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::error::ProxyError;
+use crate::error::{BodyError, ProxyError};
 
 /// The pooled HTTP client to workers (keep-alive, `TCP_NODELAY`).
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -284,7 +284,7 @@ impl RelayBody {
         &mut self,
         class: FailureClass,
         message: String,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         tracing::warn!(class = class.as_str(), %message, "upstream failed mid-stream");
         metrics::counter!(crate::telemetry::UPSTREAM_ERRORS, "class" => class.as_str(), "stage" => "stream")
             .increment(1);
@@ -297,10 +297,10 @@ impl RelayBody {
             self.state = RelayState::Done;
             Poll::Ready(Some(Ok(Frame::data(err.sse_event()))))
         } else {
-            // A JSON body cannot be ended well-formed: end the response so the client sees it
-            // truncated rather than a silently short answer.
+            // A JSON body cannot be ended well-formed: fail the body, so hyper aborts the
+            // connection and the client sees a broken response, never a silently short one.
             self.state = RelayState::Done;
-            Poll::Ready(None)
+            Poll::Ready(Some(Err(message.into())))
         }
     }
 
@@ -317,12 +317,12 @@ impl RelayBody {
 
 impl HttpBody for RelayBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = &mut *self;
         if matches!(this.state, RelayState::Done) {
             return Poll::Ready(None);
@@ -341,6 +341,12 @@ impl HttpBody for RelayBody {
                 }
                 let deadline = tokio::time::Instant::now() + this.idle_timeout;
                 this.idle.as_mut().reset(deadline);
+                if this.inner.is_end_stream() {
+                    // A body of known length is complete with its last byte: hyper will not poll
+                    // again, so the relay ends here.
+                    this.state = RelayState::Done;
+                    this.finish();
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
