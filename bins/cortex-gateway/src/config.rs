@@ -366,6 +366,9 @@ pub struct SchedulerFile {
     pub bounded_load_epsilon: Option<f64>,
     /// `booked` (default) or `engine_reports`.
     pub load_signals: Option<String>,
+    /// The workers' prefill throughput, prompt tokens per second per DP rank (turns booked
+    /// prefill work into expected queue latency).
+    pub prefill_tokens_per_sec: Option<u32>,
     /// Maximum age of an engine load report under `engine_reports`.
     pub load_report_max_age: Option<Dur>,
     /// `load_routed` (default) or `excluded`: may SYNCING/STALE holders take load-routed traffic.
@@ -557,9 +560,13 @@ impl Config {
             alignment,
             probes,
             segment_cache_tokens: d.segment_cache_tokens,
+            prefill_tokens_per_sec: self.scheduler.prefill_tokens_per_sec.unwrap_or(d.prefill_tokens_per_sec),
             shutdown_grace: self.shutdown_grace.map_or(d.shutdown_grace, |v| v.0),
         };
         let (sched, health) = scheduler(&self.scheduler)?;
+        if proxy.prefill_tokens_per_sec == 0 {
+            bail!("scheduler.prefill_tokens_per_sec must be positive");
+        }
         let mut models = ModelTable::new();
         if self.models.is_empty() {
             bail!("models: at least one model is required");

@@ -132,6 +132,10 @@ pub struct ProxyConfig {
     pub probes: ProbeConfig,
     /// Token ids kept per model for reusing the tokenization of repeated prompt segments.
     pub segment_cache_tokens: usize,
+    /// The workers' prefill throughput, in prompt tokens per second per DP rank: turns the
+    /// prefill work booked on a worker into the expected queue latency the scheduler weighs
+    /// against cache hits.
+    pub prefill_tokens_per_sec: u32,
     /// Time allowed for graceful shutdown before streams are cut.
     pub shutdown_grace: Duration,
 }
@@ -145,6 +149,7 @@ impl Default for ProxyConfig {
             alignment: AlignmentConfig::default(),
             probes: ProbeConfig::default(),
             segment_cache_tokens: 4 << 20,
+            prefill_tokens_per_sec: cortex_sched::Capacity::default().prefill_tokens_per_sec,
             shutdown_grace: Duration::from_secs(30),
         }
     }

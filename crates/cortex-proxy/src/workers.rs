@@ -197,7 +197,11 @@ impl Gateway {
         let mut spec = WorkerSpec::new(w.id, w.config.model.clone(), w.config.engine);
         spec.role = w.config.role;
         spec.dp_size = d.dp_size;
-        spec.capacity = Capacity { kv_blocks: d.capacity_blocks, ..Capacity::default() };
+        spec.capacity = Capacity {
+            kv_blocks: d.capacity_blocks,
+            prefill_tokens_per_sec: self.cfg.prefill_tokens_per_sec,
+            ..Capacity::default()
+        };
         spec.labels = vec![("name".into(), w.config.name.clone()), ("url".into(), w.config.url.clone())];
         self.cluster.upsert(spec, Health::Healthy);
         if self.cfg.mode == Mode::Route && !d.sources.is_empty() {

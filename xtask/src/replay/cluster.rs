@@ -123,7 +123,8 @@ impl Sims {
     }
 }
 
-/// Cortex's gateway in front of `sims`, with scheduler policy `policy`.
+/// Cortex's gateway in front of `sims`, with scheduler policy `policy` and the extra scheduler
+/// settings `scheduler` (YAML flow-map entries, may be empty).
 ///
 /// # Errors
 /// The configuration does not validate, or the gateway does not become ready in time.
@@ -133,7 +134,9 @@ pub async fn start_cortex(
     engine: Engine,
     block_size: usize,
     policy: &str,
+    scheduler: &str,
 ) -> Result<Running> {
+    let extra = if scheduler.trim().is_empty() { String::new() } else { format!(", {scheduler}") };
     let mut workers = String::new();
     for (i, s) in sims.workers.iter().enumerate() {
         workers.push_str(&format!(
@@ -152,7 +155,7 @@ models:
     tokenizer_config: '{cfg}'
     block_size: {block_size}
 workers:
-{workers}scheduler: {{policy: {policy}}}
+{workers}scheduler: {{policy: {policy}{extra}}}
 probes: {{health_interval: 1s, load_interval: 250ms}}
 ",
         engine = engine.name(),

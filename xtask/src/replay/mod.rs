@@ -58,6 +58,11 @@ pub struct Args {
         default_value = "cache_aware,round_robin,power_of_two,least_load,sglang"
     )]
     pub policies: Vec<String>,
+    /// Extra settings of Cortex's `scheduler:` section, as YAML flow-map entries applied to every
+    /// Cortex policy (for example `gamma: 2, bounded_load_epsilon: 0.5`); see
+    /// docs/configuration.md.
+    #[arg(long, default_value = "")]
+    pub scheduler: String,
     /// Requests per workload (Mooncake: the first N of the trace; default 2000; synthetic
     /// workloads have their own defaults).
     #[arg(long)]
@@ -407,7 +412,16 @@ async fn run_policy(
             (outcomes, wall)
         }
         None => {
-            let gw = match cluster::start_cortex(root, &sims, args.engine, args.block_size, policy).await {
+            let gw = match cluster::start_cortex(
+                root,
+                &sims,
+                args.engine,
+                args.block_size,
+                policy,
+                &args.scheduler,
+            )
+            .await
+            {
                 Ok(g) => g,
                 Err(e) => {
                     tokio::task::spawn_blocking(move || sims.shutdown()).await?;
