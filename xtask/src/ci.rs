@@ -3,6 +3,7 @@
 //! Key decision: one command, in Rust, that installs what it needs (cargo-deny) and fails on the
 //! first red step, so that a developer's machine and CI cannot drift apart.
 
+use crate::cargo;
 use std::path::Path;
 use std::process::{Command, ExitCode};
 
@@ -25,10 +26,6 @@ fn step(name: &str, root: &Path, program: &str, args: &[&str]) -> Result<()> {
         bail!("{name} failed ({status})");
     }
     Ok(())
-}
-
-fn cargo() -> String {
-    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
 }
 
 fn have_cargo_deny() -> bool {

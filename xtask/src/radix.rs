@@ -8,6 +8,7 @@
 //! build script turns into a cfg for that crate alone); the models are then `#[should_panic]`,
 //! so each run must come out green.
 
+use crate::cargo;
 use std::path::Path;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -22,10 +23,6 @@ pub const LOOM_BUGS: &[(&str, &str)] = &[
     ("free_now", "rebuild_reclaims_only_after_readers_leave"),
     ("id_after_active", "holder_is_published_with_its_id"),
 ];
-
-fn cargo() -> String {
-    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
-}
 
 /// Runs `cmd` to completion or kills it after `cap`.
 #[allow(clippy::print_stdout)]

@@ -11,9 +11,8 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 
 /// Which workspace crates each member may depend on (normal and build dependencies). Dev
 /// dependencies may add `cortex-sim` (tests and benches drive simulated engines).
@@ -84,15 +83,7 @@ pub struct Member {
 }
 
 fn members(root: &Path) -> Result<Vec<Member>> {
-    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
-        .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
-        .current_dir(root)
-        .output()
-        .context("running cargo metadata")?;
-    if !out.status.success() {
-        bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).context("parsing cargo metadata")?;
+    let meta = crate::cargo_metadata(root)?;
     let packages = meta["packages"].as_array().context("metadata packages")?;
     packages
         .iter()

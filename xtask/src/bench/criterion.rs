@@ -10,13 +10,14 @@
 //! ([`super::report`]) picks the numbers it tabulates by criterion id, and every criterion result
 //! of the run is listed anyway.
 
+use crate::cargo;
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::SystemTime;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use serde_json::Value;
 
 /// A `[[bench]]` target of a workspace member.
@@ -53,16 +54,7 @@ impl BenchTarget {
 /// # Errors
 /// `cargo metadata` fails.
 pub fn discover(root: &Path) -> Result<Vec<BenchTarget>> {
-    let out = Command::new(cargo())
-        .args(["metadata", "--format-version", "1", "--no-deps", "--offline"])
-        .current_dir(root)
-        .output()
-        .context("running cargo metadata")?;
-    if !out.status.success() {
-        bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let meta: Value = serde_json::from_slice(&out.stdout)?;
-    Ok(bench_targets(&meta))
+    Ok(bench_targets(&crate::cargo_metadata(root)?))
 }
 
 fn bench_targets(meta: &Value) -> Vec<BenchTarget> {
@@ -85,10 +77,6 @@ fn bench_targets(meta: &Value) -> Vec<BenchTarget> {
     }
     out.sort_by(|a, b| (&a.package, &a.bench).cmp(&(&b.package, &b.bench)));
     out
-}
-
-pub(crate) fn cargo() -> String {
-    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
 }
 
 /// What running one bench produced.

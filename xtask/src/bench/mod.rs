@@ -243,7 +243,7 @@ fn run_overhead(root: &Path, args: &Args, out_dir: &Path) -> Result<serde_json::
     if cfg!(debug_assertions) {
         let o = args.overhead_options();
         let c: Vec<String> = o.concurrency.iter().map(ToString::to_string).collect();
-        let mut cmd = Command::new(criterion::cargo());
+        let mut cmd = Command::new(crate::cargo());
         cmd.args(["run", "--release", "-p", "xtask", "--", "bench", "--overhead-json"])
             .arg(&json)
             .args([
