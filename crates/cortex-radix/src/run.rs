@@ -1,0 +1,363 @@
+//! Runs: the shared, reader-visible unit of the ledger. A run is a contiguous piece of one
+//! `SeqHash` chain (at most [`MAX_RUN`] blocks, fixed at creation) plus, per holder, how long a
+//! prefix of it the holder has on GPU and on any tier.
+//!
+//! Key decisions:
+//! - **One allocation of atomic words**, so that a query touches one header line, one group line
+//!   and one or two hash lines per run: `[len | groups] [refs] [ext] ([masks] [cuts × 8]) × groups
+//!   [hash × len]`. A run's hashes never change after it is published, so a query that found a run
+//!   by its first block compares the rest of the run with the prompt in one comparison (the chain
+//!   property: two chains that agree at position j agree at every position before it) and, on a
+//!   mismatch, finds the divergence by binary search.
+//! - **Per holder, two cuts** (the first offset it lacks, on GPU and on any tier) in one 16-bit
+//!   word, four to an atomic word, plus per group of 32 holders a mask word of the holders whose
+//!   cuts are the whole run (low half GPU, high half any tier): the query's fast path is one mask
+//!   word; only holders that end inside the run cost a second load. Each holder's writer owns its
+//!   bits and changes them with one `fetch_xor`; there is no lock on coverage. Cut words are always
+//!   written, full or not, so a reader that reads a cut word reads a state the holder had.
+//! - **Groups registered later than the run** live in an extension allocated once, on demand,
+//!   with a compare-and-swap.
+//! - **Reference counted, reclaimed through the epoch:** every holder that has a block of the run,
+//!   every deterministic-index entry and every pending graft holds one reference. The last release
+//!   unlinks the run from the head table under its shard lock and hands it to the epoch, which frees
+//!   it once no query can still read it (see `Ledger` and `table.rs`).
+
+use std::ptr::NonNull;
+
+use crate::slots::GROUP;
+use crate::sync::{AtomicU64, Ordering};
+
+/// The most blocks in one run (a cut fits in a byte; a holder's blocks of a run in a `u64`).
+pub(crate) const MAX_RUN: usize = 64;
+
+/// Holder groups a ledger can have (`MAX_HOLDERS / GROUP`).
+pub(crate) const GROUPS: usize = 32;
+
+/// Words per group: the mask word and 32 16-bit cut words, four per atomic word.
+const GROUP_WORDS: usize = 1 + GROUP as usize / 4;
+
+/// Header words: `len | groups << 8`, references, extension pointer.
+const HEADER: usize = 3;
+
+/// Set in the reference word once the run is unlinked (debugging aid and loom check).
+const DEAD: u64 = 1 << 63;
+
+/// A handle to a run: a thin pointer to its first word. Copyable; the run itself lives until its
+/// last reference is released and the epoch has passed (see the module documentation). A handle
+/// is only used while its user holds a reference or is pinned and found it in the head table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Run(NonNull<AtomicU64>);
+
+// SAFETY: a run is only atomics; handles are shared between threads under the reference and epoch
+// rules above.
+unsafe impl Send for Run {}
+// SAFETY: as above.
+unsafe impl Sync for Run {}
+
+/// Bit position above which a location packs the offset (user-space pointers are below 2^57).
+const OFF_SHIFT: u32 = 57;
+
+/// A block's location: its run and offset, packed in one `u64` (a holder's entry keeps it).
+#[inline]
+pub(crate) fn pack(run: Run, off: usize) -> u64 {
+    run.bits() | ((off as u64) << OFF_SHIFT)
+}
+
+/// The run and offset of a packed location.
+#[inline]
+pub(crate) fn unpack(loc: u64) -> (Run, usize) {
+    // SAFETY: packed locations are only made by `pack` from a live run.
+    (unsafe { Run::from_bits(loc & ((1 << OFF_SHIFT) - 1)) }, (loc >> OFF_SHIFT) as usize)
+}
+
+impl Run {
+    /// A new run of `hashes` (1..=MAX_RUN) with inline room for `groups` holder groups and `refs`
+    /// references, unpublished.
+    pub(crate) fn new(hashes: &[u64], groups: usize, refs: u64) -> Run {
+        debug_assert!(!hashes.is_empty() && hashes.len() <= MAX_RUN && groups <= GROUPS);
+        let n = HEADER + groups * GROUP_WORDS + hashes.len();
+        let words: Box<[AtomicU64]> = (0..n)
+            .map(|i| {
+                let v = match i {
+                    0 => hashes.len() as u64 | ((groups as u64) << 8),
+                    1 => refs,
+                    _ if i >= HEADER + groups * GROUP_WORDS => hashes[i - HEADER - groups * GROUP_WORDS],
+                    _ => 0,
+                };
+                AtomicU64::new(v)
+            })
+            .collect();
+        #[cfg(cortex_loom_bug = "run_hashes_late")]
+        for i in HEADER + groups * GROUP_WORDS..n {
+            // Relaxed (negative control): the deliberate bug writes the hashes after publication
+            // (see `publish_late`).
+            words[i].store(0, Ordering::Relaxed);
+        }
+        let ptr = Box::into_raw(words).cast::<AtomicU64>();
+        assert!((ptr as u64) >> OFF_SHIFT == 0, "a run allocated above 2^57 cannot be packed");
+        // SAFETY: `Box::into_raw` never returns null.
+        Run(unsafe { NonNull::new_unchecked(ptr) })
+    }
+
+    /// Negative control `run_hashes_late`: writes the hashes after the run was published.
+    #[cfg(cortex_loom_bug = "run_hashes_late")]
+    pub(crate) fn publish_late(self, hashes: &[u64]) {
+        let base = HEADER + self.groups() * GROUP_WORDS;
+        for (i, &h) in hashes.iter().enumerate() {
+            // Relaxed (negative control): the bug is that this comes after publication.
+            self.w(base + i).store(h, Ordering::Relaxed);
+        }
+    }
+
+    #[inline]
+    pub(crate) fn bits(self) -> u64 {
+        self.0.as_ptr() as u64
+    }
+
+    /// # Safety
+    /// `bits` must come from [`Run::bits`] of a run that is still allocated.
+    #[inline]
+    pub(crate) unsafe fn from_bits(bits: u64) -> Run {
+        // SAFETY: the caller passes a non-null run pointer.
+        Run(unsafe { NonNull::new_unchecked(bits as *mut AtomicU64) })
+    }
+
+    #[inline]
+    fn w(self, i: usize) -> &'static AtomicU64 {
+        // SAFETY: `i` is within the run's words (callers index from its header), and the run is
+        // alive while the handle is used (the reference and epoch rules of the module doc); the
+        // `'static` never escapes a caller that holds one of them.
+        unsafe { &*self.0.as_ptr().add(i) }
+    }
+
+    #[inline]
+    fn header(self) -> u64 {
+        // Relaxed: immutable after creation; the run's publication (Release) orders it.
+        self.w(0).load(Ordering::Relaxed)
+    }
+
+    /// Blocks in the run.
+    #[inline]
+    pub(crate) fn len(self) -> usize {
+        (self.header() & 0xff) as usize
+    }
+
+    #[inline]
+    fn groups(self) -> usize {
+        ((self.header() >> 8) & 0xff) as usize
+    }
+
+    /// Words of the allocation (and its heap bytes with [`Run::bytes`]).
+    fn words(self) -> usize {
+        HEADER + self.groups() * GROUP_WORDS + self.len()
+    }
+
+    /// Heap bytes of the run (its extension included).
+    pub(crate) fn bytes(self) -> usize {
+        let ext = if self.ext().is_some() { (GROUPS - self.groups()) * GROUP_WORDS * 8 } else { 0 };
+        self.words() * 8 + ext
+    }
+
+    /// The hash of block `i`.
+    #[inline]
+    pub(crate) fn hash(self, i: usize) -> u64 {
+        debug_assert!(i < self.len());
+        // Relaxed: immutable after creation; published with the run.
+        self.w(HEADER + self.groups() * GROUP_WORDS + i).load(Ordering::Relaxed)
+    }
+
+    /// Hints the CPU to fetch the run's header, first group and the line of hash `i`.
+    #[inline]
+    pub(crate) fn prefetch(self, i: usize) {
+        prefetch(self.w(0));
+        prefetch(self.w(HEADER + self.groups() * GROUP_WORDS + i));
+    }
+
+    fn ext(self) -> Option<NonNull<AtomicU64>> {
+        // Acquire: pairs with the Release compare-and-swap that installed the extension.
+        NonNull::new(self.w(2).load(Ordering::Acquire) as *mut AtomicU64)
+    }
+
+    /// The first word of group `g`'s block, if the run has one (reader side).
+    #[inline]
+    fn group(self, g: usize) -> Option<&'static AtomicU64> {
+        let inline = self.groups();
+        if g < inline {
+            return Some(self.w(HEADER + g * GROUP_WORDS));
+        }
+        let ext = self.ext()?;
+        // SAFETY: the extension holds `(GROUPS - inline) * GROUP_WORDS` words, lives as long as the
+        // run, and `g - inline < GROUPS - inline`.
+        Some(unsafe { &*ext.as_ptr().add((g - inline) * GROUP_WORDS) })
+    }
+
+    /// Group `g`'s block, creating the extension if needed (writer side).
+    fn group_mut(self, g: usize) -> &'static AtomicU64 {
+        if let Some(w) = self.group(g) {
+            return w;
+        }
+        let n = (GROUPS - self.groups()) * GROUP_WORDS;
+        let fresh: Box<[AtomicU64]> = (0..n).map(|_| AtomicU64::new(0)).collect();
+        let fresh = Box::into_raw(fresh).cast::<AtomicU64>();
+        // Release: a reader that loads the pointer (Acquire) sees the zeroed words.
+        let won = self.w(2).compare_exchange(0, fresh as u64, Ordering::Release, Ordering::Acquire);
+        if won.is_err() {
+            // SAFETY: `fresh` was never published; it is the box made just above.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(fresh, n)) });
+        }
+        self.group(g).unwrap_or_else(|| unreachable!("the extension was just installed"))
+    }
+
+    /// The masks of group `g`: holders that have the whole run on GPU (low half) and on any tier
+    /// (high half); 0 if the run has no block for the group.
+    #[inline]
+    pub(crate) fn masks(self, g: usize) -> u64 {
+        // Acquire: pairs with the holders' Release updates (`publish`).
+        self.group(g).map_or(0, |w| w.load(Ordering::Acquire))
+    }
+
+    /// Holder `bit` of group `g`: (GPU cut, any-tier cut).
+    #[inline]
+    pub(crate) fn cut(self, g: usize, bit: u32) -> (usize, usize) {
+        let Some(first) = self.group(g) else { return (0, 0) };
+        let first: *const AtomicU64 = first;
+        // SAFETY: a group block has 1 + GROUP / 4 words; `bit < GROUP`.
+        let word = unsafe { &*first.add(1 + bit as usize / 4) };
+        // Acquire: pairs with the holder's Release update (`publish`).
+        let v = (word.load(Ordering::Acquire) >> ((bit % 4) * 16)) as usize;
+        (v & 0xff, (v >> 8) & 0xff)
+    }
+
+    /// Holder `bit` of group `g` moves its cuts from `old` to `new` (each `gpu | any << 8`).
+    /// Only that holder's writer calls this for its bits.
+    pub(crate) fn publish(self, g: usize, bit: u32, old: u16, new: u16) {
+        if old == new {
+            return;
+        }
+        let len = self.len() as u16;
+        let first: *const AtomicU64 = self.group_mut(g);
+        // SAFETY: as in `cut`.
+        let word = unsafe { &*first.add(1 + bit as usize / 4) };
+        let shift = (bit % 4) * 16;
+        // Release: a reader that loads the word (Acquire) sees what this writer published before.
+        word.fetch_xor(u64::from(old ^ new) << shift, Ordering::Release);
+        let full = |c: u16| (u64::from(c & 0xff == len) << bit) | (u64::from(c >> 8 == len) << (bit + 32));
+        let flip = full(old) ^ full(new);
+        if flip != 0 {
+            // SAFETY: `first` is the group's mask word.
+            // Release: as above.
+            unsafe { &*first }.fetch_xor(flip, Ordering::Release);
+        }
+    }
+
+    /// Takes one more reference. The caller must already hold one, or hold the head table's shard
+    /// lock of the run's first block and have found the run there.
+    #[inline]
+    pub(crate) fn acquire(self) {
+        // Relaxed: a new reference is always derived from a held one (or made under the shard lock
+        // that reclamation takes), so no ordering is needed to keep the run alive.
+        let before = self.w(1).fetch_add(1, Ordering::Relaxed);
+        debug_assert!(before & DEAD == 0, "acquired a reclaimed run");
+    }
+
+    /// Drops one reference; true if it was the last (the caller then reclaims the run).
+    #[inline]
+    pub(crate) fn release(self) -> bool {
+        // AcqRel: the last releaser must see every other holder's writes to the run before it is
+        // reclaimed (Acquire), and its own before handing it over (Release).
+        self.w(1).fetch_sub(1, Ordering::AcqRel) == 1
+    }
+
+    /// References now (0 after the last release).
+    #[inline]
+    pub(crate) fn refs(self) -> u64 {
+        // Acquire: read under the shard lock by reclamation; pairs with `release`.
+        self.w(1).load(Ordering::Acquire)
+    }
+
+    /// Marks the run unlinked (shard lock held, no reference left).
+    pub(crate) fn mark_dead(self) {
+        // Relaxed: read only by debug assertions and loom checks.
+        self.w(1).fetch_or(DEAD, Ordering::Relaxed);
+    }
+
+    /// Frees the run.
+    ///
+    /// # Safety
+    /// No thread may use the run any more: it is unlinked and every reader pinned before the
+    /// unlinking has unpinned (or the ledger is being dropped).
+    pub(crate) unsafe fn free(self) {
+        #[cfg(loom)]
+        {
+            // loom models leak runs (they are tiny) and poison the header instead, for the models
+            // to detect a read of a freed run.
+            // Relaxed: loom only.
+            self.w(0).store(u64::MAX, Ordering::Relaxed);
+        }
+        #[cfg(not(loom))]
+        {
+            let (inline, words) = (self.groups(), self.words());
+            if let Some(ext) = self.ext() {
+                let n = (GROUPS - inline) * GROUP_WORDS;
+                // SAFETY: the extension was made by `group_mut` with exactly `n` words.
+                drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ext.as_ptr(), n)) });
+            }
+            // SAFETY: the run was made by `new` as a boxed slice of exactly `words` words, and the
+            // caller guarantees nobody uses it any more.
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.0.as_ptr(), words)) });
+        }
+    }
+
+    /// True once freed (loom builds: a freed run's header is poisoned).
+    #[cfg(loom)]
+    pub(crate) fn is_freed(self) -> bool {
+        self.header() == u64::MAX
+    }
+}
+
+#[inline]
+fn prefetch(w: &AtomicU64) {
+    let p: *const AtomicU64 = w;
+    #[cfg(all(target_arch = "x86_64", not(loom)))]
+    // SAFETY: a prefetch is only a hint; it never faults.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
+    }
+    #[cfg(not(all(target_arch = "x86_64", not(loom))))]
+    let _ = p;
+}
+
+/// The cuts of a holder's blocks of a run: the first offset missing from `bits`.
+#[inline]
+pub(crate) fn cut_of(bits: u64) -> u16 {
+    bits.trailing_ones() as u16
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn coverage_is_published_and_read_back() {
+        let hashes: Vec<u64> = (1..=16).collect();
+        let r = Run::new(&hashes, 1, 1);
+        assert_eq!(r.len(), 16);
+        assert_eq!(r.hash(15), 16);
+        r.publish(0, 5, 0, 3 | (7 << 8));
+        assert_eq!(r.cut(0, 5), (3, 7));
+        assert_eq!(r.masks(0), 0);
+        r.publish(0, 5, 3 | (7 << 8), 16 | (16 << 8));
+        assert_eq!(r.masks(0), (1 << 5) | (1 << 37));
+        // A group beyond the inline ones goes to the extension.
+        assert_eq!(r.cut(7, 31), (0, 0));
+        r.publish(7, 31, 0, 2 | (16 << 8));
+        assert_eq!(r.cut(7, 31), (2, 16));
+        assert_eq!(r.masks(7), 1 << 63);
+        assert_eq!(r.cut(0, 5), (16, 16));
+        let loc = pack(r, 9);
+        assert_eq!(unpack(loc), (r, 9));
+        assert!(r.release(), "the only reference");
+        // SAFETY: never published; this test is its only user.
+        unsafe { r.free() };
+    }
+}
