@@ -18,11 +18,11 @@ use cortex_hash::{BlockHash, SeqHash, chain};
 
 use crate::holder::{COUNTABLE, Entry, HolderRun, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE, mix64};
 use crate::overlap::{Overlap, OverlapScores};
-use crate::run::{GROUPS, MAX_RUN, Run, pack, unpack};
+use crate::run::{self, GROUPS, MAX_RUN, Run, head_key, pack, unpack};
 use crate::slots::{GROUP, Slots};
 use crate::sync::epoch::{self, Guard};
 use crate::sync::{AtomicBool, AtomicU8, AtomicU64, Mutex, MutexGuard, Ordering, fence};
-use crate::table::{EMPTY, SlotTable};
+use crate::table::SlotTable;
 
 /// The most holders one ledger indexes at once (32 groups).
 pub const MAX_HOLDERS: u32 = 1024;
@@ -359,12 +359,7 @@ impl std::fmt::Debug for Ledger {
     }
 }
 
-/// The head-table key of a run whose first block is `seq`: the `SeqHash` itself, the reserved
-/// empty key mapped to 1 (a run found under a key is always checked against its first block).
-#[inline]
-fn head_key(seq: u64) -> u64 {
-    if seq == EMPTY { 1 } else { seq }
-}
+
 
 fn encode_id(id: HolderId) -> u64 {
     (u64::from(id.worker.0) << 16) | u64::from(id.rank.0)
@@ -832,42 +827,15 @@ fn release(inner: &Inner, run: Run, guard: &Guard) {
     }
 }
 
-/// Reclaims `run`, whose last reference was just released: under the shard lock of its first
-/// block, unless a writer found it in the head table and took a reference meanwhile (or another
-/// releaser reclaimed it already), unlinks it and hands it to the epoch.
+/// Reclaims `run`, whose last reference was just released (see [`run::reclaim`]), and counts it.
 fn reclaim(inner: &Inner, run: Run, guard: &Guard) {
-    let key = head_key(run.hash(0));
-    let mut locked = inner.table.lock(key, guard);
-    #[cfg(not(cortex_loom_bug = "reclaim_unlocked"))]
-    if run.refs() != 0 {
-        return;
-    }
-    if locked.find(key) == run.bits() {
-        locked.put(key, 0);
-    }
-    run.mark_dead();
-    drop(locked);
-    // Relaxed: statistics counters; nothing is published through them.
-    inner.counters.run_bytes.fetch_sub(run.bytes(), StdOrdering::Relaxed);
-    // Relaxed: as above.
-    inner.counters.runs.fetch_sub(1, StdOrdering::Relaxed);
-    // Relaxed: as above.
-    inner.counters.run_blocks.fetch_sub(run.len() as u64, StdOrdering::Relaxed);
-    #[cfg(not(cortex_loom_bug = "free_run_now"))]
-    {
-        let bits = run.bits();
-        guard.defer(move || {
-            // SAFETY: the run is unlinked from the head table and no reference to it is left;
-            // the epoch runs this only after every guard pinned before the unlinking (the only
-            // ones that can still hold it) has been dropped.
-            unsafe { Run::from_bits(bits).free() }
-        });
-        guard.flush();
-    }
-    #[cfg(cortex_loom_bug = "free_run_now")]
-    // SAFETY: none; the negative control frees without waiting for readers.
-    unsafe {
-        run.free();
+    if run::reclaim(&inner.table, run, guard) {
+        // Relaxed: statistics counters; nothing is published through them.
+        inner.counters.run_bytes.fetch_sub(run.bytes(), StdOrdering::Relaxed);
+        // Relaxed: as above.
+        inner.counters.runs.fetch_sub(1, StdOrdering::Relaxed);
+        // Relaxed: as above.
+        inner.counters.run_blocks.fetch_sub(run.len() as u64, StdOrdering::Relaxed);
     }
 }
 
@@ -878,54 +846,21 @@ impl Cx<'_> {
 
     /// The run with first block `seq`, with a new reference, if there is one.
     fn find_head(&self, seq: u64) -> Option<Run> {
-        let key = head_key(seq);
-        if self.inner.table.get(key, self.guard) == 0 {
-            return None;
-        }
-        let locked = self.inner.table.lock(key, self.guard);
-        let bits = locked.find(key);
-        if bits == 0 {
-            return None;
-        }
-        // SAFETY: found under the shard lock, which reclamation takes to unlink a run.
-        let run = unsafe { Run::from_bits(bits) };
-        if run.hash(0) != seq {
-            return None;
-        }
-        run.acquire();
-        Some(run)
+        run::find(&self.inner.table, seq, self.guard)
     }
 
-    /// A run of `seqs` (their first block is no run's yet, as far as the caller saw), with a new
-    /// reference: a new one, published in the head table, or the one another writer published
-    /// first.
+    /// A run of `seqs` (see [`run::create`]), with a new reference, counted if new.
     fn create(&self, seqs: &[u64]) -> Run {
-        let key = head_key(seqs[0]);
-        let mut locked = self.inner.table.lock(key, self.guard);
-        let bits = locked.find(key);
-        if bits != 0 {
-            // SAFETY: found under the shard lock (see `find_head`).
-            let run = unsafe { Run::from_bits(bits) };
-            if run.hash(0) == seqs[0] {
-                run.acquire();
-                return run;
-            }
-        }
         let groups = self.inner.slots.groups().max(self.group_bit().0 as usize + 1);
-        let run = Run::new(seqs, groups, 1);
-        // Relaxed: statistics counters; nothing is published through them.
-        self.inner.counters.run_bytes.fetch_add(run.bytes(), StdOrdering::Relaxed);
-        // Relaxed: as above.
-        self.inner.counters.runs.fetch_add(1, StdOrdering::Relaxed);
-        // Relaxed: as above.
-        self.inner.counters.run_blocks.fetch_add(seqs.len() as u64, StdOrdering::Relaxed);
-        if bits == 0 {
-            // (A key taken by a run of another first block — a 2^-64 collision — leaves this run
-            // unpublished: never counted, still correct for its holders' bookkeeping.)
-            locked.put(key, run.bits());
+        let (run, new) = run::create(&self.inner.table, seqs, groups, self.guard);
+        if new {
+            // Relaxed: statistics counters; nothing is published through them.
+            self.inner.counters.run_bytes.fetch_add(run.bytes(), StdOrdering::Relaxed);
+            // Relaxed: as above.
+            self.inner.counters.runs.fetch_add(1, StdOrdering::Relaxed);
+            // Relaxed: as above.
+            self.inner.counters.run_blocks.fetch_add(seqs.len() as u64, StdOrdering::Relaxed);
         }
-        #[cfg(cortex_loom_bug = "run_hashes_late")]
-        run.publish_late(seqs);
         run
     }
 
