@@ -28,6 +28,9 @@ use crate::table::SlotTable;
 pub const MAX_HOLDERS: u32 = 1024;
 const _: () = assert!(GROUPS == (MAX_HOLDERS / GROUP) as usize);
 
+/// Runs a query looks up ahead (in the head table only) before it reads them.
+const PATH: usize = 16;
+
 /// The bytes per (holder, block) that [`LedgerConfig::byte_budget`] is converted to blocks with:
 /// about twice what a block costs at the structures' usual load (35–40 B in the §4 benchmark, up
 /// to ~80 B in the soak, whose deterministic holders also fill the cross-holder index), so that
@@ -470,111 +473,149 @@ impl Ledger {
         if states.is_empty() {
             return;
         }
-        // GPU run lengths of holders whose GPU run ended before their any-tier run: on the stack
-        // (4 KiB), so that the query allocates nothing whatever the number of groups.
-        let mut gpu_len = [[0u32; GROUP as usize]; GROUPS];
+        // GPU run lengths of holders whose GPU run ended before their any-tier run, per counted
+        // group: on the stack, so that the query allocates nothing whatever the number of groups,
+        // and only the rows of counted groups are initialized (zeroing 4 KiB was a fifth of a
+        // query).
+        let mut rows = [const { std::mem::MaybeUninit::<[u32; GROUP as usize]>::uninit() }; GROUPS];
+        for row in &mut rows[..states.len()] {
+            row.write([0; GROUP as usize]);
+        }
+        // SAFETY: the first `states.len()` rows were just initialized, and `MaybeUninit<T>` has
+        // the layout of `T`.
+        let gpu_len: &mut [[u32; GROUP as usize]] =
+            unsafe { &mut *(std::ptr::from_mut(&mut rows[..states.len()]) as *mut [[u32; GROUP as usize]]) };
+        // Look-ahead: with an early exit, most queries stop at their first run.
+        let ahead = if opts.early_exit == EarlyExit::Never { PATH } else { 2 };
         let emit = |out: &mut OverlapScores, g: u32, b: u32, gpu: u32, any: u32| {
             if any > 0 {
                 let id = decode_id(inner.slots.id(g * GROUP + b));
                 out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: any });
             }
         };
+        // The walk, in rounds: first the head table alone, assuming every run matches whole (the
+        // table's value says where a run ends), prefetching each run's first line, so that the
+        // runs' misses overlap; then the runs in order, each checked against the prompt. A run
+        // the prompt leaves early ends the round; the next starts where it diverged.
         let mut i = 0;
-        while i < n {
-            let bits = inner.table.get(head_key(seq[i].to_bits()), &guard);
-            if bits == 0 {
-                break;
-            }
-            // SAFETY: a run found in the head table is reclaimed only after it was unlinked from
-            // it and every guard pinned before has been dropped; `guard` is pinned.
-            let run = unsafe { Run::from_bits(bits) };
-            let len = run.len();
-            let k = len.min(n - i);
-            run.prefetch(k - 1);
-            if i + k < n {
-                // Where the next lookup goes if the whole run matches.
-                inner.table.prefetch(head_key(seq[i + k].to_bits()), &guard);
-            }
-            if run.hash(0) != seq[i].to_bits() {
-                break;
-            }
-            // The matched span: the whole run if its last compared block matches (the chain
-            // property), else the divergence found by binary search (equality is monotone).
-            let m = if run.hash(k - 1) == seq[i + k - 1].to_bits() {
-                k
-            } else {
-                let (mut lo, mut hi) = (0, k - 1);
-                while hi - lo > 1 {
-                    let mid = (lo + hi) / 2;
-                    if run.hash(mid) == seq[i + mid].to_bits() {
-                        lo = mid;
-                    } else {
-                        hi = mid;
-                    }
+        let mut path = [(0u64, 0usize); PATH];
+        'rounds: while i < n {
+            let mut len_path = 0;
+            let mut p = i;
+            while p < n && len_path < ahead {
+                let v = inner.table.get(head_key(seq[p].to_bits()), &guard);
+                if v == 0 {
+                    break;
                 }
-                lo + 1
-            };
-            if opts.early_exit == EarlyExit::OneHolderLeft
-                && let Some(end) = early_exit(run, states, i, m)
-            {
-                // At most one holder is left within this span: everyone else ends where they
-                // end, the survivor at `end`.
-                for st in states.iter() {
-                    let masks = run.masks(st.0 as usize);
-                    let mut d = st.2;
-                    while d != 0 {
-                        let b = d.trailing_zeros();
-                        d &= d - 1;
-                        let (gc, ac) = span_cuts(run, st.0, b, masks, m);
-                        let gpu = if st.1 & (1 << b) != 0 { (i + gc) as u32 } else { gpu_len[st.0 as usize][b as usize] };
-                        let any = (i + ac) as u32;
-                        if any >= end {
-                            emit(out, st.0, b, gpu.min(end), end);
+                let (run, len) = Run::from_head_value(v);
+                run.prefetch_head();
+                path[len_path] = (v, len);
+                len_path += 1;
+                p += len;
+            }
+            if len_path == 0 {
+                break;
+            }
+            for &(v, len) in &path[..len_path] {
+                // A run found in the head table is reclaimed only after it was unlinked from it
+                // and every guard pinned before has been dropped; `guard` is pinned.
+                let (run, _) = Run::from_head_value(v);
+                let k = len.min(n - i);
+                // The key is the first block's `SeqHash` itself except for 0 and 1 (see
+                // `head_key`).
+                if seq[i].to_bits() <= 1 && run.hash(0) != seq[i].to_bits() {
+                    break 'rounds;
+                }
+                // The matched span: the whole run if its last compared block matches (the chain
+                // property), else the divergence found by binary search (equality is monotone).
+                let m = if k == len && run.last() == seq[i + k - 1].to_bits() {
+                    k
+                } else if k < len && run.hash(k - 1) == seq[i + k - 1].to_bits() {
+                    k
+                } else {
+                    run.prefetch(k / 2);
+                    let (mut lo, mut hi) = (0, k - 1);
+                    while hi - lo > 1 {
+                        let mid = (lo + hi) / 2;
+                        if run.hash(mid) == seq[i + mid].to_bits() {
+                            lo = mid;
                         } else {
-                            emit(out, st.0, b, gpu, any);
+                            hi = mid;
                         }
                     }
-                }
-                return;
-            }
-            let mut left = 0;
-            for st in states.iter_mut() {
-                if st.2 == 0 {
-                    continue;
-                }
-                let masks = run.masks(st.0 as usize);
-                let (full_gpu, full_any) = (masks as u32, (masks >> 32) as u32);
-                // Holders that do not have the whole run end inside it (or at its first block).
-                let mut d = (st.1 & !full_gpu) | (st.2 & !full_any);
-                while d != 0 {
-                    let b = d.trailing_zeros();
-                    let bit = 1u32 << b;
-                    d &= d - 1;
-                    let (gc, ac) = run.cut(st.0 as usize, b);
-                    if st.1 & bit != 0 && gc < m {
-                        gpu_len[st.0 as usize][b as usize] = (i + gc) as u32;
-                        st.1 &= !bit;
+                    lo + 1
+                };
+                if opts.early_exit == EarlyExit::OneHolderLeft
+                    && let Some(end) = early_exit(run, states, i, m)
+                {
+                    // At most one holder is left within this span: everyone else ends where they
+                    // end, the survivor at `end`.
+                    for (si, st) in states.iter().enumerate() {
+                        let masks = run.masks(st.0 as usize);
+                        let mut d = st.2;
+                        while d != 0 {
+                            let b = d.trailing_zeros();
+                            d &= d - 1;
+                            let (gc, ac) = span_cuts(run, st.0, b, masks, m);
+                            let gpu = if st.1 & (1 << b) != 0 { (i + gc) as u32 } else { gpu_len[si][b as usize] };
+                            let any = (i + ac) as u32;
+                            if any >= end {
+                                emit(out, st.0, b, gpu.min(end), end);
+                            } else {
+                                emit(out, st.0, b, gpu, any);
+                            }
+                        }
                     }
-                    if st.2 & bit != 0 && ac < m {
-                        let gpu = gpu_len[st.0 as usize][b as usize];
-                        emit(out, st.0, b, if st.1 & bit != 0 { (i + ac) as u32 } else { gpu }, (i + ac) as u32);
-                        st.1 &= !bit;
-                        st.2 &= !bit;
-                    }
+                    return;
                 }
-                left += st.2.count_ones();
+                let mut left = 0;
+                for (si, st) in states.iter_mut().enumerate() {
+                    if st.2 == 0 {
+                        continue;
+                    }
+                    let masks = run.masks(st.0 as usize);
+                    let (full_gpu, full_any) = (masks as u32, (masks >> 32) as u32);
+                    // Holders that do not have the whole run end inside it (or at its first block).
+                    let mut d = (st.1 & !full_gpu) | (st.2 & !full_any);
+                    while d != 0 {
+                        let b = d.trailing_zeros();
+                        let bit = 1u32 << b;
+                        d &= d - 1;
+                        let (gc, ac) = run.cut(st.0 as usize, b);
+                        if st.1 & bit != 0 && gc < m {
+                            gpu_len[si][b as usize] = (i + gc) as u32;
+                            st.1 &= !bit;
+                        }
+                        if st.2 & bit != 0 && ac < m {
+                            let gpu = gpu_len[si][b as usize];
+                            emit(out, st.0, b, if st.1 & bit != 0 { (i + ac) as u32 } else { gpu }, (i + ac) as u32);
+                            st.1 &= !bit;
+                            st.2 &= !bit;
+                        }
+                    }
+                    left += st.2.count_ones();
+                }
+                if left == 0 {
+                    return;
+                }
+                i += m;
+                if m < len {
+                    // Diverged inside the run (or the prompt ended): the rest of the path assumed
+                    // it matched whole.
+                    continue 'rounds;
+                }
             }
-            if left == 0 {
-                return;
+            if len_path < ahead && i < n {
+                // The head table had no run at `p`: nobody holds the block there.
+                break;
             }
-            i += m;
         }
-        for st in states.iter() {
+        for (si, st) in states.iter().enumerate() {
             let mut d = st.2;
             while d != 0 {
                 let b = d.trailing_zeros();
                 d &= d - 1;
-                let gpu = if st.1 & (1 << b) != 0 { i as u32 } else { gpu_len[st.0 as usize][b as usize] };
+                let gpu = if st.1 & (1 << b) != 0 { i as u32 } else { gpu_len[si][b as usize] };
                 emit(out, st.0, b, gpu, i as u32);
             }
         }
@@ -747,6 +788,14 @@ fn span_cuts(run: Run, g: u32, b: u32, masks: u64, m: usize) -> (usize, usize) {
 /// entering the span `i..i + m` of `run` is left at some position of the span (the first position
 /// where exactly one is left, plus one), else `None`.
 fn early_exit(run: Run, states: &[(u32, u32, u32)], i: usize, m: usize) -> Option<u32> {
+    // Two holders with the whole run both outlast the span: no need to read a cut.
+    let mut full = 0;
+    for st in states {
+        full += (st.2 & (run.masks(st.0 as usize) >> 32) as u32).count_ones();
+        if full >= 2 {
+            return None;
+        }
+    }
     // The two largest any-tier cuts over the holders alive entering the span.
     let (mut first, mut second) = (0usize, 0usize);
     let mut alive = 0;

@@ -3,12 +3,13 @@
 //! prefix of it the holder has on GPU and on any tier.
 //!
 //! Key decisions:
-//! - **One allocation of atomic words**, so that a query touches one header line, one group line
-//!   and one or two hash lines per run: `[len | groups] [refs] [ext] ([masks] [cuts × 8]) × groups
-//!   [hash × len]`. A run's hashes never change after it is published, so a query that found a run
-//!   by its first block compares the rest of the run with the prompt in one comparison (the chain
-//!   property: two chains that agree at position j agree at every position before it) and, on a
-//!   mismatch, finds the divergence by binary search.
+//! - **One cache-line-aligned allocation of atomic words**: `[len | groups] [last hash] [refs]
+//!   [ext] [masks × groups] [cuts × 8 × groups] [hash × len]`. A run's hashes never change after
+//!   it is published, so a query that found a run by its first block compares the rest of the run
+//!   with the prompt in one comparison (the chain property: two chains that agree at position j
+//!   agree at every position before it) and, on a mismatch, finds the divergence by binary search.
+//!   The first line holds the length, the last hash and the masks of up to four groups, so a run
+//!   the prompt covers whole, whose holders have it whole, costs the query one line.
 //! - **Per holder, two cuts** (the first offset it lacks, on GPU and on any tier) in one 16-bit
 //!   word, four to an atomic word, plus per group of 32 holders a mask word of the holders whose
 //!   cuts are the whole run (low half GPU, high half any tier): the query's fast path is one mask
@@ -35,11 +36,38 @@ pub(crate) const MAX_RUN: usize = 64;
 /// Holder groups a ledger can have (`MAX_HOLDERS / GROUP`).
 pub(crate) const GROUPS: usize = 32;
 
-/// Words per group: the mask word and 32 16-bit cut words, four per atomic word.
-const GROUP_WORDS: usize = 1 + GROUP as usize / 4;
+/// Cut words per group: 32 16-bit cuts, four per atomic word.
+const CUT_WORDS: usize = GROUP as usize / 4;
 
-/// Header words: `len | groups << 8`, references, extension pointer.
-const HEADER: usize = 3;
+/// Words per group in the extension: the mask word and the cut words.
+const GROUP_WORDS: usize = 1 + CUT_WORDS;
+
+/// Header words: `len | groups << 8`, last hash, references, extension pointer.
+const HEADER: usize = 4;
+
+/// The allocation unit: a cache line of words (loom: one word, as loom's atomics are larger).
+#[cfg(not(loom))]
+#[repr(C, align(64))]
+struct Unit([AtomicU64; 8]);
+#[cfg(not(loom))]
+const UNIT_WORDS: usize = 8;
+#[cfg(loom)]
+struct Unit(AtomicU64);
+#[cfg(loom)]
+const UNIT_WORDS: usize = 1;
+
+impl Unit {
+    fn zero() -> Unit {
+        #[cfg(not(loom))]
+        {
+            Unit(std::array::from_fn(|_| AtomicU64::new(0)))
+        }
+        #[cfg(loom)]
+        {
+            Unit(AtomicU64::new(0))
+        }
+    }
+}
 
 /// Set in the reference word once the run is unlinked (debugging aid and loom check).
 const DEAD: u64 = 1 << 63;
@@ -77,36 +105,43 @@ impl Run {
     /// references, unpublished.
     pub(crate) fn new(hashes: &[u64], groups: usize, refs: u64) -> Run {
         debug_assert!(!hashes.is_empty() && hashes.len() <= MAX_RUN && groups <= GROUPS);
-        let n = HEADER + groups * GROUP_WORDS + hashes.len();
-        let words: Box<[AtomicU64]> = (0..n)
-            .map(|i| {
-                let v = match i {
-                    0 => hashes.len() as u64 | ((groups as u64) << 8),
-                    1 => refs,
-                    _ if i >= HEADER + groups * GROUP_WORDS => hashes[i - HEADER - groups * GROUP_WORDS],
-                    _ => 0,
-                };
-                AtomicU64::new(v)
-            })
-            .collect();
-        #[cfg(cortex_loom_bug = "run_hashes_late")]
-        for i in HEADER + groups * GROUP_WORDS..n {
-            // Relaxed (negative control): the deliberate bug writes the hashes after publication
-            // (see `publish_late`).
-            words[i].store(0, Ordering::Relaxed);
-        }
-        let ptr = Box::into_raw(words).cast::<AtomicU64>();
+        let units = Self::units(hashes.len(), groups);
+        let boxed: Box<[Unit]> = (0..units).map(|_| Unit::zero()).collect();
+        let ptr = Box::into_raw(boxed).cast::<AtomicU64>();
         assert!((ptr as u64) >> OFF_SHIFT == 0, "a run allocated above 2^57 cannot be packed");
         // SAFETY: `Box::into_raw` never returns null.
-        Run(unsafe { NonNull::new_unchecked(ptr) })
+        let run = Run(unsafe { NonNull::new_unchecked(ptr) });
+        let base = HEADER + groups * GROUP_WORDS;
+        // Relaxed (all stores here): the run is unpublished; its publication (a Release store of
+        // its address) orders them.
+        run.w(0).store(hashes.len() as u64 | ((groups as u64) << 8), Ordering::Relaxed);
+        #[cfg(not(cortex_loom_bug = "run_hashes_late"))]
+        {
+            // Relaxed: as above.
+            run.w(1).store(hashes[hashes.len() - 1], Ordering::Relaxed);
+            for (i, &h) in hashes.iter().enumerate() {
+                // Relaxed: as above.
+                run.w(base + i).store(h, Ordering::Relaxed);
+            }
+        }
+        // Relaxed: as above.
+        run.w(2).store(refs, Ordering::Relaxed);
+        run
+    }
+
+    /// Allocation units of a run of `len` blocks with `groups` inline groups.
+    fn units(len: usize, groups: usize) -> usize {
+        (HEADER + groups * GROUP_WORDS + len).div_ceil(UNIT_WORDS)
     }
 
     /// Negative control `run_hashes_late`: writes the hashes after the run was published.
     #[cfg(cortex_loom_bug = "run_hashes_late")]
     pub(crate) fn publish_late(self, hashes: &[u64]) {
         let base = HEADER + self.groups() * GROUP_WORDS;
+        // Relaxed (negative control): the bug is that this comes after publication.
+        self.w(1).store(hashes[hashes.len() - 1], Ordering::Relaxed);
         for (i, &h) in hashes.iter().enumerate() {
-            // Relaxed (negative control): the bug is that this comes after publication.
+            // Relaxed (negative control): as above.
             self.w(base + i).store(h, Ordering::Relaxed);
         }
     }
@@ -149,15 +184,37 @@ impl Run {
         ((self.header() >> 8) & 0xff) as usize
     }
 
-    /// Words of the allocation (and its heap bytes with [`Run::bytes`]).
-    fn words(self) -> usize {
-        HEADER + self.groups() * GROUP_WORDS + self.len()
-    }
-
     /// Heap bytes of the run (its extension included).
     pub(crate) fn bytes(self) -> usize {
         let ext = if self.ext().is_some() { (GROUPS - self.groups()) * GROUP_WORDS * 8 } else { 0 };
-        self.words() * 8 + ext
+        Self::units(self.len(), self.groups()) * std::mem::size_of::<Unit>() + ext
+    }
+
+    /// The head table's value for this run: its address and its length less one, packed like a
+    /// location, so that a query knows where the run ends before it reads the run.
+    #[inline]
+    pub(crate) fn head_value(self) -> u64 {
+        pack(self, self.len() - 1)
+    }
+
+    /// The run and its length of a head-table value.
+    #[inline]
+    pub(crate) fn from_head_value(v: u64) -> (Run, usize) {
+        let (run, last) = unpack(v);
+        (run, last + 1)
+    }
+
+    /// Hints the CPU to fetch the run's first line.
+    #[inline]
+    pub(crate) fn prefetch_head(self) {
+        prefetch(self.w(0));
+    }
+
+    /// The hash of the last block (in the first line).
+    #[inline]
+    pub(crate) fn last(self) -> u64 {
+        // Relaxed: immutable after creation; published with the run.
+        self.w(1).load(Ordering::Relaxed)
     }
 
     /// The hash of block `i`.
@@ -168,33 +225,36 @@ impl Run {
         self.w(HEADER + self.groups() * GROUP_WORDS + i).load(Ordering::Relaxed)
     }
 
-    /// Hints the CPU to fetch the run's header, first group and the line of hash `i`.
+    /// Hints the CPU to fetch the line of hash `i`.
     #[inline]
     pub(crate) fn prefetch(self, i: usize) {
-        prefetch(self.w(0));
         prefetch(self.w(HEADER + self.groups() * GROUP_WORDS + i));
     }
 
     fn ext(self) -> Option<NonNull<AtomicU64>> {
         // Acquire: pairs with the Release compare-and-swap that installed the extension.
-        NonNull::new(self.w(2).load(Ordering::Acquire) as *mut AtomicU64)
+        NonNull::new(self.w(3).load(Ordering::Acquire) as *mut AtomicU64)
     }
 
-    /// The first word of group `g`'s block, if the run has one (reader side).
+    /// Group `g`'s mask word and first cut word, if the run has them (reader side).
     #[inline]
-    fn group(self, g: usize) -> Option<&'static AtomicU64> {
+    fn group(self, g: usize) -> Option<(&'static AtomicU64, *const AtomicU64)> {
         let inline = self.groups();
         if g < inline {
-            return Some(self.w(HEADER + g * GROUP_WORDS));
+            let cuts: *const AtomicU64 = self.w(HEADER + inline + g * CUT_WORDS);
+            return Some((self.w(HEADER + g), cuts));
         }
         let ext = self.ext()?;
         // SAFETY: the extension holds `(GROUPS - inline) * GROUP_WORDS` words, lives as long as the
         // run, and `g - inline < GROUPS - inline`.
-        Some(unsafe { &*ext.as_ptr().add((g - inline) * GROUP_WORDS) })
+        let mask = unsafe { &*ext.as_ptr().add((g - inline) * GROUP_WORDS) };
+        let cuts: *const AtomicU64 = mask;
+        // SAFETY: the cut words follow the mask word within the group's words.
+        Some((mask, unsafe { cuts.add(1) }))
     }
 
-    /// Group `g`'s block, creating the extension if needed (writer side).
-    fn group_mut(self, g: usize) -> &'static AtomicU64 {
+    /// Group `g`'s mask word and first cut word, creating the extension if needed (writer side).
+    fn group_mut(self, g: usize) -> (&'static AtomicU64, *const AtomicU64) {
         if let Some(w) = self.group(g) {
             return w;
         }
@@ -202,7 +262,7 @@ impl Run {
         let fresh: Box<[AtomicU64]> = (0..n).map(|_| AtomicU64::new(0)).collect();
         let fresh = Box::into_raw(fresh).cast::<AtomicU64>();
         // Release: a reader that loads the pointer (Acquire) sees the zeroed words.
-        let won = self.w(2).compare_exchange(0, fresh as u64, Ordering::Release, Ordering::Acquire);
+        let won = self.w(3).compare_exchange(0, fresh as u64, Ordering::Release, Ordering::Acquire);
         if won.is_err() {
             // SAFETY: `fresh` was never published; it is the box made just above.
             drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(fresh, n)) });
@@ -215,16 +275,15 @@ impl Run {
     #[inline]
     pub(crate) fn masks(self, g: usize) -> u64 {
         // Acquire: pairs with the holders' Release updates (`publish`).
-        self.group(g).map_or(0, |w| w.load(Ordering::Acquire))
+        self.group(g).map_or(0, |(w, _)| w.load(Ordering::Acquire))
     }
 
     /// Holder `bit` of group `g`: (GPU cut, any-tier cut).
     #[inline]
     pub(crate) fn cut(self, g: usize, bit: u32) -> (usize, usize) {
-        let Some(first) = self.group(g) else { return (0, 0) };
-        let first: *const AtomicU64 = first;
-        // SAFETY: a group block has 1 + GROUP / 4 words; `bit < GROUP`.
-        let word = unsafe { &*first.add(1 + bit as usize / 4) };
+        let Some((_, cuts)) = self.group(g) else { return (0, 0) };
+        // SAFETY: a group has GROUP / 4 cut words; `bit < GROUP`.
+        let word = unsafe { &*cuts.add(bit as usize / 4) };
         // Acquire: pairs with the holder's Release update (`publish`).
         let v = (word.load(Ordering::Acquire) >> ((bit % 4) * 16)) as usize;
         (v & 0xff, (v >> 8) & 0xff)
@@ -237,18 +296,17 @@ impl Run {
             return;
         }
         let len = self.len() as u16;
-        let first: *const AtomicU64 = self.group_mut(g);
+        let (mask, cuts) = self.group_mut(g);
         // SAFETY: as in `cut`.
-        let word = unsafe { &*first.add(1 + bit as usize / 4) };
+        let word = unsafe { &*cuts.add(bit as usize / 4) };
         let shift = (bit % 4) * 16;
         // Release: a reader that loads the word (Acquire) sees what this writer published before.
         word.fetch_xor(u64::from(old ^ new) << shift, Ordering::Release);
         let full = |c: u16| (u64::from(c & 0xff == len) << bit) | (u64::from(c >> 8 == len) << (bit + 32));
         let flip = full(old) ^ full(new);
         if flip != 0 {
-            // SAFETY: `first` is the group's mask word.
             // Release: as above.
-            unsafe { &*first }.fetch_xor(flip, Ordering::Release);
+            mask.fetch_xor(flip, Ordering::Release);
         }
     }
 
@@ -258,7 +316,7 @@ impl Run {
     pub(crate) fn acquire(self) {
         // Relaxed: a new reference is always derived from a held one (or made under the shard lock
         // that reclamation takes), so no ordering is needed to keep the run alive.
-        let before = self.w(1).fetch_add(1, Ordering::Relaxed);
+        let before = self.w(2).fetch_add(1, Ordering::Relaxed);
         debug_assert!(before & DEAD == 0, "acquired a reclaimed run");
     }
 
@@ -267,20 +325,20 @@ impl Run {
     pub(crate) fn release(self) -> bool {
         // AcqRel: the last releaser must see every other holder's writes to the run before it is
         // reclaimed (Acquire), and its own before handing it over (Release).
-        self.w(1).fetch_sub(1, Ordering::AcqRel) == 1
+        self.w(2).fetch_sub(1, Ordering::AcqRel) == 1
     }
 
     /// References now (0 after the last release).
     #[inline]
     pub(crate) fn refs(self) -> u64 {
         // Acquire: read under the shard lock by reclamation; pairs with `release`.
-        self.w(1).load(Ordering::Acquire)
+        self.w(2).load(Ordering::Acquire)
     }
 
     /// Marks the run unlinked (shard lock held, no reference left).
     pub(crate) fn mark_dead(self) {
         // Relaxed: read only by debug assertions and loom checks.
-        self.w(1).fetch_or(DEAD, Ordering::Relaxed);
+        self.w(2).fetch_or(DEAD, Ordering::Relaxed);
     }
 
     /// Frees the run.
@@ -298,15 +356,16 @@ impl Run {
         }
         #[cfg(not(loom))]
         {
-            let (inline, words) = (self.groups(), self.words());
+            let (inline, units) = (self.groups(), Self::units(self.len(), self.groups()));
             if let Some(ext) = self.ext() {
                 let n = (GROUPS - inline) * GROUP_WORDS;
                 // SAFETY: the extension was made by `group_mut` with exactly `n` words.
                 drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ext.as_ptr(), n)) });
             }
-            // SAFETY: the run was made by `new` as a boxed slice of exactly `words` words, and the
+            let units_ptr = self.0.as_ptr().cast::<Unit>();
+            // SAFETY: the run was made by `new` as a boxed slice of exactly `units` units, and the
             // caller guarantees nobody uses it any more.
-            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.0.as_ptr(), words)) });
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(units_ptr, units)) });
         }
     }
 
@@ -337,8 +396,8 @@ pub(crate) fn find(table: &SlotTable, seq: u64, guard: &Guard) -> Option<Run> {
     if bits == 0 {
         return None;
     }
-    // SAFETY: found under the shard lock (see above).
-    let run = unsafe { Run::from_bits(bits) };
+    // Found under the shard lock (see above).
+    let (run, _) = Run::from_head_value(bits);
     if run.hash(0) != seq {
         return None;
     }
@@ -354,8 +413,8 @@ pub(crate) fn create(table: &SlotTable, seqs: &[u64], groups: usize, guard: &Gua
     let mut locked = table.lock(key, guard);
     let bits = locked.find(key);
     if bits != 0 {
-        // SAFETY: found under the shard lock (see `find`).
-        let run = unsafe { Run::from_bits(bits) };
+        // Found under the shard lock (see `find`).
+        let (run, _) = Run::from_head_value(bits);
         if run.hash(0) == seqs[0] {
             run.acquire();
             return (run, false);
@@ -365,7 +424,7 @@ pub(crate) fn create(table: &SlotTable, seqs: &[u64], groups: usize, guard: &Gua
     if bits == 0 {
         // (A key taken by a run of another first block — a 2^-64 collision — leaves this run
         // unpublished: never counted, still correct for its holders' bookkeeping.)
-        locked.put(key, run.bits());
+        locked.put(key, run.head_value());
     }
     #[cfg(cortex_loom_bug = "run_hashes_late")]
     run.publish_late(seqs);
@@ -383,7 +442,7 @@ pub(crate) fn reclaim(table: &SlotTable, run: Run, guard: &Guard) -> bool {
     if run.refs() != 0 {
         return false;
     }
-    if locked.find(key) == run.bits() {
+    if locked.find(key) == run.head_value() {
         locked.put(key, 0);
     }
     run.mark_dead();
@@ -507,9 +566,9 @@ mod loom_models {
             let g = epoch::pin();
             let bits = t.get(head_key(H0), &g);
             let seen = (bits != 0).then(|| {
-                // SAFETY: found in the table under a pinned guard.
-                let run = unsafe { Run::from_bits(bits) };
-                (run.hash(0), run.hash(1))
+                // Found in the table under a pinned guard.
+                let (run, _) = Run::from_head_value(bits);
+                (run.hash(0), run.last())
             });
             drop(g);
             w.join().unwrap();
@@ -540,9 +599,8 @@ mod loom_models {
             let g = epoch::pin();
             let bits = t.get(head_key(H0), &g);
             let freed = (bits != 0).then(|| {
-                // SAFETY: found in the table under a pinned guard.
-                let run = unsafe { Run::from_bits(bits) };
-                let _ = run.len();
+                // Found in the table under a pinned guard.
+                let (run, _) = Run::from_head_value(bits);
                 run.is_freed()
             });
             drop(g);
