@@ -977,8 +977,7 @@ impl Cx<'_> {
         if hr.entries > 0 {
             return;
         }
-        let (g, bit) = self.group_bit();
-        run.publish(g as usize, bit, hr.published, 0);
+        self.publish(run, hr.published, 0);
         p.runs.remove(&run.bits());
         release(self.inner, run, self.guard);
     }
@@ -999,15 +998,24 @@ impl Cx<'_> {
         }
     }
 
+    /// Publishes the holder's cuts of `run` (counting a group extension it allocates).
+    fn publish(&self, run: Run, old: u16, new: u16) {
+        let (g, bit) = self.group_bit();
+        let allocated = run.publish(g as usize, bit, old, new);
+        if allocated > 0 {
+            // Relaxed: a statistics counter; nothing is published through it.
+            self.inner.counters.run_bytes.fetch_add(allocated, StdOrdering::Relaxed);
+        }
+    }
+
     /// Publishes the cuts of the runs whose offsets changed.
     fn flush(&self, p: &mut Private) {
-        let (g, bit) = self.group_bit();
         for key in std::mem::take(&mut p.dirty) {
             let Some(hr) = p.runs.get_mut(&key) else { continue };
-            let cuts = hr.cuts();
-            // SAFETY: the holder has the run (`hr`), so it holds a reference to it.
-            unsafe { Run::from_bits(key) }.publish(g as usize, bit, hr.published, cuts);
+            let (old, cuts) = (hr.published, hr.cuts());
             hr.published = cuts;
+            // SAFETY: the holder has the run (`hr`), so it holds a reference to it.
+            self.publish(unsafe { Run::from_bits(key) }, old, cuts);
         }
     }
 
@@ -1473,11 +1481,10 @@ impl Cx<'_> {
 
     fn clear(&mut self, p: &mut Private) {
         // Unpublish and release every run first, then forget the entries.
-        let (g, bit) = self.group_bit();
         for (key, hr) in std::mem::take(&mut p.runs) {
             // SAFETY: the holder has the run, so it holds a reference to it.
             let run = unsafe { Run::from_bits(key) };
-            run.publish(g as usize, bit, hr.published, 0);
+            self.publish(run, hr.published, 0);
             release(self.inner, run, self.guard);
         }
         p.dirty.clear();

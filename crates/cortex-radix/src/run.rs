@@ -253,21 +253,25 @@ impl Run {
         Some((mask, unsafe { cuts.add(1) }))
     }
 
-    /// Group `g`'s mask word and first cut word, creating the extension if needed (writer side).
-    fn group_mut(self, g: usize) -> (&'static AtomicU64, *const AtomicU64) {
+    /// Group `g`'s mask word and first cut word, creating the extension if needed (writer side),
+    /// and the bytes this call allocated.
+    fn group_mut(self, g: usize) -> ((&'static AtomicU64, *const AtomicU64), usize) {
         if let Some(w) = self.group(g) {
-            return w;
+            return (w, 0);
         }
         let n = (GROUPS - self.groups()) * GROUP_WORDS;
         let fresh: Box<[AtomicU64]> = (0..n).map(|_| AtomicU64::new(0)).collect();
         let fresh = Box::into_raw(fresh).cast::<AtomicU64>();
         // Release: a reader that loads the pointer (Acquire) sees the zeroed words.
         let won = self.w(3).compare_exchange(0, fresh as u64, Ordering::Release, Ordering::Acquire);
-        if won.is_err() {
+        let allocated = if won.is_err() {
             // SAFETY: `fresh` was never published; it is the box made just above.
             drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(fresh, n)) });
-        }
-        self.group(g).unwrap_or_else(|| unreachable!("the extension was just installed"))
+            0
+        } else {
+            n * 8
+        };
+        (self.group(g).unwrap_or_else(|| unreachable!("the extension was just installed")), allocated)
     }
 
     /// The masks of group `g`: holders that have the whole run on GPU (low half) and on any tier
@@ -290,13 +294,14 @@ impl Run {
     }
 
     /// Holder `bit` of group `g` moves its cuts from `old` to `new` (each `gpu | any << 8`).
-    /// Only that holder's writer calls this for its bits.
-    pub(crate) fn publish(self, g: usize, bit: u32, old: u16, new: u16) {
+    /// Only that holder's writer calls this for its bits. Returns the bytes it allocated (the
+    /// run's extension, for a group registered after the run was created).
+    pub(crate) fn publish(self, g: usize, bit: u32, old: u16, new: u16) -> usize {
         if old == new {
-            return;
+            return 0;
         }
         let len = self.len() as u16;
-        let (mask, cuts) = self.group_mut(g);
+        let ((mask, cuts), allocated) = self.group_mut(g);
         // SAFETY: as in `cut`.
         let word = unsafe { &*cuts.add(bit as usize / 4) };
         let shift = (bit % 4) * 16;
@@ -308,6 +313,7 @@ impl Run {
             // Release: as above.
             mask.fetch_xor(flip, Ordering::Release);
         }
+        allocated
     }
 
     /// Takes one more reference. The caller must already hold one, or hold the head table's shard
