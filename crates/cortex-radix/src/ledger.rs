@@ -1550,6 +1550,12 @@ impl Cx<'_> {
             KvEvent::Removed(r) => self.remove(p, r),
             KvEvent::AllCleared => self.clear(p),
         }
+        if self.me.mail.load(Ordering::SeqCst) {
+            // Grafts this event caused through another deterministic holder (or that arrived
+            // meanwhile) are applied before the limits evict: an orphan is grafted, then it may
+            // be evicted, never the other way round.
+            self.drain_mail(p);
+        }
         self.enforce_limits(p);
         self.flush(p);
         self.out.events += 1;
