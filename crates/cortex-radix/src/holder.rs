@@ -191,7 +191,7 @@ impl EngineMap {
     }
 
     /// Inserts or replaces `key`'s entry (tests; the ledger always knows which it does).
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn insert(&mut self, key: u64, e: Entry) {
         if let Some(i) = self.find(key) {
             self.slots[i].e = e;

@@ -1274,9 +1274,14 @@ impl Cx<'_> {
             let rest = &ev.blocks[j + 1..];
             // A reference to a deterministic parent's run, held until this block is placed.
             let mut borrowed = None;
+            // A countable block ends up at its placement whatever the holder had: it is the next
+            // block's parent.
+            let mut next = None;
             let ident = match (parent, ns) {
                 (Parent::Known { seq, loc }, Some(ns)) => {
-                    let (loc, fresh) = self.place(loc, chain(SeqHash::from_bits(seq), b.content).to_bits(), rest);
+                    let seq = chain(SeqHash::from_bits(seq), b.content).to_bits();
+                    let (loc, fresh) = self.place(loc, seq, rest);
+                    next = Some(Parent::Known { seq, loc });
                     Ident::Countable { loc, fresh, ns: self.ns_idx(p, ns) }
                 }
                 (Parent::Waiting(par), Some(ns)) => {
@@ -1288,6 +1293,7 @@ impl Cx<'_> {
                             let (prun, poff) = unpack(ploc);
                             let seq = chain(SeqHash::from_bits(prun.hash(poff)), b.content).to_bits();
                             let (loc, fresh) = self.place(ploc, seq, rest);
+                            next = Some(Parent::Known { seq, loc });
                             Ident::Countable { loc, fresh, ns: self.ns_idx(p, ns) }
                         }
                         None => Ident::Orphan(OrphanInfo { parent: par, content, ns }, self.ns_idx(p, ns)),
@@ -1300,7 +1306,7 @@ impl Cx<'_> {
             if let Some(run) = borrowed {
                 release(self.inner, run, self.guard);
             }
-            parent = self.parent_of(p, engine);
+            parent = next.unwrap_or_else(|| self.parent_of(p, engine));
             self.out.stored += 1;
         }
     }
