@@ -51,6 +51,16 @@ fn sim(engine: &str) -> SimConfig {
 }
 
 async fn harness(engine: &str, sims: Vec<SimConfig>, extra: &str) -> Harness {
+    harness_with(engine, sims, extra, |_| {}, None).await
+}
+
+async fn harness_with(
+    engine: &str,
+    sims: Vec<SimConfig>,
+    extra: &str,
+    adjust: impl FnOnce(&mut cortex_gateway::Settings),
+    prometheus: Option<metrics_exporter_prometheus::PrometheusHandle>,
+) -> Harness {
     let sims: Vec<SimWorker> = sims.into_iter().map(|c| SimWorker::start(c).unwrap()).collect();
     let mut workers = String::new();
     for (i, s) in sims.iter().enumerate() {
@@ -77,8 +87,9 @@ limits: {{max_body: 65536}}
         qwen.join("tokenizer.json").display(),
         qwen.join("tokenizer_config.json").display(),
     );
-    let settings = Config::parse(&yaml).unwrap().into_settings(&demo::repo_root()).unwrap();
-    let gw = cortex_gateway::start(settings, None).await.unwrap();
+    let mut settings = Config::parse(&yaml).unwrap().into_settings(&demo::repo_root()).unwrap();
+    adjust(&mut settings);
+    let gw = cortex_gateway::start(settings, prometheus).await.unwrap();
     let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let h = Harness { sims, gw, client };
     h.wait("every worker live", || h.live_workers() == h.sims.len()).await;
@@ -457,5 +468,139 @@ async fn a_worker_hashing_differently_is_caught_by_the_published_hashes() {
     h.post("/v1/chat/completions", &body).await;
     let r = h.post("/v1/chat/completions", &body).await;
     assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events");
+    h.gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_adds_lists_and_removes_workers() {
+    let admin_listen: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    let h = harness_with(
+        "sglang",
+        vec![sim("sglang")],
+        "",
+        |s| s.admin = Some((admin_listen, "s3cret".into())),
+        None,
+    )
+    .await;
+    let admin = h.gw.admin_addr.unwrap();
+    let extra = SimWorker::start(sim("sglang")).unwrap();
+    let call = |method: &str, path: &str, token: Option<&str>, body: Option<Value>| {
+        let mut b = Request::builder().method(method).uri(format!("http://{admin}{path}"));
+        if let Some(t) = token {
+            b = b.header("authorization", format!("Bearer {t}"));
+        }
+        let req = b.body(Full::new(body.map_or_else(Bytes::new, |v| Bytes::from(v.to_string())))).unwrap();
+        let client = h.client.clone();
+        async move {
+            let resp = client.request(req).await.unwrap();
+            let status = resp.status();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, serde_json::from_slice::<Value>(&body).unwrap_or(Value::Null))
+        }
+    };
+    let new = json!({"name": "extra", "url": extra.base_url(), "engine": "sglang", "model": MODEL});
+    assert_eq!(call("POST", "/admin/workers", None, Some(new.clone())).await.0, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        call("POST", "/admin/workers", Some("wrong"), Some(new.clone())).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    let (status, body) = call("POST", "/admin/workers", Some("s3cret"), Some(new.clone())).await;
+    assert_eq!(status, StatusCode::CREATED, "{body}");
+    assert_eq!(
+        call("POST", "/admin/workers", Some("s3cret"), Some(new)).await.0,
+        StatusCode::BAD_REQUEST,
+        "duplicate name"
+    );
+    h.wait("the added worker is live", || h.live_workers() == 2).await;
+    let (_, list) = call("GET", "/admin/workers", Some("s3cret"), None).await;
+    assert_eq!(list["workers"].as_array().unwrap().len(), 2);
+    // The admin API is not on the public listener.
+    assert_eq!(h.send("GET", "/admin/workers", Bytes::new()).await.status, StatusCode::NOT_FOUND);
+    let (status, _) = call("DELETE", "/admin/workers/extra", Some("s3cret"), None).await;
+    assert_eq!(status, StatusCode::OK);
+    h.wait("the removed worker left the pool", || h.live_workers() == 1).await;
+    assert!(h.gw.gateway.registry().by_name("extra").is_none());
+    h.gw.shutdown().await;
+    extra.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_worker_leaves_the_pool_and_comes_back_syncing() {
+    let h = harness("vllm", vec![sim("vllm"), sim("vllm")], "").await;
+    let body = chat(&long_prompt("health"), false);
+    let first = h.post("/v1/chat/completions", &body).await;
+    let holder_name = first.header("x-cortex-assigned-worker").to_owned();
+    h.wait_hit(&body, |w, hit| w == holder_name && hit > 0).await;
+    let id = h.gw.gateway.registry().by_name(&holder_name).unwrap().id;
+    let holder = cortex_hash::kv::HolderId::new(id, cortex_hash::kv::DpRank(0));
+    assert!(h.gw.gateway.ledger().dump(holder).is_some_and(|d| !d.blocks.is_empty()));
+    // Its health probe fails: out of the pool first, then its ledger entries are pruned.
+    h.worker(&holder_name).set_healthy(false);
+    h.wait("the worker left the pool", || h.live_workers() == 1).await;
+    h.wait("its ledger entries were pruned", || h.gw.gateway.ledger().dump(holder).is_none()).await;
+    let r = h.post("/v1/chat/completions", &body).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_ne!(r.header("x-cortex-assigned-worker"), holder_name);
+    // It comes back: rediscovered, its ledger rebuilt from a fresh subscription.
+    h.worker(&holder_name).set_healthy(true);
+    h.wait("the worker is back", || h.live_workers() == 2).await;
+    h.wait("its ledger is followed again", || h.gw.ledger_state(holder).is_some()).await;
+    h.gw.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_lets_streams_finish() {
+    let mut slow = sim("sglang");
+    slow.timing = Timing { speed: 1.0, itl_base: Duration::from_millis(20), ..Timing::default() };
+    let h = harness("sglang", vec![slow], "shutdown_grace: 10s\n").await;
+    let addr = h.addr();
+    let stream = {
+        let client = h.client.clone();
+        let body = Bytes::from(
+            json!({"model": MODEL, "prompt": "a long answer", "max_tokens": 25, "stream": true}).to_string(),
+        );
+        tokio::spawn(async move {
+            let req = Request::post(format!("http://{addr}/v1/completions")).body(Full::new(body)).unwrap();
+            let resp = client.request(req).await.unwrap();
+            String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+        })
+    };
+    h.wait("the stream is in flight", || h.sims[0].in_flight(0).unwrap_or(0) > 0).await;
+    let Harness { sims, gw, .. } = h;
+    gw.shutdown().await;
+    let body = stream.await.unwrap();
+    assert!(body.ends_with("data: [DONE]\n\n"), "the in-flight stream finished: {body}");
+    assert!(!body.contains("\"error\""));
+    // Nothing listens any more.
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+    drop(sims);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_describe_routing_ledger_and_workers() {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder().unwrap();
+    cortex_proxy::telemetry::describe();
+    let h = harness_with("vllm", vec![sim("vllm")], "", |_| {}, Some(handle)).await;
+    let body = chat(&long_prompt("metrics"), false);
+    h.post("/v1/chat/completions", &body).await;
+    h.wait_hit(&body, |_, hit| hit > 0).await;
+    h.post("/v1/chat/completions", &body).await;
+    let m = h.send("GET", "/metrics", Bytes::new()).await;
+    assert_eq!(m.status, StatusCode::OK);
+    for name in [
+        "cortex_requests_total",
+        "cortex_routing_decision_seconds",
+        "cortex_tokenize_seconds",
+        "cortex_hash_seconds",
+        "cortex_ledger_state",
+        "cortex_ledger_live_bytes",
+        "cortex_worker_live",
+        "cortex_worker_aligned",
+        "cortex_predicted_hit_tokens_total",
+        "cortex_realized_hit_tokens_total",
+    ] {
+        assert!(m.body.contains(name), "{name} missing from /metrics:\n{}", m.body);
+    }
+    assert!(m.body.contains("mode=\"exact_kv_events\""), "{}", m.body);
     h.gw.shutdown().await;
 }

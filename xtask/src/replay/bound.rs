@@ -126,7 +126,7 @@ impl<'a> ChunkTokens<'a> {
 }
 
 /// Chained page keys of `tokens` (full pages only).
-fn page_chain(tokens: &[u32], page: usize) -> Vec<u64> {
+fn page_chain<T: Hash>(tokens: &[T], page: usize) -> Vec<u64> {
     let mut prev = 0u64;
     tokens
         .chunks_exact(page)
@@ -147,7 +147,7 @@ fn page_chain(tokens: &[u32], page: usize) -> Vec<u64> {
 pub fn analyse(workload: &Workload, tokenizer: &TextTokenizer, page: usize) -> Result<Analysis> {
     let mut chunks = ChunkTokens::new(tokenizer);
     let mut seen_pages: HashSet<u64> = HashSet::new();
-    let mut seen_blocks: HashSet<Vec<u64>> = HashSet::new();
+    let mut seen_blocks: HashSet<u64> = HashSet::new();
     let (mut block_hits, mut blocks) = (0u64, 0u64);
     let mut out = Analysis {
         prompt_tokens: Vec::with_capacity(workload.requests.len()),
@@ -167,13 +167,13 @@ pub fn analyse(workload: &Workload, tokenizer: &TextTokenizer, page: usize) -> R
         out.max_prompt_pages = out.max_prompt_pages.max(tokens.len().div_ceil(page) as u64);
         seen_pages.extend(chain.iter().copied());
         out.chains.push(chain);
-        // Trace blocks: a block is a hit when the whole prefix up to it was seen before.
+        // Trace blocks: a block is a hit when the whole prefix up to it was seen before (chained
+        // like pages, so a prefix is one key).
         let ids: Vec<u64> = r.pieces.iter().map(|p| p.id).collect();
+        let prefixes = page_chain(&ids, 1);
         blocks += ids.len() as u64;
-        block_hits += (1..=ids.len()).take_while(|&k| seen_blocks.contains(&ids[..k])).count() as u64;
-        for k in 1..=ids.len() {
-            seen_blocks.insert(ids[..k].to_vec());
-        }
+        block_hits += prefixes.iter().take_while(|k| seen_blocks.contains(k)).count() as u64;
+        seen_blocks.extend(prefixes);
     }
     out.unique_pages = seen_pages.len() as u64;
     out.block_bound = ratio(block_hits, blocks);
