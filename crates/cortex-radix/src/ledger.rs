@@ -1523,6 +1523,9 @@ impl Cx<'_> {
         if p.entries.capacity() > 4 * p.entries.len().max(16) {
             p.entries.shrink_to(p.entries.len());
         }
+        if p.runs.capacity() > 4 * p.runs.len().max(16) {
+            p.runs.shrink_to(2 * p.runs.len());
+        }
         self.out.evicted += n as u64;
         n as u64
     }
