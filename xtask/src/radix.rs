@@ -24,6 +24,7 @@ pub const LOOM_BUGS: &[(&str, &str)] = &[
     ("run_hashes_late", "run_is_published_with_its_hashes"),
     ("free_run_now", "run_is_freed_only_after_readers_leave"),
     ("reclaim_unlocked", "a_found_run_is_never_reclaimed"),
+    ("len_before_hashes", "append_is_published_with_its_hashes"),
 ];
 
 fn cargo() -> String {

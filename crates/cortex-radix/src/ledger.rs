@@ -508,7 +508,7 @@ impl Ledger {
                     break;
                 }
                 let (run, len) = Run::from_head_value(v);
-                run.prefetch_head();
+                run.prefetch_for(len.min(n - p));
                 path[len_path] = (v, len);
                 len_path += 1;
                 p += len;
@@ -528,9 +528,7 @@ impl Ledger {
                 }
                 // The matched span: the whole run if its last compared block matches (the chain
                 // property), else the divergence found by binary search (equality is monotone).
-                let m = if k == len && run.last() == seq[i + k - 1].to_bits() {
-                    k
-                } else if k < len && run.hash(k - 1) == seq[i + k - 1].to_bits() {
+                let m = if run.hash(k - 1) == seq[i + k - 1].to_bits() {
                     k
                 } else {
                     run.prefetch(k / 2);
@@ -551,12 +549,12 @@ impl Ledger {
                     // At most one holder is left within this span: everyone else ends where they
                     // end, the survivor at `end`.
                     for (si, st) in states.iter().enumerate() {
-                        let masks = run.masks(st.0 as usize);
                         let mut d = st.2;
                         while d != 0 {
                             let b = d.trailing_zeros();
                             d &= d - 1;
-                            let (gc, ac) = span_cuts(run, st.0, b, masks, m);
+                            let (gc, ac) = run.cut(st.0 as usize, b);
+                            let (gc, ac) = (gc.min(m), ac.min(m));
                             let gpu = if st.1 & (1 << b) != 0 { (i + gc) as u32 } else { gpu_len[si][b as usize] };
                             let any = (i + ac) as u32;
                             if any >= end {
@@ -573,15 +571,21 @@ impl Ledger {
                     if st.2 == 0 {
                         continue;
                     }
-                    let masks = run.masks(st.0 as usize);
-                    let (full_gpu, full_any) = (masks as u32, (masks >> 32) as u32);
-                    // Holders that do not have the whole run end inside it (or at its first block).
-                    let mut d = (st.1 & !full_gpu) | (st.2 & !full_any);
+                    // Holders in the mask cover the span on both tiers if it ends by the mask's
+                    // length; every other holder still matching reads its cuts (four to a word).
+                    let g = st.0 as usize;
+                    let (l, full) = run.mask(g);
+                    let mut d = if m <= l { st.2 & !full } else { st.2 };
+                    let mut word = (usize::MAX, 0u64);
                     while d != 0 {
                         let b = d.trailing_zeros();
                         let bit = 1u32 << b;
                         d &= d - 1;
-                        let (gc, ac) = run.cut(st.0 as usize, b);
+                        if word.0 != b as usize / 4 {
+                            word = (b as usize / 4, run.cut_word(g, b as usize / 4));
+                        }
+                        let v = (word.1 >> ((b % 4) * 16)) as usize;
+                        let (gc, ac) = (v & 0xff, (v >> 8) & 0xff);
                         if st.1 & bit != 0 && gc < m {
                             gpu_len[si][b as usize] = (i + gc) as u32;
                             st.1 &= !bit;
@@ -773,45 +777,40 @@ impl Ledger {
     }
 }
 
-/// A holder's cuts within the matched span `0..m` of `run`: (GPU, any tier), each at most `m`.
-#[inline]
-fn span_cuts(run: Run, g: u32, b: u32, masks: u64, m: usize) -> (usize, usize) {
-    let (full_gpu, full_any) = (masks & (1 << b) != 0, masks & (1 << (b + 32)) != 0);
-    if full_gpu {
-        return (m, m);
-    }
-    let (gc, ac) = run.cut(g as usize, b);
-    (gc.min(m), if full_any { m } else { ac.min(m) })
-}
-
 /// With `EarlyExit::OneHolderLeft`: the query's end if at most one of the holders still alive
 /// entering the span `i..i + m` of `run` is left at some position of the span (the first position
 /// where exactly one is left, plus one), else `None`.
 fn early_exit(run: Run, states: &[(u32, u32, u32)], i: usize, m: usize) -> Option<u32> {
-    // Two holders with the whole run both outlast the span: no need to read a cut.
-    let mut full = 0;
+    // Two holders in masks outlast the span: no need to read a cut.
+    let mut covered = 0;
     for st in states {
-        full += (st.2 & (run.masks(st.0 as usize) >> 32) as u32).count_ones();
-        if full >= 2 {
-            return None;
+        let (l, full) = run.mask(st.0 as usize);
+        if m <= l {
+            covered += (st.2 & full).count_ones();
+            if covered >= 2 {
+                return None;
+            }
         }
     }
-    // The two largest any-tier cuts over the holders alive entering the span.
+    // The two largest any-tier cuts (within the span) over the holders alive entering it.
     let (mut first, mut second) = (0usize, 0usize);
     let mut alive = 0;
     for st in states {
-        let masks = run.masks(st.0 as usize);
         let mut d = st.2;
         while d != 0 {
             let b = d.trailing_zeros();
             d &= d - 1;
-            let (_, ac) = span_cuts(run, st.0, b, masks, m);
+            let ac = run.cut(st.0 as usize, b).1.min(m);
             alive += 1;
             if ac > first {
                 second = first;
                 first = ac;
             } else if ac > second {
                 second = ac;
+            }
+            if second == m {
+                // Two holders outlast the span.
+                return None;
             }
         }
     }
@@ -914,15 +913,22 @@ impl Cx<'_> {
     }
 
     /// Where block `seq`, the child of `parent` (a location, 0 for a namespace root), goes: the
-    /// next block of the parent's run if it is `seq`, else the run that starts with `seq`, else
-    /// a new run of `seq` and as many of the blocks chained after it (`rest`, their contents)
-    /// as start no run. By the chain property those are the only places `seq` can be.
-    /// Returns the location and whether a reference was taken for it.
+    /// next block of the parent's run if it is `seq`, else the run that starts with `seq`, else —
+    /// with as many of the blocks chained after it (`rest`, their contents) as start no run — the
+    /// end of the parent's run if that is the parent and has room, else a new run. By the chain
+    /// property those are the only places `seq` can be. Returns the location and whether a
+    /// reference was taken for it.
     fn place(&self, parent: u64, seq: u64, rest: &[cortex_hash::kv::StoredBlock]) -> (u64, bool) {
+        let mut tail = None;
         if parent != 0 {
             let (run, off) = unpack(parent);
-            if off + 1 < run.len() && run.hash(off + 1) == seq {
-                return (pack(run, off + 1), false);
+            let len = run.len();
+            if off + 1 < len {
+                if run.hash(off + 1) == seq {
+                    return (pack(run, off + 1), false);
+                }
+            } else if len < run.cap() {
+                tail = Some((run, len));
             }
         }
         if let Some(run) = self.find_head(seq) {
@@ -939,10 +945,22 @@ impl Cx<'_> {
             len += 1;
         }
         // A block that already starts a run (its parent's run was reclaimed while it lived on)
-        // ends the new run: it stays in its own.
+        // ends the new blocks: it stays in its own run.
         let mut take = 1;
         while take < len && self.inner.table.get(head_key(seqs[take]), self.guard) == 0 {
             take += 1;
+        }
+        if let Some((run, at)) = tail {
+            let appended = run::append(&self.inner.table, run, at, &seqs[..take], self.guard);
+            if appended > 0 {
+                // Relaxed: a statistics counter; nothing is published through it.
+                self.inner.counters.run_blocks.fetch_add(appended as u64, StdOrdering::Relaxed);
+                return (pack(run, at), false);
+            }
+            // Another writer appended first: `seq` may be the run's next block now.
+            if run.len() > at && run.hash(at) == seq {
+                return (pack(run, at), false);
+            }
         }
         (pack(self.create(&seqs[..take]), 0), true)
     }

@@ -1,21 +1,34 @@
 //! Runs: the shared, reader-visible unit of the ledger. A run is a contiguous piece of one
-//! `SeqHash` chain (at most [`MAX_RUN`] blocks, fixed at creation) plus, per holder, how long a
-//! prefix of it the holder has on GPU and on any tier.
+//! `SeqHash` chain (at most [`MAX_RUN`] blocks, room reserved at creation, grown only at its tail)
+//! plus, per holder, how long a prefix of it the holder has on GPU and on any tier.
 //!
 //! Key decisions:
-//! - **One cache-line-aligned allocation of atomic words**: `[len | groups] [last hash] [refs]
-//!   [ext] [masks × groups] [cuts × 8 × groups] [hash × len]`. A run's hashes never change after
-//!   it is published, so a query that found a run by its first block compares the rest of the run
-//!   with the prompt in one comparison (the chain property: two chains that agree at position j
-//!   agree at every position before it) and, on a mismatch, finds the divergence by binary search.
-//!   The first line holds the length, the last hash and the masks of up to four groups, so a run
-//!   the prompt covers whole, whose holders have it whole, costs the query one line.
+//! - **One cache-line-aligned allocation of atomic words**: `[len | capacity | groups] [refs]
+//!   [ext] [group 0: mask, cuts × 8] [hash × capacity] [further groups: mask, cuts × 8]`. Every address a
+//!   query needs — the first line, group 0's cuts, any hash — follows from the run's address and
+//!   the length the head table gives with it, so a query prefetches a run's lines before it reads
+//!   any of them. A run's published hashes never change, so a query that found a run by its first
+//!   block compares the rest with the prompt in one comparison (the chain property: two chains that
+//!   agree at position j agree at every position before it) and, on a mismatch, finds the
+//!   divergence by binary search.
+//! - **Runs grow at their tail.** A store that continues a run's last block appends to it while
+//!   it has room (capacity reserved at creation: 16 blocks, or four times a store of 16 or more,
+//!   at most 64), so
+//!   a chain stored in 16-block events is one run, and one lookup, not four. Appends are made under
+//!   the head table's shard lock of the run's first block: hashes first, then the length (Release),
+//!   then the head table's value; a reader uses the length it read with the run, so it never reads
+//!   a hash that was not published with it.
 //! - **Per holder, two cuts** (the first offset it lacks, on GPU and on any tier) in one 16-bit
-//!   word, four to an atomic word, plus per group of 32 holders a mask word of the holders whose
-//!   cuts are the whole run (low half GPU, high half any tier): the query's fast path is one mask
-//!   word; only holders that end inside the run cost a second load. Each holder's writer owns its
-//!   bits and changes them with one `fetch_xor`; there is no lock on coverage. Cut words are always
-//!   written, full or not, so a reader that reads a cut word reads a state the holder had.
+//!   word, four to an atomic word, 32 holders to a line. Cuts are absolute offsets, so they stay
+//!   true when the run grows. Each holder's writer owns its bits and changes them with one
+//!   `fetch_xor`; there is no lock on coverage, and a reader reads a state the holder had.
+//! - **Per group, a mask word** `L << 32 | holders`: holders whose both cuts were at least `L`
+//!   when they set their bit. It is only a fast path — a query whose matched span ends by `L` takes
+//!   those holders as covering it without reading their cuts; every other holder costs a cut read.
+//!   A holder clears its bit when its cuts drop (after writing them), and one that has the whole
+//!   run at a greater length than `L` raises `L`, clearing the others' bits (they fall back to
+//!   their cuts, which stay exact, until they publish again). Clearing is always safe; setting
+//!   needs the holder's cuts to reach `L`.
 //! - **Groups registered later than the run** live in an extension allocated once, on demand,
 //!   with a compare-and-swap.
 //! - **Reference counted, reclaimed through the epoch:** every holder that has a block of the run,
@@ -39,11 +52,14 @@ pub(crate) const GROUPS: usize = 32;
 /// Cut words per group: 32 16-bit cuts, four per atomic word.
 const CUT_WORDS: usize = GROUP as usize / 4;
 
-/// Words per group in the extension: the mask word and the cut words.
+/// Words per group: the mask word, then the cut words.
 const GROUP_WORDS: usize = 1 + CUT_WORDS;
 
-/// Header words: `len | groups << 8`, last hash, references, extension pointer.
-const HEADER: usize = 4;
+/// Header words: `len | capacity << 8 | groups << 16`, references, extension pointer.
+const HEADER: usize = 3;
+
+/// Where the hashes start (after the header and group 0's words).
+const HASHES: usize = HEADER + GROUP_WORDS;
 
 /// The allocation unit: a cache line of words (loom: one word, as loom's atomics are larger).
 #[cfg(not(loom))]
@@ -101,51 +117,66 @@ pub(crate) fn unpack(loc: u64) -> (Run, usize) {
     (unsafe { Run::from_bits(loc & ((1 << OFF_SHIFT) - 1)) }, (loc >> OFF_SHIFT) as usize)
 }
 
+/// The capacity a new run of `len` blocks reserves: 16 for a short store, four times a longer
+/// one (at most [`MAX_RUN`]), so that a chain stored in events of 16 blocks is one run of 64.
+/// (Measured: twice made such a chain two runs, one more lookup per query; four times for short
+/// stores made 8-block chains that never grow cost 48 B per block and broke the byte budget.)
+pub(crate) fn capacity_for(len: usize) -> usize {
+    if len < 16 { 16 } else { (4 * len).min(MAX_RUN) }
+}
+
 impl Run {
-    /// A new run of `hashes` (1..=MAX_RUN) with inline room for `groups` holder groups and `refs`
-    /// references, unpublished.
-    pub(crate) fn new(hashes: &[u64], groups: usize, refs: u64) -> Run {
-        debug_assert!(!hashes.is_empty() && hashes.len() <= MAX_RUN && groups <= GROUPS);
-        let units = Self::units(hashes.len(), groups);
+    /// A new run of `hashes` (1..=cap) with room for `cap` blocks (at most [`MAX_RUN`]), inline
+    /// room for `groups` (at least 1) holder groups and `refs` references, unpublished.
+    pub(crate) fn new(hashes: &[u64], cap: usize, groups: usize, refs: u64) -> Run {
+        debug_assert!(!hashes.is_empty() && hashes.len() <= cap && cap <= MAX_RUN);
+        debug_assert!((1..=GROUPS).contains(&groups));
+        let units = Self::units(cap, groups);
         let boxed: Box<[Unit]> = (0..units).map(|_| Unit::zero()).collect();
         let ptr = Box::into_raw(boxed).cast::<AtomicU64>();
         assert!((ptr as u64) >> OFF_SHIFT == 0, "a run allocated above 2^57 cannot be packed");
         // SAFETY: `Box::into_raw` never returns null.
         let run = Run(unsafe { NonNull::new_unchecked(ptr) });
         #[cfg(not(cortex_loom_bug = "run_hashes_late"))]
-        let base = HEADER + groups * GROUP_WORDS;
-        // Relaxed (all stores here): the run is unpublished; its publication (a Release store of
-        // its address) orders them.
-        run.w(0).store(hashes.len() as u64 | ((groups as u64) << 8), Ordering::Relaxed);
-        #[cfg(not(cortex_loom_bug = "run_hashes_late"))]
-        {
-            // Relaxed: as above.
-            run.w(1).store(hashes[hashes.len() - 1], Ordering::Relaxed);
-            for (i, &h) in hashes.iter().enumerate() {
-                // Relaxed: as above.
-                run.w(base + i).store(h, Ordering::Relaxed);
-            }
+        for (i, &h) in hashes.iter().enumerate() {
+            // Relaxed (all stores here): the run is unpublished; its publication (a Release store
+            // of its address) orders them.
+            run.w(HASHES + i).store(h, Ordering::Relaxed);
         }
         // Relaxed: as above.
-        run.w(2).store(refs, Ordering::Relaxed);
+        run.w(0).store(hashes.len() as u64 | ((cap as u64) << 8) | ((groups as u64) << 16), Ordering::Relaxed);
+        // Relaxed: as above.
+        run.w(1).store(refs, Ordering::Relaxed);
         run
     }
 
-    /// Allocation units of a run of `len` blocks with `groups` inline groups.
-    fn units(len: usize, groups: usize) -> usize {
-        (HEADER + groups * GROUP_WORDS + len).div_ceil(UNIT_WORDS)
+    /// Allocation units of a run of capacity `cap` with `groups` inline groups.
+    fn units(cap: usize, groups: usize) -> usize {
+        (HASHES + cap + (groups - 1) * GROUP_WORDS).div_ceil(UNIT_WORDS)
     }
 
     /// Negative control `run_hashes_late`: writes the hashes after the run was published.
     #[cfg(cortex_loom_bug = "run_hashes_late")]
     pub(crate) fn publish_late(self, hashes: &[u64]) {
-        let base = HEADER + self.groups() * GROUP_WORDS;
-        // Relaxed (negative control): the bug is that this comes after publication.
-        self.w(1).store(hashes[hashes.len() - 1], Ordering::Relaxed);
         for (i, &h) in hashes.iter().enumerate() {
-            // Relaxed (negative control): as above.
-            self.w(base + i).store(h, Ordering::Relaxed);
+            // Relaxed (negative control): the bug is that this comes after publication.
+            self.w(HASHES + i).store(h, Ordering::Relaxed);
         }
+    }
+
+    /// Appends `hashes` after the last block (head table shard lock of the run's first block held,
+    /// room checked by the caller): the hashes first, then the length.
+    fn append(self, hashes: &[u64]) {
+        let len = self.len();
+        debug_assert!(len + hashes.len() <= self.cap());
+        for (i, &h) in hashes.iter().enumerate() {
+            // Relaxed: published by the Release store of the length below (and the head table's
+            // value after it); no reader reads past the length it was given.
+            self.w(HASHES + len + i).store(h, Ordering::Relaxed);
+        }
+        // Release: a writer that reads the length with Acquire sees the hashes; readers get the
+        // length from the head table's value, stored with Release after this.
+        self.w(0).fetch_add(hashes.len() as u64, Ordering::Release);
     }
 
     #[inline]
@@ -171,25 +202,31 @@ impl Run {
 
     #[inline]
     fn header(self) -> u64 {
-        // Relaxed: immutable after creation; the run's publication (Release) orders it.
-        self.w(0).load(Ordering::Relaxed)
+        // Acquire: pairs with the Release of `append` (capacity and groups never change).
+        self.w(0).load(Ordering::Acquire)
     }
 
-    /// Blocks in the run.
+    /// Blocks in the run now (writers; a query uses the length the head table gave it).
     #[inline]
     pub(crate) fn len(self) -> usize {
         (self.header() & 0xff) as usize
     }
 
+    /// Blocks the run has room for.
+    #[inline]
+    pub(crate) fn cap(self) -> usize {
+        ((self.header() >> 8) & 0xff) as usize
+    }
+
     #[inline]
     fn groups(self) -> usize {
-        ((self.header() >> 8) & 0xff) as usize
+        ((self.header() >> 16) & 0xff) as usize
     }
 
     /// Heap bytes of the run (its extension included).
     pub(crate) fn bytes(self) -> usize {
         let ext = if self.ext().is_some() { (GROUPS - self.groups()) * GROUP_WORDS * 8 } else { 0 };
-        Self::units(self.len(), self.groups()) * std::mem::size_of::<Unit>() + ext
+        Self::units(self.cap(), self.groups()) * std::mem::size_of::<Unit>() + ext
     }
 
     /// The head table's value for this run: its address and its length less one, packed like a
@@ -206,58 +243,51 @@ impl Run {
         (run, last + 1)
     }
 
-    /// Hints the CPU to fetch the run's first line.
+    /// Hints the CPU to fetch the lines a query reads of the run when it compares its first `k`
+    /// blocks: the first line (header and the first cuts) and the line of hash `k - 1`.
     #[inline]
-    pub(crate) fn prefetch_head(self) {
+    pub(crate) fn prefetch_for(self, k: usize) {
         prefetch(self.w(0));
-    }
-
-    /// The hash of the last block (in the first line).
-    #[inline]
-    pub(crate) fn last(self) -> u64 {
-        // Relaxed: immutable after creation; published with the run.
-        self.w(1).load(Ordering::Relaxed)
+        prefetch(self.w(HASHES + k - 1));
     }
 
     /// The hash of block `i`.
     #[inline]
     pub(crate) fn hash(self, i: usize) -> u64 {
-        debug_assert!(i < self.len());
-        // Relaxed: immutable after creation; published with the run.
-        self.w(HEADER + self.groups() * GROUP_WORDS + i).load(Ordering::Relaxed)
+        // Relaxed: published with the run or by an append before the length that covers `i`.
+        self.w(HASHES + i).load(Ordering::Relaxed)
     }
 
     /// Hints the CPU to fetch the line of hash `i`.
     #[inline]
     pub(crate) fn prefetch(self, i: usize) {
-        prefetch(self.w(HEADER + self.groups() * GROUP_WORDS + i));
+        prefetch(self.w(HASHES + i));
     }
 
     fn ext(self) -> Option<NonNull<AtomicU64>> {
         // Acquire: pairs with the Release compare-and-swap that installed the extension.
-        NonNull::new(self.w(3).load(Ordering::Acquire) as *mut AtomicU64)
+        NonNull::new(self.w(2).load(Ordering::Acquire) as *mut AtomicU64)
     }
 
-    /// Group `g`'s mask word and first cut word, if the run has them (reader side).
+    /// Group `g`'s mask word (its cut words follow it), if the run has the group (reader side).
     #[inline]
-    fn group(self, g: usize) -> Option<(&'static AtomicU64, *const AtomicU64)> {
+    fn group(self, g: usize) -> Option<*const AtomicU64> {
+        if g == 0 {
+            return Some(self.w(HEADER));
+        }
         let inline = self.groups();
         if g < inline {
-            let cuts: *const AtomicU64 = self.w(HEADER + inline + g * CUT_WORDS);
-            return Some((self.w(HEADER + g), cuts));
+            return Some(self.w(HASHES + self.cap() + (g - 1) * GROUP_WORDS));
         }
         let ext = self.ext()?;
         // SAFETY: the extension holds `(GROUPS - inline) * GROUP_WORDS` words, lives as long as the
         // run, and `g - inline < GROUPS - inline`.
-        let mask = unsafe { &*ext.as_ptr().add((g - inline) * GROUP_WORDS) };
-        let cuts: *const AtomicU64 = mask;
-        // SAFETY: the cut words follow the mask word within the group's words.
-        Some((mask, unsafe { cuts.add(1) }))
+        Some(unsafe { ext.as_ptr().add((g - inline) * GROUP_WORDS) })
     }
 
-    /// Group `g`'s mask word and first cut word, creating the extension if needed (writer side),
-    /// and the bytes this call allocated.
-    fn group_mut(self, g: usize) -> ((&'static AtomicU64, *const AtomicU64), usize) {
+    /// Group `g`'s mask word, creating the extension if needed (writer side), and the bytes this
+    /// call allocated.
+    fn group_mut(self, g: usize) -> (*const AtomicU64, usize) {
         if let Some(w) = self.group(g) {
             return (w, 0);
         }
@@ -265,7 +295,7 @@ impl Run {
         let fresh: Box<[AtomicU64]> = (0..n).map(|_| AtomicU64::new(0)).collect();
         let fresh = Box::into_raw(fresh).cast::<AtomicU64>();
         // Release: a reader that loads the pointer (Acquire) sees the zeroed words.
-        let won = self.w(3).compare_exchange(0, fresh as u64, Ordering::Release, Ordering::Acquire);
+        let won = self.w(2).compare_exchange(0, fresh as u64, Ordering::Release, Ordering::Acquire);
         let allocated = if won.is_err() {
             // SAFETY: `fresh` was never published; it is the box made just above.
             drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(fresh, n)) });
@@ -276,22 +306,31 @@ impl Run {
         (self.group(g).unwrap_or_else(|| unreachable!("the extension was just installed")), allocated)
     }
 
-    /// The masks of group `g`: holders that have the whole run on GPU (low half) and on any tier
-    /// (high half); 0 if the run has no block for the group.
+    /// Four holders' cuts of group `g` (holders `4w..4w + 4`, 16 bits each: GPU cut, then any-tier
+    /// cut, a byte each); 0 if the run has no cuts for the group.
     #[inline]
-    pub(crate) fn masks(self, g: usize) -> u64 {
+    pub(crate) fn cut_word(self, g: usize, w: usize) -> u64 {
+        let Some(group) = self.group(g) else { return 0 };
+        // SAFETY: a group's CUT_WORDS cut words follow its mask word; `w < CUT_WORDS`.
+        let word = unsafe { &*group.add(1 + w) };
         // Acquire: pairs with the holders' Release updates (`publish`).
-        self.group(g).map_or(0, |(w, _)| w.load(Ordering::Acquire))
+        word.load(Ordering::Acquire)
+    }
+
+    /// Group `g`'s mask: (`L`, holders whose both cuts were at least `L`); (0, 0) without one.
+    #[inline]
+    pub(crate) fn mask(self, g: usize) -> (usize, u32) {
+        let Some(group) = self.group(g) else { return (0, 0) };
+        // SAFETY: the group's mask word.
+        // Acquire: pairs with the holders' Release updates (`publish`).
+        let v = unsafe { &*group }.load(Ordering::Acquire);
+        ((v >> 32) as usize, v as u32)
     }
 
     /// Holder `bit` of group `g`: (GPU cut, any-tier cut).
     #[inline]
     pub(crate) fn cut(self, g: usize, bit: u32) -> (usize, usize) {
-        let Some((_, cuts)) = self.group(g) else { return (0, 0) };
-        // SAFETY: a group has GROUP / 4 cut words; `bit < GROUP`.
-        let word = unsafe { &*cuts.add(bit as usize / 4) };
-        // Acquire: pairs with the holder's Release update (`publish`).
-        let v = (word.load(Ordering::Acquire) >> ((bit % 4) * 16)) as usize;
+        let v = (self.cut_word(g, bit as usize / 4) >> ((bit % 4) * 16)) as usize;
         (v & 0xff, (v >> 8) & 0xff)
     }
 
@@ -302,18 +341,36 @@ impl Run {
         if old == new {
             return 0;
         }
-        let len = self.len() as u16;
-        let ((mask, cuts), allocated) = self.group_mut(g);
-        // SAFETY: as in `cut`.
-        let word = unsafe { &*cuts.add(bit as usize / 4) };
-        let shift = (bit % 4) * 16;
+        let (group, allocated) = self.group_mut(g);
+        // SAFETY: as in `cut_word`.
+        let word = unsafe { &*group.add(1 + bit as usize / 4) };
         // Release: a reader that loads the word (Acquire) sees what this writer published before.
-        word.fetch_xor(u64::from(old ^ new) << shift, Ordering::Release);
-        let full = |c: u16| (u64::from(c & 0xff == len) << bit) | (u64::from(c >> 8 == len) << (bit + 32));
-        let flip = full(old) ^ full(new);
-        if flip != 0 {
-            // Release: as above.
-            mask.fetch_xor(flip, Ordering::Release);
+        word.fetch_xor(u64::from(old ^ new) << ((bit % 4) * 16), Ordering::Release);
+        // SAFETY: the group's mask word.
+        let mask = unsafe { &*group };
+        let len = self.len() as u64;
+        let whole = u64::from(new & 0xff) == len && u64::from(new >> 8) == len;
+        // Acquire: pairs with other holders' Release updates of the mask.
+        let mut cur = mask.load(Ordering::Acquire);
+        loop {
+            let (l, bits) = (cur >> 32, cur as u32 as u64);
+            let next = if whole && l == len {
+                (l << 32) | bits | (1 << bit)
+            } else if whole && l < len {
+                // Raise the mask's length: the others' bits held for a shorter run.
+                (len << 32) | (1 << bit)
+            } else {
+                (l << 32) | (bits & !(1 << bit))
+            };
+            if next == cur {
+                break;
+            }
+            // Release (success): after the cut word above, so a reader that sees the bit sees a
+            // state the holder had. Acquire (failure): the next attempt starts from the latest.
+            match mask.compare_exchange_weak(cur, next, Ordering::Release, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(v) => cur = v,
+            }
         }
         allocated
     }
@@ -324,7 +381,7 @@ impl Run {
     pub(crate) fn acquire(self) {
         // Relaxed: a new reference is always derived from a held one (or made under the shard lock
         // that reclamation takes), so no ordering is needed to keep the run alive.
-        let before = self.w(2).fetch_add(1, Ordering::Relaxed);
+        let before = self.w(1).fetch_add(1, Ordering::Relaxed);
         debug_assert!(before & DEAD == 0, "acquired a reclaimed run");
     }
 
@@ -333,20 +390,20 @@ impl Run {
     pub(crate) fn release(self) -> bool {
         // AcqRel: the last releaser must see every other holder's writes to the run before it is
         // reclaimed (Acquire), and its own before handing it over (Release).
-        self.w(2).fetch_sub(1, Ordering::AcqRel) == 1
+        self.w(1).fetch_sub(1, Ordering::AcqRel) == 1
     }
 
     /// References now (0 after the last release).
     #[inline]
     pub(crate) fn refs(self) -> u64 {
         // Acquire: read under the shard lock by reclamation; pairs with `release`.
-        self.w(2).load(Ordering::Acquire)
+        self.w(1).load(Ordering::Acquire)
     }
 
     /// Marks the run unlinked (shard lock held, no reference left).
     pub(crate) fn mark_dead(self) {
         // Relaxed: read only by debug assertions and loom checks.
-        self.w(2).fetch_or(DEAD, Ordering::Relaxed);
+        self.w(1).fetch_or(DEAD, Ordering::Relaxed);
     }
 
     /// Frees the run.
@@ -364,7 +421,7 @@ impl Run {
         }
         #[cfg(not(loom))]
         {
-            let (inline, units) = (self.groups(), Self::units(self.len(), self.groups()));
+            let (inline, units) = (self.groups(), Self::units(self.cap(), self.groups()));
             if let Some(ext) = self.ext() {
                 let n = (GROUPS - inline) * GROUP_WORDS;
                 // SAFETY: the extension was made by `group_mut` with exactly `n` words.
@@ -380,7 +437,8 @@ impl Run {
     /// True once freed (loom builds: a freed run's header is poisoned).
     #[cfg(loom)]
     pub(crate) fn is_freed(self) -> bool {
-        self.header() == u64::MAX
+        // Relaxed: loom only.
+        self.w(0).load(Ordering::Relaxed) == u64::MAX
     }
 }
 
@@ -428,7 +486,7 @@ pub(crate) fn create(table: &SlotTable, seqs: &[u64], groups: usize, guard: &Gua
             return (run, false);
         }
     }
-    let run = Run::new(seqs, groups, 1);
+    let run = Run::new(seqs, capacity_for(seqs.len()), groups, 1);
     if bits == 0 {
         // (A key taken by a run of another first block — a 2^-64 collision — leaves this run
         // unpublished: never counted, still correct for its holders' bookkeeping.)
@@ -437,6 +495,35 @@ pub(crate) fn create(table: &SlotTable, seqs: &[u64], groups: usize, guard: &Gua
     #[cfg(cortex_loom_bug = "run_hashes_late")]
     run.publish_late(seqs);
     (run, true)
+}
+
+/// Appends `seqs` to `run`, whose last block is at `at - 1` as the caller saw it and is the
+/// parent of `seqs[0]` (none of `seqs` starts a run): under the shard lock of the run's first
+/// block, if the run still ends there, as many as it has room for. Returns how many.
+pub(crate) fn append(table: &SlotTable, run: Run, at: usize, seqs: &[u64], guard: &Guard) -> usize {
+    let key = head_key(run.hash(0));
+    let mut locked = table.lock(key, guard);
+    if run.len() != at {
+        return 0;
+    }
+    let n = seqs.len().min(run.cap() - at);
+    if n == 0 {
+        return 0;
+    }
+    let before = run.head_value();
+    let published = locked.find(key) == before;
+    #[cfg(cortex_loom_bug = "len_before_hashes")]
+    if published {
+        // Negative control: the deliberate bug publishes the new length before the hashes.
+        locked.put(key, pack(run, at + n - 1));
+    }
+    run.append(&seqs[..n]);
+    #[cfg(not(cortex_loom_bug = "len_before_hashes"))]
+    if published {
+        // Release (in `put`): a reader that reads the new length reads the appended hashes.
+        locked.put(key, run.head_value());
+    }
+    n
 }
 
 /// Reclaims `run`, whose last reference was just released: under the shard lock of its first
@@ -501,22 +588,35 @@ mod tests {
     #[test]
     fn coverage_is_published_and_read_back() {
         let hashes: Vec<u64> = (1..=16).collect();
-        let r = Run::new(&hashes, 1, 1);
-        assert_eq!(r.len(), 16);
+        let r = Run::new(&hashes, capacity_for(16), 2, 1);
+        assert_eq!((r.len(), r.cap()), (16, 64));
         assert_eq!(r.hash(15), 16);
         r.publish(0, 5, 0, 3 | (7 << 8));
         assert_eq!(r.cut(0, 5), (3, 7));
-        assert_eq!(r.masks(0), 0);
+        assert_eq!(r.mask(0), (0, 0));
         r.publish(0, 5, 3 | (7 << 8), 16 | (16 << 8));
-        assert_eq!(r.masks(0), (1 << 5) | (1 << 37));
+        assert_eq!(r.cut(0, 5), (16, 16));
+        assert_eq!(r.mask(0), (16, 1 << 5));
+        r.publish(0, 6, 0, 16 | (16 << 8));
+        assert_eq!(r.mask(0), (16, (1 << 5) | (1 << 6)));
+        r.publish(1, 2, 0, 1 | (2 << 8));
+        assert_eq!(r.cut(1, 2), (1, 2));
         // A group beyond the inline ones goes to the extension.
         assert_eq!(r.cut(7, 31), (0, 0));
-        r.publish(7, 31, 0, 2 | (16 << 8));
+        assert!(r.publish(7, 31, 0, 2 | (16 << 8)) > 0);
         assert_eq!(r.cut(7, 31), (2, 16));
-        assert_eq!(r.masks(7), 1 << 63);
         assert_eq!(r.cut(0, 5), (16, 16));
+        // Appends keep every cut and hash.
+        r.append(&[17, 18]);
+        assert_eq!((r.len(), r.hash(16), r.hash(17), r.cut(0, 5), r.cut(1, 2)), (18, 17, 18, (16, 16), (1, 2)));
+        // The whole grown run raises the mask's length and drops the bits of a shorter run.
+        r.publish(0, 6, 16 | (16 << 8), 18 | (18 << 8));
+        assert_eq!(r.mask(0), (18, 1 << 6));
+        r.publish(0, 6, 18 | (18 << 8), 17 | (18 << 8));
+        assert_eq!(r.mask(0), (18, 0));
         let loc = pack(r, 9);
         assert_eq!(unpack(loc), (r, 9));
+        assert_eq!(Run::from_head_value(r.head_value()), (r, 18));
         assert!(r.release(), "the only reference");
         // SAFETY: never published; this test is its only user.
         unsafe { r.free() };
@@ -576,12 +676,42 @@ mod loom_models {
             let seen = (bits != 0).then(|| {
                 // Found in the table under a pinned guard.
                 let (run, _) = Run::from_head_value(bits);
-                (run.hash(0), run.last())
+                (run.hash(0), run.hash(1))
             });
             drop(g);
             w.join().unwrap();
             match seen {
                 Some(h) if h != (H0, H1) => Some(format!("reader found the run without its hashes: {h:x?}")),
+                _ => None,
+            }
+        });
+    }
+
+    /// Append: a reader that gets a grown run's new length from the head table reads the appended
+    /// hashes. Negative control: `cortex_loom_bug="len_before_hashes"`.
+    #[test]
+    #[cfg_attr(cortex_loom_bug = "len_before_hashes", should_panic(expected = "without its hash"))]
+    fn append_is_published_with_its_hashes() {
+        check(|| {
+            let t = Arc::new(SlotTable::new());
+            let run = {
+                let g = epoch::pin();
+                create(&t, &[H0], 1, &g).0
+            };
+            let w = {
+                let t = t.clone();
+                thread::spawn(move || {
+                    let g = epoch::pin();
+                    append(&t, run, 1, &[H1], &g);
+                })
+            };
+            let g = epoch::pin();
+            let (found, len) = Run::from_head_value(t.get(head_key(H0), &g));
+            let seen = (len == 2).then(|| found.hash(1));
+            drop(g);
+            w.join().unwrap();
+            match seen {
+                Some(h) if h != H1 => Some(format!("reader got the grown length without its hash: {h:#x}")),
                 _ => None,
             }
         });

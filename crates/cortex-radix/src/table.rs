@@ -4,7 +4,7 @@
 //! `ledger.rs`) and an `AtomicU64` value (the run's address, 0 once the run is gone). Only run
 //! heads are keys: a query looks a block up only where a run ends or the prompt leaves it, and
 //! by the chain property the block there is either absent or the first block of another run. The
-//! table is split into shards by the key's top bits; each shard is one linear-probing array behind
+//! table is split into 16 shards by the key's top bits; each shard is one linear-probing array behind
 //! a crossbeam-epoch pointer.
 //!
 //! Key decisions:
@@ -27,8 +27,9 @@ use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 /// The reserved key of a never-used slot. [`crate::ledger`] never produces it as a key.
 pub(crate) const EMPTY: u64 = 0;
 
+/// 16 shards: the table has one key per run, not per block (the old per-block table had 64).
 #[cfg(not(loom))]
-const SHARD_BITS: u32 = 6;
+const SHARD_BITS: u32 = 4;
 #[cfg(loom)]
 const SHARD_BITS: u32 = 0;
 const SHARDS: usize = 1 << SHARD_BITS;
