@@ -6,7 +6,7 @@ fn main() {
     println!("cargo::rustc-check-cfg=cfg(loom)");
     println!("cargo::rustc-check-cfg=cfg(crossbeam_loom)");
     println!(
-        "cargo::rustc-check-cfg=cfg(cortex_loom_bug, values(\"publish_key_first\", \"free_now\", \"reuse_dead\", \"id_after_active\"))"
+        "cargo::rustc-check-cfg=cfg(cortex_loom_bug, values(\"publish_key_first\", \"free_now\", \"reuse_dead\", \"id_after_active\", \"run_hashes_late\", \"free_run_now\", \"reclaim_unlocked\", \"len_before_hashes\"))"
     );
     println!("cargo::rerun-if-env-changed=CORTEX_LOOM_BUG");
     println!("cargo::rerun-if-changed=build.rs");

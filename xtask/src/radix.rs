@@ -16,12 +16,16 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 /// The deliberate bugs of the loom negative controls, each caught by one model (in
-/// `crates/cortex-radix/src/table.rs` and `slots.rs`).
+/// `crates/cortex-radix/src/table.rs`, `run.rs` and `slots.rs`).
 pub const LOOM_BUGS: &[(&str, &str)] = &[
     ("publish_key_first", "publish_key_with_bits"),
     ("reuse_dead", "dead_slot_is_never_reused_by_another_key"),
     ("free_now", "rebuild_reclaims_only_after_readers_leave"),
     ("id_after_active", "holder_is_published_with_its_id"),
+    ("run_hashes_late", "run_is_published_with_its_hashes"),
+    ("free_run_now", "run_is_freed_only_after_readers_leave"),
+    ("reclaim_unlocked", "a_found_run_is_never_reclaimed"),
+    ("len_before_hashes", "append_is_published_with_its_hashes"),
 ];
 
 /// Runs `cmd` to completion or kills it after `cap`.
@@ -124,7 +128,7 @@ mod tests {
     fn every_loom_bug_has_a_negative_control() {
         let crate_dir = crate::workspace_root().join("crates").join("cortex-radix");
         let build = std::fs::read_to_string(crate_dir.join("build.rs")).expect("build.rs");
-        let table = ["table.rs", "slots.rs"]
+        let table = ["table.rs", "run.rs", "slots.rs"]
             .iter()
             .map(|f| std::fs::read_to_string(crate_dir.join("src").join(f)).expect("model source"))
             .collect::<Vec<_>>()

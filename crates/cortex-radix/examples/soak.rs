@@ -203,9 +203,9 @@ fn main() -> ExitCode {
 
     println!("soak: {total_ops} ops, budget {} MiB, {HOLDERS} holders x {CAPACITY} blocks", budget >> 20);
     println!(
-        "| events (M) | process heap (ledger + simulated engines) | stats.live_bytes | of which table / holders / det. index | blocks | orphans | det. waits / blocks | evictions cap / budget | unknown removes |"
+        "| events (M) | process heap (ledger + simulated engines) | stats.live_bytes | of which runs+table / holders / det. index | blocks | orphans | det. waits / blocks | evictions cap / budget | unknown removes | runs / their blocks |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut samples = Vec::new();
     let mut next = total_ops / 20;
     loop {
@@ -214,7 +214,7 @@ fn main() -> ExitCode {
             let s = ledger.stats();
             let live = live_bytes() - before;
             println!(
-                "| {:.1} | {} | {} | {} / {} / {} | {} | {} | {} / {} | {} / {} | {} |",
+                "| {:.1} | {} | {} | {} / {} / {} | {} | {} | {} / {} | {} / {} | {} | {} / {} |",
                 n as f64 / 1e6,
                 live,
                 s.live_bytes,
@@ -227,7 +227,9 @@ fn main() -> ExitCode {
                 s.deterministic_blocks,
                 s.evictions_capacity,
                 s.evictions_budget,
-                s.unknown_removes
+                s.unknown_removes,
+                s.nodes,
+                s.run_blocks
             );
             samples.push((n, live, s.live_bytes));
             next += total_ops / 20;

@@ -1,14 +1,17 @@
-//! One holder's private state, owned by its writer: `EngineHash → block`, orphans, LRU stamps.
+//! One holder's private state, owned by its writer: `EngineHash → block`, its blocks of each run,
+//! orphans, LRU stamps.
 //!
 //! Key decision: everything that is per (holder, block) and only ever touched by that holder's
 //! writer lives here, in plain (non-atomic) maps behind the holder's own mutex, which only its
 //! writer (and, rarely, `remove_worker` or another holder's writer grafting a deterministic
-//! orphan) takes. The shared [`crate::table`] holds only what readers need: two bits per holder
-//! per block. A block is one 24-byte slot of an [`EngineMap`] (its engine hash, then 16 bytes:
-//! the block's `SeqHash` (unused for orphans and uncountable blocks), its store stamp — the LRU
-//! order is the stamp order, evicted in batches by a selection, not a linked list — its reference
-//! counts on GPU and on lower tiers, its state and its namespace, by index, for deterministic
-//! grafting). Orphans' extra data and waiting lists are small side maps.
+//! orphan) takes. The shared runs ([`crate::run`]) hold only what readers need: per holder and
+//! run, two cuts. A block is one 24-byte slot of an [`EngineMap`] (its engine hash, then 16 bytes:
+//! the block's location — run and offset, packed; unused for orphans and uncountable blocks — its
+//! store stamp — the LRU order is the stamp order, evicted in batches by a selection, not a linked
+//! list — its reference counts on GPU and on lower tiers, its state and its namespace, by index,
+//! for deterministic grafting). Per run the holder has blocks of, a [`HolderRun`] keeps which
+//! offsets it has (on GPU, on any tier) so that the cuts it publishes are exact. Orphans' extra data
+//! and waiting lists are small side maps.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -26,8 +29,9 @@ pub(crate) const NS_NONE: u8 = u8::MAX;
 /// A holder's block.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Entry {
-    /// `SeqHash` bits when countable; unused otherwise.
-    pub(crate) seq: u64,
+    /// Location (`run::pack`) when countable; unused otherwise. Deterministic-index entries
+    /// keep a location too.
+    pub(crate) loc: u64,
     /// Store stamp: the holder's tick at the block's latest store (larger is more recent).
     pub(crate) stamp: u32,
     /// References on GPU (saturating).
@@ -104,7 +108,7 @@ struct Slot {
 }
 
 const EMPTY_SLOT: Slot =
-    Slot { key: 0, e: Entry { seq: 0, stamp: 0, gpu: 0, low: 0, state: VACANT, ns: NS_NONE } };
+    Slot { key: 0, e: Entry { loc: 0, stamp: 0, gpu: 0, low: 0, state: VACANT, ns: NS_NONE } };
 
 /// A holder's blocks by engine hash: linear probing over 24-byte slots (key and entry side by
 /// side, so a probe touches one line), sized for the holder's capacity at 4/5 load, with
@@ -187,7 +191,7 @@ impl EngineMap {
     }
 
     /// Inserts or replaces `key`'s entry (tests; the ledger always knows which it does).
-    #[cfg(test)]
+    #[cfg(all(test, not(loom)))]
     pub(crate) fn insert(&mut self, key: u64, e: Entry) {
         if let Some(i) = self.find(key) {
             self.slots[i].e = e;
@@ -287,11 +291,37 @@ impl EngineMap {
     }
 }
 
+/// A holder's blocks of one run: which offsets it has on GPU and on any tier, how many of its
+/// entries are located in the run (it holds one reference to the run while that is nonzero), and
+/// the cuts it last published.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct HolderRun {
+    /// Offsets held on GPU.
+    pub(crate) gpu: u64,
+    /// Offsets held on any tier.
+    pub(crate) any: u64,
+    /// Entries located in the run.
+    pub(crate) entries: u32,
+    /// Cuts last published (`gpu | any << 8`).
+    pub(crate) published: u16,
+}
+
+impl HolderRun {
+    /// The cuts the holder's offsets call for (`gpu | any << 8`).
+    pub(crate) fn cuts(&self) -> u16 {
+        crate::run::cut_of(self.gpu) | (crate::run::cut_of(self.any) << 8)
+    }
+}
+
 /// The writer-owned state of one holder.
 #[derive(Default)]
 pub(crate) struct Private {
     /// Every block of the holder (countable, orphan or uncountable), by engine hash.
     pub(crate) entries: EngineMap,
+    /// The holder's blocks of each run, by the run's address.
+    pub(crate) runs: Map<HolderRun>,
+    /// Runs whose cuts changed since they were last published.
+    pub(crate) dirty: Vec<u64>,
     /// Orphans' extra data, by engine hash.
     pub(crate) orphans: Map<OrphanInfo>,
     /// Orphans waiting on a parent engine hash: parent → children.
@@ -364,6 +394,8 @@ impl Private {
             buckets * (std::mem::size_of::<(u64, V)>() + 1) + 16
         }
         self.entries.heap_bytes()
+            + map_bytes(&self.runs)
+            + self.dirty.capacity() * 8
             + map_bytes(&self.orphans)
             + map_bytes(&self.waiting)
             + self.waiting.values().map(|v| v.capacity() * 8).sum::<usize>()
@@ -377,7 +409,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn entry(seq: u64) -> Entry {
-        Entry { seq, stamp: 0, gpu: 1, low: 0, state: COUNTABLE, ns: NS_NONE }
+        Entry { loc: seq, stamp: 0, gpu: 1, low: 0, state: COUNTABLE, ns: NS_NONE }
     }
 
     proptest! {
@@ -392,17 +424,17 @@ mod tests {
                     m.insert(k, entry(k + 1));
                     want.insert(k, k + 1);
                 } else {
-                    prop_assert_eq!(m.remove(&k).map(|e| e.seq), want.remove(&k));
+                    prop_assert_eq!(m.remove(&k).map(|e| e.loc), want.remove(&k));
                 }
                 prop_assert_eq!(m.len(), want.len());
             }
             for (k, v) in &want {
-                prop_assert_eq!(m.get(k).map(|e| e.seq), Some(*v));
+                prop_assert_eq!(m.get(k).map(|e| e.loc), Some(*v));
             }
             prop_assert_eq!(m.iter().count(), want.len());
             m.shrink_to(0);
             for (k, v) in &want {
-                prop_assert_eq!(m.get(k).map(|e| e.seq), Some(*v));
+                prop_assert_eq!(m.get(k).map(|e| e.loc), Some(*v));
             }
         }
     }

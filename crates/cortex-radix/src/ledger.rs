@@ -1,11 +1,14 @@
 //! The ledger: holders, writers, the overlap query, removal, budgets, dumps and stats.
 //!
-//! Key decision: a query is a run of independent lookups `SeqHash → holder bits` in the shared
-//! table (`table.rs`) (the `SeqHash` chain already encodes the prefix, so no tree is walked), and all
-//! per-(holder, block) bookkeeping — engine hashes, reference counts, tiers, orphans, LRU stamps —
-//! is private to the holder's single writer (`holder.rs`). The table stores only what a
-//! reader needs: two bits per holder per block. Writers of different holders run in parallel and
-//! meet only on short shard locks of the table; readers pin an epoch and never lock.
+//! Key decision: the shared structure is a set of *runs* (`run.rs`), contiguous pieces of `SeqHash`
+//! chains, each block in exactly one run, found by their first block in the head table
+//! (`table.rs`). A query costs one lookup per run it crosses, not one per block: the chain property
+//! lets it compare a whole run with the prompt in one comparison. All per-(holder, block)
+//! bookkeeping — engine hashes, reference counts, tiers, orphans, LRU stamps, which offsets of
+//! which run the holder has — is private to the holder's single writer (`holder.rs`), which
+//! publishes per run only two cuts. Writers of different holders run in parallel and meet only on
+//! short shard locks of the head table (creating, finding and reclaiming runs); readers pin an
+//! epoch and never lock.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64 as StdAtomicU64, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering};
@@ -13,22 +16,23 @@ use std::sync::atomic::{AtomicU64 as StdAtomicU64, AtomicUsize as StdAtomicUsize
 use cortex_hash::kv::{BlockRemoved, BlockStored, EventBatch, HolderId, KvEvent, WorkerId};
 use cortex_hash::{BlockHash, SeqHash, chain};
 
-use crate::holder::{COUNTABLE, Entry, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE, mix64};
+use crate::holder::{COUNTABLE, Entry, HolderRun, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE, mix64};
 use crate::overlap::{Overlap, OverlapScores};
+use crate::run::{self, GROUPS, MAX_RUN, Run, head_key, pack, unpack};
 use crate::slots::{GROUP, Slots};
 use crate::sync::epoch::{self, Guard};
 use crate::sync::{AtomicBool, AtomicU8, AtomicU64, Mutex, MutexGuard, Ordering, fence};
-use crate::table::{EMPTY, SLOT_BYTES, SlotTable};
+use crate::table::SlotTable;
 
 /// The most holders one ledger indexes at once (32 groups).
 pub const MAX_HOLDERS: u32 = 1024;
-const GROUPS: usize = (MAX_HOLDERS / GROUP) as usize;
+const _: () = assert!(GROUPS == (MAX_HOLDERS / GROUP) as usize);
 
-/// How many positions ahead a query prefetches its lookups.
-const PREFETCH: usize = 16;
+/// Runs a query looks up ahead (in the head table only) before it reads them.
+const PATH: usize = 16;
 
 /// The bytes per (holder, block) that [`LedgerConfig::byte_budget`] is converted to blocks with:
-/// about twice what a block costs at the structures' usual load (41–43 B in the §4 benchmark, up
+/// about twice what a block costs at the structures' usual load (35–40 B in the §4 benchmark, up
 /// to ~80 B in the soak, whose deterministic holders also fill the cross-holder index), so that
 /// the budget holds with load factors at their worst. Converting to blocks once, rather than
 /// evicting while measured bytes exceed the budget, cannot thrash: arrays that have not shrunk
@@ -206,10 +210,10 @@ pub struct HolderDump {
 /// Counters for metrics. Gauges are current values; the rest count since creation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct LedgerStats {
-    /// Bytes the ledger's structures use now (table arrays plus holders' maps, estimated from
-    /// their capacities).
+    /// Bytes the ledger's structures use now (runs, head table arrays and holders' maps,
+    /// estimated from their capacities).
     pub live_bytes: usize,
-    /// Of which the shared table.
+    /// Of which the shared structure: runs and the head table.
     pub table_bytes: usize,
     /// Of which the holders' private maps (engine hashes, orphans, waiting lists).
     pub holder_bytes: usize,
@@ -223,12 +227,14 @@ pub struct LedgerStats {
     pub countable_blocks: u64,
     /// Of which orphans.
     pub orphans: u64,
-    /// Distinct (block, holder group) keys with some holder in the table.
+    /// Runs (contiguous pieces of chains, the shared structure's nodes) some holder references.
     pub nodes: usize,
-    /// Table keys no holder references any more, reclaimed at their shard's next rebuild.
+    /// Head-table keys whose run is gone, reclaimed at their shard's next rebuild.
     pub dead_nodes: usize,
-    /// Table shard rebuilds.
+    /// Head-table shard rebuilds.
     pub table_rebuilds: usize,
+    /// Blocks in live runs (each distinct countable block once).
+    pub run_blocks: u64,
     /// Blocks evicted because a holder exceeded its capacity plus slack.
     pub evictions_capacity: u64,
     /// Blocks evicted because of the byte budget.
@@ -249,6 +255,9 @@ pub struct LedgerStats {
 
 #[derive(Default)]
 struct Counters {
+    run_bytes: StdAtomicUsize,
+    runs: StdAtomicUsize,
+    run_blocks: StdAtomicU64,
     private_bytes: StdAtomicUsize,
     det_bytes: StdAtomicUsize,
     blocks: StdAtomicU64,
@@ -263,12 +272,13 @@ struct Counters {
     refused: StdAtomicU64,
 }
 
-/// A graft offered to a deterministic holder by another one: `(ns, parent engine)` has `seq`.
+/// A graft offered to a deterministic holder by another one: `(ns, parent engine)` is the block
+/// at `loc`. The graft holds a reference to that run until it is applied or dropped.
 #[derive(Clone, Copy, Debug)]
 struct Graft {
     ns: u64,
     parent: u64,
-    seq: u64,
+    loc: u64,
 }
 
 struct HolderShared {
@@ -291,8 +301,8 @@ struct Registry {
     next_slot: u32,
 }
 
-/// `det_key(ns, engine) → (SeqHash in the entry's seq, holders in its stamp)`: an [`EngineMap`]
-/// (no tombstones, so churn does not grow it).
+/// `det_key(ns, engine) → (location in the entry's loc, holders in its stamp)`: an [`EngineMap`]
+/// (no tombstones, so churn does not grow it). Each entry holds a reference to its run.
 type DetMap = crate::holder::EngineMap;
 
 /// The deterministic index's key: the engine hash XOR a mix of the namespace (a bijection for
@@ -352,14 +362,7 @@ impl std::fmt::Debug for Ledger {
     }
 }
 
-/// The table key of block `seq` for holder group `group`. Group 0 uses the `SeqHash` itself;
-/// other groups a bijective mix, so a block held in two groups has two independent keys. The
-/// reserved empty key is mapped to 1 (one more 2^-64 collision).
-#[inline]
-fn table_key(seq: u64, group: u32) -> u64 {
-    let k = if group == 0 { seq } else { mix64(seq ^ u64::from(group).wrapping_mul(0x9E37_79B9_7F4A_7C15)) };
-    if k == EMPTY { 1 } else { k }
-}
+
 
 fn encode_id(id: HolderId) -> u64 {
     (u64::from(id.worker.0) << 16) | u64::from(id.rank.0)
@@ -445,168 +448,180 @@ impl Ledger {
     /// For every holder, how many leading blocks of `seq` it holds contiguously, on GPU and on
     /// any tier. Lock-free and allocation-free with a reused `out` (sized for the holders).
     ///
-    /// A block being written concurrently may be missed (an under-count); a block is counted
-    /// only if its holder had it at some instant during the query.
+    /// `seq` is a prompt's chain of `SeqHash`es from its namespace's root (as
+    /// `Namespace::seq_hashes` makes it). A block being written concurrently may be missed (an
+    /// under-count); a block is counted only if its holder had it at some instant during the query.
     pub fn query(&self, seq: &[SeqHash], opts: QueryOptions, out: &mut OverlapScores) {
         let inner = &*self.inner;
-        out.begin(seq.len() as u32);
+        let n = seq.len();
+        out.begin(n as u32);
         if seq.is_empty() {
             return;
         }
         let guard = epoch::pin();
-        let groups = inner.slots.groups();
-        // Per group: (group, gpu-active bits, any-active bits, GPU lengths of holders whose GPU run
-        // ended while their any-tier run goes on).
+        // Per counted group: (group, GPU-alive bits, any-alive bits).
         let mut states: [(u32, u32, u32); GROUPS] = [(0, 0, 0); GROUPS];
         let mut n_states = 0;
-        for g in 0..groups {
+        for g in 0..inner.slots.groups() {
             let mask = inner.slots.counted(g, opts.holders == HolderFilter::Ready);
             if mask != 0 {
                 states[n_states] = (g as u32, mask, mask);
                 n_states += 1;
             }
         }
-        if n_states == 1 {
-            self.query_group(states[0].0, states[0].1, seq, opts, out, &guard);
+        let states = &mut states[..n_states];
+        if states.is_empty() {
             return;
         }
-        let states = &mut states[..n_states];
-        // GPU run lengths of holders whose GPU run ended before their any-tier run: on the stack
-        // (4 KiB), so that the query allocates nothing whatever the number of groups.
-        let mut gpu_len = [[0u32; GROUP as usize]; GROUPS];
-        let mut ended = seq.len();
-        for s in seq.iter().take(PREFETCH) {
-            for st in states.iter() {
-                inner.table.prefetch(table_key(s.to_bits(), st.0), &guard);
-            }
+        // GPU run lengths of holders whose GPU run ended before their any-tier run, per counted
+        // group: on the stack, so that the query allocates nothing whatever the number of groups,
+        // and only the rows of counted groups are initialized (zeroing 4 KiB was a fifth of a
+        // query).
+        let mut rows = [const { std::mem::MaybeUninit::<[u32; GROUP as usize]>::uninit() }; GROUPS];
+        for row in &mut rows[..states.len()] {
+            row.write([0; GROUP as usize]);
         }
-        'walk: for (i, s) in seq.iter().enumerate() {
-            if let Some(ahead) = seq.get(i + PREFETCH) {
-                for st in states.iter() {
-                    if st.2 != 0 {
-                        inner.table.prefetch(table_key(ahead.to_bits(), st.0), &guard);
-                    }
-                }
+        // SAFETY: the first `states.len()` rows were just initialized, and `MaybeUninit<T>` has
+        // the layout of `T`.
+        let gpu_len: &mut [[u32; GROUP as usize]] =
+            unsafe { &mut *(std::ptr::from_mut(&mut rows[..states.len()]) as *mut [[u32; GROUP as usize]]) };
+        // Look-ahead: with an early exit, most queries stop at their first run.
+        let ahead = if opts.early_exit == EarlyExit::Never { PATH } else { 2 };
+        let emit = |out: &mut OverlapScores, g: u32, b: u32, gpu: u32, any: u32| {
+            if any > 0 {
+                let id = decode_id(inner.slots.id(g * GROUP + b));
+                out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: any });
             }
-            let mut any_left = 0u32;
-            for (si, st) in states.iter_mut().enumerate() {
-                if st.2 == 0 {
-                    continue;
+        };
+        // The walk, in rounds: first the head table alone, assuming every run matches whole (the
+        // table's value says where a run ends), prefetching each run's first line, so that the
+        // runs' misses overlap; then the runs in order, each checked against the prompt. A run
+        // the prompt leaves early ends the round; the next starts where it diverged.
+        let mut i = 0;
+        let mut path = [(0u64, 0usize); PATH];
+        'rounds: while i < n {
+            let mut len_path = 0;
+            let mut p = i;
+            while p < n && len_path < ahead {
+                let v = inner.table.get(head_key(seq[p].to_bits()), &guard);
+                if v == 0 {
+                    break;
                 }
-                let bits = inner.table.get(table_key(s.to_bits(), st.0), &guard);
-                let (gpu, any) = (bits as u32, (bits >> 32) as u32);
-                let gpu_drop = st.1 & !gpu;
-                if gpu_drop != 0 {
-                    let lens = &mut gpu_len[si];
-                    let mut d = gpu_drop;
-                    while d != 0 {
-                        lens[d.trailing_zeros() as usize] = i as u32;
-                        d &= d - 1;
+                let (run, len) = Run::from_head_value(v);
+                run.prefetch_for(len.min(n - p));
+                path[len_path] = (v, len);
+                len_path += 1;
+                p += len;
+            }
+            if len_path == 0 {
+                break;
+            }
+            for &(v, len) in &path[..len_path] {
+                // A run found in the head table is reclaimed only after it was unlinked from it
+                // and every guard pinned before has been dropped; `guard` is pinned.
+                let (run, _) = Run::from_head_value(v);
+                let k = len.min(n - i);
+                // The key is the first block's `SeqHash` itself except for 0 and 1 (see
+                // `head_key`).
+                if seq[i].to_bits() <= 1 && run.hash(0) != seq[i].to_bits() {
+                    break 'rounds;
+                }
+                // The matched span: the whole run if its last compared block matches (the chain
+                // property), else the divergence found by binary search (equality is monotone).
+                let m = if run.hash(k - 1) == seq[i + k - 1].to_bits() {
+                    k
+                } else {
+                    run.prefetch(k / 2);
+                    let (mut lo, mut hi) = (0, k - 1);
+                    while hi - lo > 1 {
+                        let mid = (lo + hi) / 2;
+                        if run.hash(mid) == seq[i + mid].to_bits() {
+                            lo = mid;
+                        } else {
+                            hi = mid;
+                        }
                     }
-                    st.1 &= gpu;
+                    lo + 1
+                };
+                if opts.early_exit == EarlyExit::OneHolderLeft
+                    && let Some(end) = early_exit(run, states, i, m)
+                {
+                    // At most one holder is left within this span: everyone else ends where they
+                    // end, the survivor at `end`.
+                    for (si, st) in states.iter().enumerate() {
+                        let mut d = st.2;
+                        while d != 0 {
+                            let b = d.trailing_zeros();
+                            d &= d - 1;
+                            let (gc, ac) = run.cut(st.0 as usize, b);
+                            let (gc, ac) = (gc.min(m), ac.min(m));
+                            let gpu = if st.1 & (1 << b) != 0 { (i + gc) as u32 } else { gpu_len[si][b as usize] };
+                            let any = (i + ac) as u32;
+                            if any >= end {
+                                emit(out, st.0, b, gpu.min(end), end);
+                            } else {
+                                emit(out, st.0, b, gpu, any);
+                            }
+                        }
+                    }
+                    return;
                 }
-                let any_drop = st.2 & !any;
-                if any_drop != 0 {
-                    let lens = &gpu_len[si];
-                    let mut d = any_drop;
+                let mut left = 0;
+                for (si, st) in states.iter_mut().enumerate() {
+                    if st.2 == 0 {
+                        continue;
+                    }
+                    // Holders in the mask cover the span on both tiers if it ends by the mask's
+                    // length; every other holder still matching reads its cuts (four to a word).
+                    let g = st.0 as usize;
+                    let (l, full) = run.mask(g);
+                    let mut d = if m <= l { st.2 & !full } else { st.2 };
+                    let mut word = (usize::MAX, 0u64);
                     while d != 0 {
                         let b = d.trailing_zeros();
-                        if i > 0 {
-                            let slot = st.0 * GROUP + b;
-                            let id = decode_id(inner.slots.id(slot));
-                            out.push(Overlap {
-                                holder: id,
-                                gpu_blocks: lens[b as usize],
-                                any_tier_blocks: i as u32,
-                            });
-                        }
+                        let bit = 1u32 << b;
                         d &= d - 1;
+                        if word.0 != b as usize / 4 {
+                            word = (b as usize / 4, run.cut_word(g, b as usize / 4));
+                        }
+                        let v = (word.1 >> ((b % 4) * 16)) as usize;
+                        let (gc, ac) = (v & 0xff, (v >> 8) & 0xff);
+                        if st.1 & bit != 0 && gc < m {
+                            gpu_len[si][b as usize] = (i + gc) as u32;
+                            st.1 &= !bit;
+                        }
+                        if st.2 & bit != 0 && ac < m {
+                            let gpu = gpu_len[si][b as usize];
+                            emit(out, st.0, b, if st.1 & bit != 0 { (i + ac) as u32 } else { gpu }, (i + ac) as u32);
+                            st.1 &= !bit;
+                            st.2 &= !bit;
+                        }
                     }
-                    st.2 &= any;
+                    left += st.2.count_ones();
                 }
-                any_left += st.2.count_ones();
+                if left == 0 {
+                    return;
+                }
+                i += m;
+                if m < len {
+                    // Diverged inside the run (or the prompt ended): the rest of the path assumed
+                    // it matched whole.
+                    continue 'rounds;
+                }
             }
-            if any_left == 0 {
-                return;
-            }
-            if opts.early_exit == EarlyExit::OneHolderLeft && any_left == 1 {
-                ended = i + 1;
-                break 'walk;
+            if len_path < ahead && i < n {
+                // The head table had no run at `p`: nobody holds the block there.
+                break;
             }
         }
         for (si, st) in states.iter().enumerate() {
             let mut d = st.2;
             while d != 0 {
                 let b = d.trailing_zeros();
-                let gpu = if st.1 & (1 << b) != 0 { ended as u32 } else { gpu_len[si][b as usize] };
-                let slot = st.0 * GROUP + b;
-                let id = decode_id(inner.slots.id(slot));
-                out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: ended as u32 });
                 d &= d - 1;
+                let gpu = if st.1 & (1 << b) != 0 { i as u32 } else { gpu_len[si][b as usize] };
+                emit(out, st.0, b, gpu, i as u32);
             }
-        }
-    }
-
-    /// [`Ledger::query`] when the counted holders all sit in one group (up to 32 holders): the
-    /// same walk with one table word per position and no per-group bookkeeping.
-    fn query_group(
-        &self,
-        g: u32,
-        mask: u32,
-        seq: &[SeqHash],
-        opts: QueryOptions,
-        out: &mut OverlapScores,
-        guard: &Guard,
-    ) {
-        let inner = &*self.inner;
-        let table = &inner.table;
-        let n = seq.len();
-        let emit = |out: &mut OverlapScores, b: u32, gpu: u32, any: u32| {
-            let id = decode_id(inner.slots.id(g * GROUP + b));
-            out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: any });
-        };
-        for s in seq.iter().take(PREFETCH) {
-            table.prefetch(table_key(s.to_bits(), g), guard);
-        }
-        let (mut gpu_act, mut any_act) = (mask, mask);
-        let mut gpu_len = [0u32; GROUP as usize];
-        let mut ended = n;
-        for i in 0..n {
-            if let Some(ahead) = seq.get(i + PREFETCH) {
-                table.prefetch(table_key(ahead.to_bits(), g), guard);
-            }
-            let bits = table.get(table_key(seq[i].to_bits(), g), guard);
-            let gpu = bits as u32 & gpu_act;
-            let any = (bits >> 32) as u32 & any_act;
-            let mut d = gpu_act & !gpu;
-            while d != 0 {
-                gpu_len[d.trailing_zeros() as usize] = i as u32;
-                d &= d - 1;
-            }
-            let mut d = any_act & !any;
-            while d != 0 {
-                let b = d.trailing_zeros();
-                if i > 0 {
-                    emit(out, b, gpu_len[b as usize], i as u32);
-                }
-                d &= d - 1;
-            }
-            gpu_act = gpu;
-            any_act = any;
-            if any == 0 {
-                return;
-            }
-            if opts.early_exit == EarlyExit::OneHolderLeft && any.count_ones() == 1 {
-                ended = i + 1;
-                break;
-            }
-        }
-        let mut d = any_act;
-        while d != 0 {
-            let b = d.trailing_zeros();
-            let gpu = if gpu_act & (1 << b) != 0 { ended as u32 } else { gpu_len[b as usize] };
-            emit(out, b, gpu, ended as u32);
-            d &= d - 1;
         }
     }
 
@@ -648,6 +663,9 @@ impl Ledger {
             p.namespaces = Vec::new();
             cx.report(&mut p, before);
             drop(p);
+            for gr in std::mem::take(&mut *h.mailbox.lock()) {
+                release(inner, unpack(gr.loc).0, &guard);
+            }
             // Relaxed: a statistics counter; nothing is published through it.
             inner.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
             {
@@ -679,7 +697,7 @@ impl Ledger {
         Some(DumpBlock {
             engine,
             state: match e.state {
-                COUNTABLE => DumpState::Countable(SeqHash::from_bits(e.seq)),
+                COUNTABLE => DumpState::Countable(SeqHash::from_bits(seq_at(e.loc))),
                 ORPHAN => DumpState::Orphan {
                     parent: cortex_hash::kv::EngineHash::from_u64(
                         p.orphans.get(&engine.to_u64()).map_or(0, |o| o.parent),
@@ -704,7 +722,7 @@ impl Ledger {
             .map(|(&engine, e)| DumpBlock {
                 engine: cortex_hash::kv::EngineHash::from_u64(engine),
                 state: match e.state {
-                    COUNTABLE => DumpState::Countable(SeqHash::from_bits(e.seq)),
+                    COUNTABLE => DumpState::Countable(SeqHash::from_bits(seq_at(e.loc))),
                     ORPHAN => DumpState::Orphan {
                         parent: cortex_hash::kv::EngineHash::from_u64(
                             p.orphans.get(&engine).map_or(0, |o| o.parent),
@@ -733,7 +751,7 @@ impl Ledger {
         let c = &i.counters;
         // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
-        let table_bytes = i.table.counters.bytes.load(r);
+        let table_bytes = i.table.counters.bytes.load(r) + c.run_bytes.load(r);
         LedgerStats {
             live_bytes: self.inner.live_bytes(),
             table_bytes,
@@ -743,7 +761,8 @@ impl Ledger {
             blocks: c.blocks.load(r),
             countable_blocks: c.countable.load(r),
             orphans: c.orphans.load(r),
-            nodes: i.table.counters.live.load(r),
+            nodes: c.runs.load(r),
+            run_blocks: c.run_blocks.load(r),
             dead_nodes: i.table.counters.dead.load(r),
             table_rebuilds: i.table.counters.rebuilds.load(r),
             evictions_capacity: c.evictions_capacity.load(r),
@@ -758,11 +777,54 @@ impl Ledger {
     }
 }
 
+/// With `EarlyExit::OneHolderLeft`: the query's end if at most one of the holders still alive
+/// entering the span `i..i + m` of `run` is left at some position of the span (the first position
+/// where exactly one is left, plus one), else `None`.
+fn early_exit(run: Run, states: &[(u32, u32, u32)], i: usize, m: usize) -> Option<u32> {
+    // Two holders in masks outlast the span: no need to read a cut.
+    let mut covered = 0;
+    for st in states {
+        let (l, full) = run.mask(st.0 as usize);
+        if m <= l {
+            covered += (st.2 & full).count_ones();
+            if covered >= 2 {
+                return None;
+            }
+        }
+    }
+    // The two largest any-tier cuts (within the span) over the holders alive entering it.
+    let (mut first, mut second) = (0usize, 0usize);
+    let mut alive = 0;
+    for st in states {
+        let mut d = st.2;
+        while d != 0 {
+            let b = d.trailing_zeros();
+            d &= d - 1;
+            let ac = run.cut(st.0 as usize, b).1.min(m);
+            alive += 1;
+            if ac > first {
+                second = first;
+                first = ac;
+            } else if ac > second {
+                second = ac;
+            }
+            if second == m {
+                // Two holders outlast the span.
+                return None;
+            }
+        }
+    }
+    // One holder left at position i + second (the second-largest ends there) if the largest goes
+    // further; with a tie, both end together and no single holder is ever left.
+    (alive > 0 && first > second && second < m).then_some((i + second + 1) as u32)
+}
+
 impl Inner {
     fn live_bytes(&self) -> usize {
         // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
         self.table.counters.bytes.load(r)
+            + self.counters.run_bytes.load(r)
             + self.counters.private_bytes.load(r)
             + self.counters.det_bytes.load(r)
             + std::mem::size_of::<Inner>()
@@ -782,7 +844,8 @@ impl Inner {
 /// What a block's parent is, while walking a store.
 #[derive(Clone, Copy)]
 enum Parent {
-    Known(u64),
+    /// Countable: its `SeqHash` and location (0 for a namespace root, which is in no run).
+    Known { seq: u64, loc: u64 },
     Uncountable,
     Waiting(u64),
 }
@@ -790,7 +853,9 @@ enum Parent {
 /// What a stored block is.
 #[derive(Clone, Copy)]
 enum Ident {
-    Countable(u64, u8),
+    /// Countable at `loc`; `fresh`: the placement took a reference to the run for this block,
+    /// which the store hands to the holder or releases.
+    Countable { loc: u64, fresh: bool, ns: u8 },
     Orphan(OrphanInfo, u8),
     Uncountable,
 }
@@ -803,21 +868,179 @@ struct Cx<'a> {
     out: &'a mut ApplyOutcome,
 }
 
+/// Drops one reference to `run`, reclaiming it if that was the last.
+fn release(inner: &Inner, run: Run, guard: &Guard) {
+    if run.release() {
+        reclaim(inner, run, guard);
+    }
+}
+
+/// Reclaims `run`, whose last reference was just released (see [`run::reclaim`]), and counts it.
+fn reclaim(inner: &Inner, run: Run, guard: &Guard) {
+    if run::reclaim(&inner.table, run, guard) {
+        // Relaxed: statistics counters; nothing is published through them.
+        inner.counters.run_bytes.fetch_sub(run.bytes(), StdOrdering::Relaxed);
+        // Relaxed: as above.
+        inner.counters.runs.fetch_sub(1, StdOrdering::Relaxed);
+        // Relaxed: as above.
+        inner.counters.run_blocks.fetch_sub(run.len() as u64, StdOrdering::Relaxed);
+    }
+}
+
 impl Cx<'_> {
     fn group_bit(&self) -> (u32, u32) {
         (self.me.slot / GROUP, self.me.slot % GROUP)
     }
 
-    fn set_flags(&self, seq: u64, gpu: bool, any: bool) {
-        let (g, bit) = self.group_bit();
-        self.inner.table.set(table_key(seq, g), bit, gpu, any, self.guard);
+    /// The run with first block `seq`, with a new reference, if there is one.
+    fn find_head(&self, seq: u64) -> Option<Run> {
+        run::find(&self.inner.table, seq, self.guard)
     }
 
-    /// Moves `e` from the flags `before` to its current flags in the table.
-    fn sync(&self, before: (bool, bool), e: &Entry) {
-        let now = e.flags();
-        if now != before {
-            self.set_flags(e.seq, now.0, now.1);
+    /// A run of `seqs` (see [`run::create`]), with a new reference, counted if new.
+    fn create(&self, seqs: &[u64]) -> Run {
+        let groups = self.inner.slots.groups().max(self.group_bit().0 as usize + 1);
+        let (run, new) = run::create(&self.inner.table, seqs, groups, self.guard);
+        if new {
+            // Relaxed: statistics counters; nothing is published through them.
+            self.inner.counters.run_bytes.fetch_add(run.bytes(), StdOrdering::Relaxed);
+            // Relaxed: as above.
+            self.inner.counters.runs.fetch_add(1, StdOrdering::Relaxed);
+            // Relaxed: as above.
+            self.inner.counters.run_blocks.fetch_add(seqs.len() as u64, StdOrdering::Relaxed);
+        }
+        run
+    }
+
+    /// Where block `seq`, the child of `parent` (a location, 0 for a namespace root), goes: the
+    /// next block of the parent's run if it is `seq`, else the run that starts with `seq`, else —
+    /// with as many of the blocks chained after it (`rest`, their contents) as start no run — the
+    /// end of the parent's run if that is the parent and has room, else a new run. By the chain
+    /// property those are the only places `seq` can be. Returns the location and whether a
+    /// reference was taken for it.
+    fn place(&self, parent: u64, seq: u64, rest: &[cortex_hash::kv::StoredBlock]) -> (u64, bool) {
+        let mut tail = None;
+        if parent != 0 {
+            let (run, off) = unpack(parent);
+            let len = run.len();
+            if off + 1 < len {
+                if run.hash(off + 1) == seq {
+                    return (pack(run, off + 1), false);
+                }
+            } else if len < run.cap() {
+                tail = Some((run, len));
+            }
+        }
+        if let Some(run) = self.find_head(seq) {
+            return (pack(run, 0), true);
+        }
+        let mut seqs = [0u64; MAX_RUN];
+        seqs[0] = seq;
+        let mut len = 1;
+        let mut s = seq;
+        for b in rest.iter().take(MAX_RUN - 1) {
+            s = chain(SeqHash::from_bits(s), b.content).to_bits();
+            seqs[len] = s;
+            self.inner.table.prefetch(head_key(s), self.guard);
+            len += 1;
+        }
+        // A block that already starts a run (its parent's run was reclaimed while it lived on)
+        // ends the new blocks: it stays in its own run.
+        let mut take = 1;
+        while take < len && self.inner.table.get(head_key(seqs[take]), self.guard) == 0 {
+            take += 1;
+        }
+        if let Some((run, at)) = tail {
+            let appended = run::append(&self.inner.table, run, at, &seqs[..take], self.guard);
+            if appended > 0 {
+                // Relaxed: a statistics counter; nothing is published through it.
+                self.inner.counters.run_blocks.fetch_add(appended as u64, StdOrdering::Relaxed);
+                return (pack(run, at), false);
+            }
+            // Another writer appended first: `seq` may be the run's next block now.
+            if run.len() > at && run.hash(at) == seq {
+                return (pack(run, at), false);
+            }
+        }
+        (pack(self.create(&seqs[..take]), 0), true)
+    }
+
+    /// Adds an entry located at `loc` to the holder's blocks of its run; `fresh`: a reference
+    /// was taken for it (handed to the holder, or released if it already has the run).
+    fn attach(&self, p: &mut Private, loc: u64, fresh: bool) {
+        let (run, _) = unpack(loc);
+        match p.runs.get_mut(&run.bits()) {
+            Some(hr) => {
+                hr.entries += 1;
+                if fresh {
+                    release(self.inner, run, self.guard);
+                }
+            }
+            None => {
+                if !fresh {
+                    // The caller holds a reference (its parent's block, or a graft's).
+                    run.acquire();
+                }
+                p.runs.insert(run.bits(), HolderRun { entries: 1, ..HolderRun::default() });
+            }
+        }
+    }
+
+    /// Removes an entry located at `loc` (its flags already cleared); the holder's last entry in
+    /// the run unpublishes its cuts and releases the run.
+    fn detach(&self, p: &mut Private, loc: u64) {
+        let (run, _) = unpack(loc);
+        let Some(hr) = p.runs.get_mut(&run.bits()) else { return };
+        hr.entries -= 1;
+        if hr.entries > 0 {
+            return;
+        }
+        self.publish(run, hr.published, 0);
+        p.runs.remove(&run.bits());
+        release(self.inner, run, self.guard);
+    }
+
+    /// Moves the entry at `loc` from the flags `before` to `now` in the holder's offsets of the
+    /// run; the cuts are published by [`Cx::flush`].
+    fn cover(&self, p: &mut Private, loc: u64, before: (bool, bool), now: (bool, bool)) {
+        if before == now {
+            return;
+        }
+        let (run, off) = unpack(loc);
+        let Some(hr) = p.runs.get_mut(&run.bits()) else { return };
+        let bit = 1u64 << off;
+        hr.gpu = if now.0 { hr.gpu | bit } else { hr.gpu & !bit };
+        hr.any = if now.1 { hr.any | bit } else { hr.any & !bit };
+        if hr.cuts() != hr.published && p.dirty.last() != Some(&run.bits()) {
+            p.dirty.push(run.bits());
+        }
+    }
+
+    /// Publishes the holder's cuts of `run` (counting a group extension it allocates).
+    fn publish(&self, run: Run, old: u16, new: u16) {
+        let (g, bit) = self.group_bit();
+        let allocated = run.publish(g as usize, bit, old, new);
+        if allocated > 0 {
+            // Relaxed: a statistics counter; nothing is published through it.
+            self.inner.counters.run_bytes.fetch_add(allocated, StdOrdering::Relaxed);
+        }
+    }
+
+    /// Publishes the cuts of the runs whose offsets changed.
+    fn flush(&self, p: &mut Private) {
+        for key in std::mem::take(&mut p.dirty) {
+            let Some(hr) = p.runs.get_mut(&key) else { continue };
+            let (old, cuts) = (hr.published, hr.cuts());
+            hr.published = cuts;
+            // SAFETY: the holder has the run (`hr`), so it holds a reference to it.
+            self.publish(unsafe { Run::from_bits(key) }, old, cuts);
+        }
+    }
+
+    /// Moves `e` from the flags `before` to its current flags.
+    fn sync(&self, p: &mut Private, before: (bool, bool), e: &Entry) {
+        if e.state == COUNTABLE {
+            self.cover(p, e.loc, before, e.flags());
         }
     }
 
@@ -834,9 +1057,11 @@ impl Cx<'_> {
                 false
             } else {
                 let before = m.heap_bytes();
+                // The index's own reference (the holder has the run, so it holds one).
+                unpack(e.loc).0.acquire();
                 m.insert_new(
                     key,
-                    Entry { seq: e.seq, stamp: 1, gpu: 0, low: 0, state: COUNTABLE, ns: NS_NONE },
+                    Entry { loc: e.loc, stamp: 1, gpu: 0, low: 0, state: COUNTABLE, ns: NS_NONE },
                 );
                 let after = m.heap_bytes();
                 if after != before {
@@ -857,7 +1082,9 @@ impl Cx<'_> {
             };
             for slot in waiters.into_iter().flatten() {
                 if slot != self.me.slot {
-                    self.deliver(slot, Graft { ns, parent: engine, seq: e.seq });
+                    // The graft's reference, taken while this holder holds one.
+                    unpack(e.loc).0.acquire();
+                    self.deliver(slot, Graft { ns, parent: engine, loc: e.loc });
                 }
             }
         }
@@ -868,18 +1095,29 @@ impl Cx<'_> {
             return;
         }
         let ns = p.namespaces[e.ns as usize];
-        let mut m = self.inner.det.shard(ns, engine).lock();
-        let key = det_key(ns, engine);
-        if let Some(slot) = m.get_mut(&key) {
-            slot.stamp -= 1;
-            if slot.stamp == 0 {
-                m.remove(&key);
+        let gone = {
+            let mut m = self.inner.det.shard(ns, engine).lock();
+            let key = det_key(ns, engine);
+            match m.get_mut(&key) {
+                Some(slot) => {
+                    slot.stamp -= 1;
+                    if slot.stamp == 0 { m.remove(&key).map(|d| d.loc) } else { None }
+                }
+                None => None,
             }
+        };
+        if let Some(loc) = gone {
+            release(self.inner, unpack(loc).0, self.guard);
         }
     }
 
+    /// The location some deterministic holder has for `(ns, parent)`, with a new reference.
     fn det_lookup(&self, ns: u64, parent: u64) -> Option<u64> {
-        self.inner.det.shard(ns, parent).lock().get(&det_key(ns, parent)).map(|v| v.seq)
+        let m = self.inner.det.shard(ns, parent).lock();
+        let loc = m.get(&det_key(ns, parent)).map(|v| v.loc)?;
+        // Under the index's lock its entry holds a reference, so taking another is safe.
+        unpack(loc).0.acquire();
+        Some(loc)
     }
 
     fn det_wait(&self, ns: u64, parent: u64) {
@@ -906,7 +1144,10 @@ impl Cx<'_> {
     /// free, or by whoever holds it when they unlock (see [`unlock`]).
     fn deliver(&self, slot: u32, graft: Graft) {
         let target = self.inner.registry.lock().by_slot.get(slot as usize).cloned().flatten();
-        let Some(target) = target else { return };
+        let Some(target) = target else {
+            release(self.inner, unpack(graft.loc).0, self.guard);
+            return;
+        };
         target.mailbox.lock().push(graft);
         target.mail.store(true, Ordering::SeqCst);
         // SeqCst fence: either this try_lock sees the lock released, or the unlocker's check
@@ -917,55 +1158,64 @@ impl Cx<'_> {
         }
     }
 
-    /// Applies the grafts in this holder's mailbox.
+    /// Applies the grafts in this holder's mailbox (and releases their references).
     fn drain_mail(&mut self, p: &mut Private) {
         self.me.mail.store(false, Ordering::SeqCst);
         let grafts = std::mem::take(&mut *self.me.mailbox.lock());
         for gr in grafts {
-            let known = p.entries.get(&gr.parent).is_some_and(|e| e.state != ORPHAN);
-            if known {
-                continue;
-            }
-            let Some(children) = p.waiting.get(&gr.parent).cloned() else { continue };
-            let mut left = Vec::new();
-            for c in children {
-                match p.orphans.get(&c).copied() {
-                    Some(info) if info.ns == gr.ns => {
-                        p.orphans.remove(&c);
-                        self.make_countable(
-                            p,
-                            c,
-                            chain(SeqHash::from_bits(gr.seq), BlockHash::from_bits(info.content)).to_bits(),
-                            info.ns,
-                        );
-                    }
-                    Some(_) => left.push(c),
-                    None => {}
+            self.apply_graft(p, gr);
+            release(self.inner, unpack(gr.loc).0, self.guard);
+        }
+        self.flush(p);
+    }
+
+    fn apply_graft(&mut self, p: &mut Private, gr: Graft) {
+        let known = p.entries.get(&gr.parent).is_some_and(|e| e.state != ORPHAN);
+        if known {
+            return;
+        }
+        let Some(children) = p.waiting.get(&gr.parent).cloned() else { return };
+        let parent = Parent::Known { seq: unpack(gr.loc).0.hash(unpack(gr.loc).1), loc: gr.loc };
+        let mut left = Vec::new();
+        for c in children {
+            match p.orphans.get(&c).copied() {
+                Some(info) if info.ns == gr.ns => {
+                    p.orphans.remove(&c);
+                    self.make_countable(p, c, parent, info);
                 }
+                Some(_) => left.push(c),
+                None => {}
             }
-            if left.is_empty() {
-                p.waiting.remove(&gr.parent);
-            } else {
-                p.waiting.insert(gr.parent, left);
-            }
+        }
+        if left.is_empty() {
+            p.waiting.remove(&gr.parent);
+        } else {
+            p.waiting.insert(gr.parent, left);
         }
     }
 
-    /// Turns orphan `engine` (its info already removed) into a countable block with `seq`, and
-    /// grafts its waiting descendants.
-    fn make_countable(&mut self, p: &mut Private, engine: u64, seq: u64, ns: u64) {
-        let ns_idx = if self.me.cfg.content_deterministic { p.ns_index(ns) } else { NS_NONE };
+    /// Turns orphan `engine` (its info already removed) into a countable block, the child of
+    /// `parent`, and grafts its waiting descendants.
+    fn make_countable(&mut self, p: &mut Private, engine: u64, parent: Parent, info: OrphanInfo) {
+        let Parent::Known { seq, loc } = parent else { return };
+        let ns_idx = if self.me.cfg.content_deterministic { p.ns_index(info.ns) } else { NS_NONE };
+        if p.entries.get(&engine).is_none() {
+            return;
+        }
+        let child = chain(SeqHash::from_bits(seq), BlockHash::from_bits(info.content)).to_bits();
+        let (cloc, fresh) = self.place(loc, child, &[]);
+        self.attach(p, cloc, fresh);
         let Some(e) = p.entries.get_mut(&engine) else { return };
         let before = e.flags();
         e.state = COUNTABLE;
-        e.seq = seq;
+        e.loc = cloc;
         e.ns = ns_idx;
         let e = *e;
-        self.sync(before, &e);
+        self.sync(p, before, &e);
         p.countable += 1;
         self.out.grafted += 1;
         self.det_register(p, engine, &e);
-        self.cascade(p, engine, Parent::Known(seq));
+        self.cascade(p, engine, Parent::Known { seq: child, loc: cloc });
     }
 
     /// Resolves the orphans waiting on `parent`, which just became countable or uncountable.
@@ -983,21 +1233,26 @@ impl Cx<'_> {
                     self.det_unwait(info.ns, par);
                 }
                 match how {
-                    Parent::Known(s) => {
-                        let seq = chain(SeqHash::from_bits(s), BlockHash::from_bits(info.content)).to_bits();
+                    Parent::Known { seq, loc } => {
+                        if p.entries.get(&c).is_none() {
+                            continue;
+                        }
+                        let child = chain(SeqHash::from_bits(seq), BlockHash::from_bits(info.content)).to_bits();
                         let ns_idx =
                             if self.me.cfg.content_deterministic { p.ns_index(info.ns) } else { NS_NONE };
+                        let (cloc, fresh) = self.place(loc, child, &[]);
+                        self.attach(p, cloc, fresh);
                         let Some(e) = p.entries.get_mut(&c) else { continue };
                         let before = e.flags();
                         e.state = COUNTABLE;
-                        e.seq = seq;
+                        e.loc = cloc;
                         e.ns = ns_idx;
                         let e = *e;
-                        self.sync(before, &e);
+                        self.sync(p, before, &e);
                         p.countable += 1;
                         self.out.grafted += 1;
                         self.det_register(p, c, &e);
-                        stack.push((c, Parent::Known(seq)));
+                        stack.push((c, Parent::Known { seq: child, loc: cloc }));
                     }
                     _ => {
                         if let Some(e) = p.entries.get_mut(&c) {
@@ -1012,7 +1267,10 @@ impl Cx<'_> {
 
     fn parent_of(&self, p: &Private, engine: u64) -> Parent {
         match p.entries.get(&engine) {
-            Some(e) if e.state == COUNTABLE => Parent::Known(e.seq),
+            Some(e) if e.state == COUNTABLE => {
+                let (run, off) = unpack(e.loc);
+                Parent::Known { seq: run.hash(off), loc: e.loc }
+            }
             Some(e) if e.state == UNCOUNTABLE => Parent::Uncountable,
             _ => Parent::Waiting(engine),
         }
@@ -1022,35 +1280,39 @@ impl Cx<'_> {
         let gpu = ev.medium.is_gpu();
         let mut parent = match (ev.parent, ev.lineage) {
             (_, None) => Parent::Uncountable,
-            (None, Some(l)) => Parent::Known(l.root.to_bits()),
+            (None, Some(l)) => Parent::Known { seq: l.root.to_bits(), loc: 0 },
             (Some(e), Some(_)) => self.parent_of(p, e.to_u64()),
         };
         let ns = ev.lineage.map(|l| l.namespace.to_bits());
-        if let (Parent::Known(mut seq), Some(_)) = (parent, ns) {
-            // The blocks' table slots are scattered: ask for all of them at once, so that the
-            // misses overlap instead of stalling one insert after the other.
-            let (g, _) = self.group_bit();
-            for b in &ev.blocks {
-                seq = chain(SeqHash::from_bits(seq), b.content).to_bits();
-                self.inner.table.prefetch(table_key(seq, g), self.guard);
-                p.entries.prefetch(b.engine.to_u64());
-            }
-        }
         for b in &ev.blocks {
+            p.entries.prefetch(b.engine.to_u64());
+        }
+        for (j, b) in ev.blocks.iter().enumerate() {
             let content = b.content.to_bits();
+            let rest = &ev.blocks[j + 1..];
+            // A reference to a deterministic parent's run, held until this block is placed.
+            let mut borrowed = None;
+            // A countable block ends up at its placement whatever the holder had: it is the next
+            // block's parent.
+            let mut next = None;
             let ident = match (parent, ns) {
-                (Parent::Known(s), Some(ns)) => {
-                    Ident::Countable(chain(SeqHash::from_bits(s), b.content).to_bits(), self.ns_idx(p, ns))
+                (Parent::Known { seq, loc }, Some(ns)) => {
+                    let seq = chain(SeqHash::from_bits(seq), b.content).to_bits();
+                    let (loc, fresh) = self.place(loc, seq, rest);
+                    next = Some(Parent::Known { seq, loc });
+                    Ident::Countable { loc, fresh, ns: self.ns_idx(p, ns) }
                 }
                 (Parent::Waiting(par), Some(ns)) => {
                     let det = if self.me.cfg.content_deterministic { self.det_lookup(ns, par) } else { None };
                     match det {
-                        Some(s) => {
+                        Some(ploc) => {
+                            borrowed = Some(unpack(ploc).0);
                             self.out.grafted += 1;
-                            Ident::Countable(
-                                chain(SeqHash::from_bits(s), b.content).to_bits(),
-                                self.ns_idx(p, ns),
-                            )
+                            let (prun, poff) = unpack(ploc);
+                            let seq = chain(SeqHash::from_bits(prun.hash(poff)), b.content).to_bits();
+                            let (loc, fresh) = self.place(ploc, seq, rest);
+                            next = Some(Parent::Known { seq, loc });
+                            Ident::Countable { loc, fresh, ns: self.ns_idx(p, ns) }
                         }
                         None => Ident::Orphan(OrphanInfo { parent: par, content, ns }, self.ns_idx(p, ns)),
                     }
@@ -1059,7 +1321,10 @@ impl Cx<'_> {
             };
             let engine = b.engine.to_u64();
             self.store_one(p, engine, ident, gpu);
-            parent = self.parent_of(p, engine);
+            if let Some(run) = borrowed {
+                release(self.inner, run, self.guard);
+            }
+            parent = next.unwrap_or_else(|| self.parent_of(p, engine));
             self.out.stored += 1;
         }
     }
@@ -1072,7 +1337,7 @@ impl Cx<'_> {
         let stamp = p.next_stamp();
         let Some(e) = p.entries.get_mut(&engine) else {
             let mut e = Entry {
-                seq: 0,
+                loc: 0,
                 stamp,
                 gpu: u8::from(gpu),
                 low: u8::from(!gpu),
@@ -1080,15 +1345,16 @@ impl Cx<'_> {
                 ns: NS_NONE,
             };
             match ident {
-                Ident::Countable(seq, ns) => {
+                Ident::Countable { loc, fresh, ns } => {
                     e.state = COUNTABLE;
-                    e.seq = seq;
+                    e.loc = loc;
                     e.ns = ns;
                     p.entries.insert_new(engine, e);
-                    self.sync((false, false), &e);
+                    self.attach(p, loc, fresh);
+                    self.sync(p, (false, false), &e);
                     p.countable += 1;
                     self.det_register(p, engine, &e);
-                    self.cascade(p, engine, Parent::Known(seq));
+                    self.cascade(p, engine, Parent::Known { seq: unpack(loc).0.hash(unpack(loc).1), loc });
                 }
                 Ident::Uncountable => {
                     p.entries.insert_new(engine, e);
@@ -1111,56 +1377,62 @@ impl Cx<'_> {
         let before = e.flags();
         e.stamp = stamp;
         match (e.state, ident) {
-            (COUNTABLE, Ident::Countable(seq, ns)) if seq != e.seq => {
+            (COUNTABLE, Ident::Countable { loc, fresh, ns }) if loc != e.loc => {
                 // A known engine hash with another identity: the new store replaces the old
                 // block, references included.
                 let old = *e;
-                e.seq = seq;
+                e.loc = loc;
                 e.ns = ns;
                 e.gpu = u8::from(gpu);
                 e.low = u8::from(!gpu);
                 let new = *e;
-                if before.0 || before.1 {
-                    self.set_flags(old.seq, false, false);
-                }
-                self.sync((false, false), &new);
+                self.attach(p, loc, fresh);
+                self.cover(p, old.loc, before, (false, false));
+                self.detach(p, old.loc);
+                self.sync(p, (false, false), &new);
                 self.det_unregister(p, engine, &old);
                 self.det_register(p, engine, &new);
                 // Relaxed: a statistics counter; nothing is published through it.
                 self.inner.counters.conflicts.fetch_add(1, StdOrdering::Relaxed);
             }
-            (ORPHAN, Ident::Countable(seq, ns)) => {
+            (ORPHAN, Ident::Countable { loc, fresh, ns }) => {
                 bump(e, gpu);
                 let info = p.orphans.remove(&engine);
                 if let Some(info) = info {
                     self.unlink_waiting(p, engine, info);
                 }
+                self.attach(p, loc, fresh);
                 let Some(e) = p.entries.get_mut(&engine) else { return };
                 e.state = COUNTABLE;
-                e.seq = seq;
+                e.loc = loc;
                 e.ns = ns;
                 let e = *e;
-                self.sync(before, &e);
+                self.sync(p, before, &e);
                 p.countable += 1;
                 self.out.grafted += 1;
                 self.det_register(p, engine, &e);
-                self.cascade(p, engine, Parent::Known(seq));
+                self.cascade(p, engine, Parent::Known { seq: unpack(loc).0.hash(unpack(loc).1), loc });
             }
-            (UNCOUNTABLE, Ident::Countable(seq, ns)) => {
+            (UNCOUNTABLE, Ident::Countable { loc, fresh, ns }) => {
                 bump(e, gpu);
                 e.state = COUNTABLE;
-                e.seq = seq;
+                e.loc = loc;
                 e.ns = ns;
                 let e = *e;
-                self.sync(before, &e);
+                self.attach(p, loc, fresh);
+                self.sync(p, before, &e);
                 p.countable += 1;
                 self.det_register(p, engine, &e);
-                self.cascade(p, engine, Parent::Known(seq));
+                self.cascade(p, engine, Parent::Known { seq: unpack(loc).0.hash(unpack(loc).1), loc });
             }
-            _ => {
+            (_, ident) => {
                 bump(e, gpu);
                 let e = *e;
-                self.sync(before, &e);
+                self.sync(p, before, &e);
+                if let Ident::Countable { loc, fresh: true, .. } = ident {
+                    // The same block again: the holder already holds its run.
+                    release(self.inner, unpack(loc).0, self.guard);
+                }
             }
         }
     }
@@ -1188,10 +1460,8 @@ impl Cx<'_> {
         let Some(e) = p.entries.remove(&engine) else { return };
         match e.state {
             COUNTABLE => {
-                let (g, a) = e.flags();
-                if g || a {
-                    self.set_flags(e.seq, false, false);
-                }
+                self.cover(p, e.loc, e.flags(), (false, false));
+                self.detach(p, e.loc);
                 p.countable -= 1;
                 self.det_unregister(p, engine, &e);
             }
@@ -1228,19 +1498,23 @@ impl Cx<'_> {
                     e.low -= 1;
                 }
                 let e = *e;
-                self.sync(before, &e);
+                self.sync(p, before, &e);
             }
         }
     }
 
     fn clear(&mut self, p: &mut Private) {
+        // Unpublish and release every run first, then forget the entries.
+        for (key, hr) in std::mem::take(&mut p.runs) {
+            // SAFETY: the holder has the run, so it holds a reference to it.
+            let run = unsafe { Run::from_bits(key) };
+            self.publish(run, hr.published, 0);
+            release(self.inner, run, self.guard);
+        }
+        p.dirty.clear();
         let countable: Vec<(u64, Entry)> =
             p.entries.iter().filter(|(_, e)| e.state == COUNTABLE).map(|(k, e)| (*k, *e)).collect();
         for (engine, e) in countable {
-            let (g, a) = e.flags();
-            if g || a {
-                self.set_flags(e.seq, false, false);
-            }
             self.det_unregister(p, engine, &e);
         }
         if self.me.cfg.content_deterministic {
@@ -1266,6 +1540,9 @@ impl Cx<'_> {
         }
         if p.entries.capacity() > 4 * p.entries.len().max(16) {
             p.entries.shrink_to(p.entries.len());
+        }
+        if p.runs.capacity() > 4 * p.runs.len().max(16) {
+            p.runs.shrink_to(2 * p.runs.len());
         }
         self.out.evicted += n as u64;
         n as u64
@@ -1300,7 +1577,14 @@ impl Cx<'_> {
             KvEvent::Removed(r) => self.remove(p, r),
             KvEvent::AllCleared => self.clear(p),
         }
+        if self.me.mail.load(Ordering::SeqCst) {
+            // Grafts this event caused through another deterministic holder (or that arrived
+            // meanwhile) are applied before the limits evict: an orphan is grafted, then it may
+            // be evicted, never the other way round.
+            self.drain_mail(p);
+        }
         self.enforce_limits(p);
+        self.flush(p);
         self.out.events += 1;
     }
 
@@ -1454,5 +1738,34 @@ impl HolderWriter {
     }
 }
 
-// The table word per group is 64 bits: 32 GPU bits and 32 any-tier bits.
-const _: () = assert!(GROUP * 2 == 64 && SLOT_BYTES == 16);
+/// The `SeqHash` bits of the block at `loc` (its run is held by the caller).
+fn seq_at(loc: u64) -> u64 {
+    let (run, off) = unpack(loc);
+    run.hash(off)
+}
+
+// A run's mask word per group is 64 bits: 32 GPU bits and 32 any-tier bits.
+const _: () = assert!(GROUP * 2 == 64);
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // No query or writer is left: free every run still referenced (by a holder, the
+        // deterministic index or a pending graft) directly, each once.
+        #[cfg(loom)]
+        if std::thread::panicking() {
+            return;
+        }
+        let mut runs = std::collections::HashSet::new();
+        for h in self.registry.lock().by_id.values() {
+            runs.extend(h.private.lock().runs.keys().copied());
+            runs.extend(h.mailbox.lock().iter().map(|g| unpack(g.loc).0.bits()));
+        }
+        for shard in self.det.blocks.iter() {
+            runs.extend(shard.lock().values().map(|e| unpack(e.loc).0.bits()));
+        }
+        for bits in runs {
+            // SAFETY: `&mut self`: no reader or writer is left, and each run is freed once.
+            unsafe { Run::from_bits(bits).free() };
+        }
+    }
+}

@@ -28,16 +28,19 @@
 //! assert_eq!(out.get(holder).map(|o| o.gpu_blocks), Some(3));
 //! ```
 //!
-//! Key decision: the ledger is keyed by Cortex's chained `SeqHash`, so "longest cached prefix"
-//! is a run of independent hash lookups in one shared table of holder bits (read lock-free under
-//! a crossbeam-epoch guard), while everything per (holder, block) — engine hashes, reference
-//! counts, tiers, orphans and LRU order — belongs to that holder's single writer. See
-//! ARCHITECTURE.md (`crates/cortex-radix`) for the structure, the benchmark that chose it and
-//! the exact orphan rules.
+//! Key decision: the ledger is keyed by Cortex's chained `SeqHash`, and the shared structure is
+//! made of *runs* — contiguous pieces of chains, each block in exactly one, with per holder the
+//! length of the prefix it has — found by their first block in a head table (read lock-free under
+//! a crossbeam-epoch guard). By the chain property a query compares a whole run with the prompt
+//! at once, so "longest cached prefix" costs one lookup per run, not per block. Everything per
+//! (holder, block) — engine hashes, reference counts, tiers, orphans and LRU order — belongs to
+//! that holder's single writer. See ARCHITECTURE.md (`crates/cortex-radix`) for the structure,
+//! the benchmark that chose it and the exact orphan rules.
 
 mod holder;
 pub mod ledger;
 pub mod overlap;
+mod run;
 mod slots;
 mod sync;
 mod table;
