@@ -362,8 +362,6 @@ impl std::fmt::Debug for Ledger {
     }
 }
 
-
-
 fn encode_id(id: HolderId) -> u64 {
     (u64::from(id.worker.0) << 16) | u64::from(id.rank.0)
 }
@@ -555,7 +553,8 @@ impl Ledger {
                             d &= d - 1;
                             let (gc, ac) = run.cut(st.0 as usize, b);
                             let (gc, ac) = (gc.min(m), ac.min(m));
-                            let gpu = if st.1 & (1 << b) != 0 { (i + gc) as u32 } else { gpu_len[si][b as usize] };
+                            let gpu =
+                                if st.1 & (1 << b) != 0 { (i + gc) as u32 } else { gpu_len[si][b as usize] };
                             let any = (i + ac) as u32;
                             if any >= end {
                                 emit(out, st.0, b, gpu.min(end), end);
@@ -592,7 +591,13 @@ impl Ledger {
                         }
                         if st.2 & bit != 0 && ac < m {
                             let gpu = gpu_len[si][b as usize];
-                            emit(out, st.0, b, if st.1 & bit != 0 { (i + ac) as u32 } else { gpu }, (i + ac) as u32);
+                            emit(
+                                out,
+                                st.0,
+                                b,
+                                if st.1 & bit != 0 { (i + ac) as u32 } else { gpu },
+                                (i + ac) as u32,
+                            );
                             st.1 &= !bit;
                             st.2 &= !bit;
                         }
@@ -845,7 +850,10 @@ impl Inner {
 #[derive(Clone, Copy)]
 enum Parent {
     /// Countable: its `SeqHash` and location (0 for a namespace root, which is in no run).
-    Known { seq: u64, loc: u64 },
+    Known {
+        seq: u64,
+        loc: u64,
+    },
     Uncountable,
     Waiting(u64),
 }
@@ -855,7 +863,11 @@ enum Parent {
 enum Ident {
     /// Countable at `loc`; `fresh`: the placement took a reference to the run for this block,
     /// which the store hands to the holder or releases.
-    Countable { loc: u64, fresh: bool, ns: u8 },
+    Countable {
+        loc: u64,
+        fresh: bool,
+        ns: u8,
+    },
     Orphan(OrphanInfo, u8),
     Uncountable,
 }
@@ -1237,7 +1249,8 @@ impl Cx<'_> {
                         if p.entries.get(&c).is_none() {
                             continue;
                         }
-                        let child = chain(SeqHash::from_bits(seq), BlockHash::from_bits(info.content)).to_bits();
+                        let child =
+                            chain(SeqHash::from_bits(seq), BlockHash::from_bits(info.content)).to_bits();
                         let ns_idx =
                             if self.me.cfg.content_deterministic { p.ns_index(info.ns) } else { NS_NONE };
                         let (cloc, fresh) = self.place(loc, child, &[]);

@@ -144,7 +144,8 @@ impl Run {
             run.w(HASHES + i).store(h, Ordering::Relaxed);
         }
         // Relaxed: as above.
-        run.w(0).store(hashes.len() as u64 | ((cap as u64) << 8) | ((groups as u64) << 16), Ordering::Relaxed);
+        run.w(0)
+            .store(hashes.len() as u64 | ((cap as u64) << 8) | ((groups as u64) << 16), Ordering::Relaxed);
         // Relaxed: as above.
         run.w(1).store(refs, Ordering::Relaxed);
         run
@@ -608,7 +609,10 @@ mod tests {
         assert_eq!(r.cut(0, 5), (16, 16));
         // Appends keep every cut and hash.
         r.append(&[17, 18]);
-        assert_eq!((r.len(), r.hash(16), r.hash(17), r.cut(0, 5), r.cut(1, 2)), (18, 17, 18, (16, 16), (1, 2)));
+        assert_eq!(
+            (r.len(), r.hash(16), r.hash(17), r.cut(0, 5), r.cut(1, 2)),
+            (18, 17, 18, (16, 16), (1, 2))
+        );
         // The whole grown run raises the mask's length and drops the bits of a shorter run.
         r.publish(0, 6, 16 | (16 << 8), 18 | (18 << 8));
         assert_eq!(r.mask(0), (18, 1 << 6));
@@ -770,7 +774,9 @@ mod loom_models {
             drop(g);
             w.join().unwrap();
             match found {
-                Some(r) if r.refs() & DEAD != 0 => Some("a found run was reclaimed under its finder".to_owned()),
+                Some(r) if r.refs() & DEAD != 0 => {
+                    Some("a found run was reclaimed under its finder".to_owned())
+                }
                 _ => None,
             }
         });

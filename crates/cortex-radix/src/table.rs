@@ -392,7 +392,7 @@ impl SlotTable {
         self.lock(key, guard).put(key, value);
     }
 
-/// Copies the live entries of `old` into a fresh table sized for twice their number,
+    /// Copies the live entries of `old` into a fresh table sized for twice their number,
     /// publishes it and retires `old`. Shard lock held by the caller.
     fn rebuild<'g>(
         &self,
@@ -586,9 +586,7 @@ mod loom_models {
             drop(g);
             w.join().unwrap();
             match seen {
-                Some(bits) if bits != 0xA1 => {
-                    Some(format!("reader saw the key without its bits: {bits:#x}"))
-                }
+                Some(bits) if bits != 0xA1 => Some(format!("reader saw the key without its bits: {bits:#x}")),
                 _ => None,
             }
         });
