@@ -2,9 +2,9 @@
 //! orphans, LRU stamps.
 //!
 //! Key decision: everything that is per (holder, block) and only ever touched by that holder's
-//! writer lives here, in plain (non-atomic) maps behind the holder's own mutex, which only its
-//! writer (and, rarely, `remove_worker` or another holder's writer grafting a deterministic
-//! orphan) takes. The shared runs ([`crate::run`]) hold only what readers need: per holder and
+//! writer lives here, in plain (non-atomic) maps behind the holder's own mutex, which its
+//! writer takes — and, rarely, `remove_worker`, another holder's writer grafting a deterministic
+//! orphan, and the diagnostic reads `Ledger::block` and `Ledger::dump`. The shared runs ([`crate::run`]) hold only what readers need: per holder and
 //! run, two cuts. A block is one 24-byte slot of an [`EngineMap`] (its engine hash, then 16 bytes:
 //! the block's location — run and offset, packed; unused for orphans and uncountable blocks — its
 //! store stamp — the LRU order is the stamp order, evicted in batches by a selection, not a linked
@@ -45,7 +45,7 @@ pub(crate) struct Entry {
 }
 
 impl Entry {
-    /// The (gpu, any-tier) flags this entry contributes to the shared table.
+    /// Whether this entry counts on GPU and on any tier (what its run's cuts publish).
     pub(crate) fn flags(&self) -> (bool, bool) {
         if self.state == COUNTABLE { (self.gpu > 0, self.gpu > 0 || self.low > 0) } else { (false, false) }
     }

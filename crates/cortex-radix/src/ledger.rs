@@ -32,7 +32,7 @@ const _: () = assert!(GROUPS == (MAX_HOLDERS / GROUP) as usize);
 const PATH: usize = 16;
 
 /// The bytes per (holder, block) that [`LedgerConfig::byte_budget`] is converted to blocks with:
-/// about twice what a block costs at the structures' usual load (35–40 B in the §4 benchmark, up
+/// about two and a half times what a block costs at the structures' usual load (35–40 B in the §4 benchmark, up
 /// to ~80 B in the soak, whose deterministic holders also fill the cross-holder index), so that
 /// the budget holds with load factors at their worst. Converting to blocks once, rather than
 /// evicting while measured bytes exceed the budget, cannot thrash: arrays that have not shrunk
@@ -227,7 +227,8 @@ pub struct LedgerStats {
     pub countable_blocks: u64,
     /// Of which orphans.
     pub orphans: u64,
-    /// Runs (contiguous pieces of chains, the shared structure's nodes) some holder references.
+    /// Live runs (contiguous pieces of chains, the shared structure's nodes): referenced by a holder,
+    /// the deterministic index or a pending graft.
     pub nodes: usize,
     /// Head-table keys whose run is gone, reclaimed at their shard's next rebuild.
     pub dead_nodes: usize,
@@ -1757,8 +1758,8 @@ fn seq_at(loc: u64) -> u64 {
     run.hash(off)
 }
 
-// A run's mask word per group is 64 bits: 32 GPU bits and 32 any-tier bits.
-const _: () = assert!(GROUP * 2 == 64);
+// A run's mask word per group is `L << 32 | holders`: one bit per holder of the group.
+const _: () = assert!(GROUP == 32);
 
 impl Drop for Inner {
     fn drop(&mut self) {

@@ -19,7 +19,7 @@
 //!   then the head table's value; a reader uses the length it read with the run, so it never reads
 //!   a hash that was not published with it.
 //! - **Per holder, two cuts** (the first offset it lacks, on GPU and on any tier) in one 16-bit
-//!   word, four to an atomic word, 32 holders to a line. Cuts are absolute offsets, so they stay
+//!   word, four to an atomic word, a group's 32 holders in eight words. Cuts are absolute offsets, so they stay
 //!   true when the run grows. Each holder's writer owns its bits and changes them with one
 //!   `fetch_xor`; there is no lock on coverage, and a reader reads a state the holder had.
 //! - **Per group, a mask word** `L << 32 | holders`: holders whose both cuts were at least `L`

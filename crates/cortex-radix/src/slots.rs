@@ -9,7 +9,7 @@
 
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
-/// Slots per group (one table word carries a group's GPU and any-tier bits).
+/// Slots per group (a run's mask word has one bit per holder of a group; its cuts fill eight words).
 pub(crate) const GROUP: u32 = 32;
 
 pub(crate) struct Slots {

@@ -2,7 +2,7 @@
 //!
 //! Key decision: under `--cfg loom` (with `--cfg crossbeam_loom`, as `cargo xtask loom` sets) the
 //! shim swaps `std`'s atomics and locks for loom's, and crossbeam-epoch is built with its own loom
-//! support, so the loom models in `table.rs` check the very code the ledger runs rather than a
+//! support, so the loom models in `table.rs`, `run.rs` and `slots.rs` check the very code the ledger runs rather than a
 //! copy of it. Nothing outside this module names `std::sync::atomic`, `parking_lot` or `loom`.
 
 #[cfg(not(loom))]

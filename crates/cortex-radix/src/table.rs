@@ -1,7 +1,8 @@
 //! The head table: `first SeqHash of a run → run`, read lock-free, written under short shard locks.
 //!
 //! One slot is 16 bytes: an `AtomicU64` key (the `SeqHash` of a run's first block; see
-//! `ledger.rs`) and an `AtomicU64` value (the run's address, 0 once the run is gone). Only run
+//! `run.rs`) and an `AtomicU64` value (the run's address packed with its length less one, 0 once
+//! the run is gone). Only run
 //! heads are keys: a query looks a block up only where a run ends or the prompt leaves it, and
 //! by the chain property the block there is either absent or the first block of another run. The
 //! table is split into 16 shards by the key's top bits; each shard is one linear-probing array behind

@@ -1,7 +1,7 @@
 //! Writers of different holders in parallel with lock-free readers (real threads, bounded
 //! iterations, no sleeps): a reader never sees a block a holder never stored, never a prefix
 //! longer than what was stored, and a removed worker's writer is refused. The loom models in
-//! `src/table.rs` check the interleavings exhaustively on a small scale; this checks the whole
+//! `src/table.rs`, `src/run.rs` and `src/slots.rs` check the interleavings exhaustively on a small scale; this checks the whole
 //! ledger at a size where shards rebuild under the readers.
 
 use std::sync::Arc;
