@@ -15,13 +15,16 @@
 //!   many holders. Commands reach it through a channel plus an `inproc` wake-up socket.
 //! - Decoding and applying — the real work — happen on the lanes, in parallel across holders and
 //!   strictly in order within one (a holder always maps to the same lane).
+//! - Hand-offs travel in groups, because a wake-up per batch costs as much as decoding it: the
+//!   socket thread sends everything one socket has ready (up to `BURST`) as one channel message,
+//!   and a lane drains its whole queue per wake-up and signals progress once per drain.
 //! - Every replay uses a fresh DEALER socket (a REQ socket receives only one reply), so a late
 //!   reply of an abandoned replay can never be mistaken for the current one.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -58,8 +61,12 @@ const END_SEQ: u64 = u64::MAX;
 /// Lanes wake at least this often to check replay deadlines and silence.
 const TICK: Duration = Duration::from_millis(50);
 
-/// Messages drained from one socket per poll round, so one busy holder cannot starve the rest.
+/// Messages drained from one socket per poll round, so one busy holder cannot starve the rest;
+/// they reach the lane as one group.
 const BURST: usize = 512;
+
+/// Inputs a lane handles per wake-up before it signals progress and checks its timers.
+const DRAIN: usize = 1024;
 
 enum SockCmd {
     Add { holder: HolderId, lane: usize, publish: String, topic: String, replay: Option<String> },
@@ -70,8 +77,12 @@ enum SockCmd {
 
 enum LaneMsg {
     Add(Box<LaneHolder>),
-    RemoveWorker { worker: WorkerId, done: Sender<()> },
-    Input(HolderId, Input<zmq::Message>),
+    RemoveWorker {
+        worker: WorkerId,
+        done: Sender<()>,
+    },
+    /// One holder's inputs in arrival order: everything its socket had ready.
+    Inputs(HolderId, Vec<Input<zmq::Message>>),
     Shutdown,
 }
 
@@ -164,8 +175,15 @@ impl Ingest {
             );
         }
         let s = Arc::clone(&shared);
-        let sockets =
-            SocketThread { ctx, id, wake: wake_rx, commands: cmd_rx, holders: Vec::new(), next_monitor: 0 };
+        let sockets = SocketThread {
+            ctx,
+            id,
+            wake: wake_rx,
+            commands: cmd_rx,
+            holders: Vec::new(),
+            next_monitor: 0,
+            frames: Vec::new(),
+        };
         threads.push(
             std::thread::Builder::new()
                 .name("cortex-ingest-sockets".into())
@@ -269,8 +287,8 @@ impl Ingest {
     }
 
     /// Waits until `done(status)` holds for `holder` or `timeout` passes; returns whether it
-    /// holds. Progress is signalled after every applied batch and state change, so this never
-    /// polls.
+    /// holds. Progress is signalled after every group of batches a lane applies and every state
+    /// change, so this never polls.
     pub fn wait_for(
         &self,
         holder: HolderId,
@@ -320,6 +338,8 @@ struct SocketThread {
     commands: Receiver<SockCmd>,
     holders: Vec<SockHolder>,
     next_monitor: u64,
+    /// The frames of the message being received (reused: no allocation per message).
+    frames: Vec<zmq::Message>,
 }
 
 /// Which socket a poll item belongs to.
@@ -455,61 +475,52 @@ impl SocketThread {
 
     fn drain_sub(&mut self, shared: &Shared, i: usize) {
         let h = &self.holders[i];
-        for _ in 0..BURST {
-            let Ok(parts) = recv_parts(&h.sub) else { break };
-            let input = match parts.len() {
-                3 => match seq_of(&parts[1]) {
-                    Some(seq) => {
-                        let mut parts = parts;
-                        let payload = parts.pop().unwrap_or_else(zmq::Message::new);
-                        Input::Live { seq, payload }
-                    }
-                    None => continue,
-                },
-                n => {
-                    tracing::warn!(holder = %h.holder, frames = n, "ingest: ignoring a message that is not [topic, seq, payload]");
-                    continue;
-                }
-            };
-            if shared.lanes[h.lane].send(LaneMsg::Input(h.holder, input)).is_err() {
-                return;
+        let parts = &mut self.frames;
+        let mut group = Vec::new();
+        while group.len() < BURST && recv_parts(&h.sub, parts).is_ok() {
+            if parts.len() != 3 {
+                tracing::warn!(holder = %h.holder, frames = parts.len(), "ingest: ignoring a message that is not [topic, seq, payload]");
+                continue;
             }
+            let Some(seq) = seq_of(&parts[1]) else { continue };
+            let payload = parts.pop().unwrap_or_else(zmq::Message::new);
+            group.push(Input::Live { seq, payload });
+        }
+        if !group.is_empty() {
+            // An error means the lane is gone (shutdown).
+            let _ = shared.lanes[h.lane].send(LaneMsg::Inputs(h.holder, group));
         }
     }
 
     fn drain_dealer(&mut self, shared: &Shared, i: usize) {
         let h = &mut self.holders[i];
         let Some(dealer) = h.dealer.as_ref() else { return };
+        let parts = &mut self.frames;
+        let mut group = Vec::new();
         let mut finished = false;
-        for _ in 0..BURST {
-            let Ok(mut parts) = recv_parts(dealer) else { break };
+        while !finished && group.len() < BURST && recv_parts(dealer, parts).is_ok() {
             // vLLM ≥ 0.26 and SGLang: ["", topic, seq, payload]; vLLM ≤ 0.25: ["", seq, payload].
-            let (seq, payload) = match parts.len() {
-                4 if parts[0].is_empty() => {
-                    (seq_of(&parts[2]), parts.pop().unwrap_or_else(zmq::Message::new))
-                }
-                3 if parts[0].is_empty() => {
-                    (seq_of(&parts[1]), parts.pop().unwrap_or_else(zmq::Message::new))
-                }
-                _ => (None, zmq::Message::new()),
+            let seq = match parts.len() {
+                4 if parts[0].is_empty() => seq_of(&parts[2]),
+                3 if parts[0].is_empty() => seq_of(&parts[1]),
+                _ => None,
             };
             let input = match seq {
                 Some(END_SEQ) => {
                     finished = true;
                     Input::ReplayEnd
                 }
-                Some(seq) => Input::Replayed { seq, payload },
+                Some(seq) => Input::Replayed { seq, payload: parts.pop().unwrap_or_else(zmq::Message::new) },
                 None => {
                     tracing::warn!(holder = %h.holder, "ingest: ignoring a malformed replay reply");
                     continue;
                 }
             };
-            if shared.lanes[h.lane].send(LaneMsg::Input(h.holder, input)).is_err() {
-                return;
-            }
-            if finished {
-                break;
-            }
+            group.push(input);
+        }
+        if !group.is_empty() {
+            // An error means the lane is gone (shutdown).
+            let _ = shared.lanes[h.lane].send(LaneMsg::Inputs(h.holder, group));
         }
         if finished {
             h.dealer = None;
@@ -518,22 +529,25 @@ impl SocketThread {
 
     fn drain_monitor(&mut self, shared: &Shared, i: usize) {
         let h = &self.holders[i];
-        while let Ok(parts) = recv_parts(&h.monitor) {
+        let parts = &mut self.frames;
+        while recv_parts(&h.monitor, parts).is_ok() {
             let event = parts.first().filter(|p| p.len() >= 2).map(|p| u16::from_le_bytes([p[0], p[1]]));
             if event == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
                 tracing::warn!(holder = %h.holder, "ingest: publisher disconnected");
-                let _ = shared.lanes[h.lane].send(LaneMsg::Input(h.holder, Input::Disconnected));
+                let _ = shared.lanes[h.lane].send(LaneMsg::Inputs(h.holder, vec![Input::Disconnected]));
             }
         }
     }
 }
 
-fn recv_parts(socket: &zmq::Socket) -> Result<Vec<zmq::Message>, zmq::Error> {
-    let mut parts = vec![socket.recv_msg(zmq::DONTWAIT)?];
+/// Receives the next message, if one is ready, into `parts` (its frames; the vector is reused).
+fn recv_parts(socket: &zmq::Socket, parts: &mut Vec<zmq::Message>) -> Result<(), zmq::Error> {
+    parts.clear();
+    parts.push(socket.recv_msg(zmq::DONTWAIT)?);
     while socket.get_rcvmore()? {
         parts.push(socket.recv_msg(0)?);
     }
-    Ok(parts)
+    Ok(())
 }
 
 fn seq_of(frame: &[u8]) -> Option<u64> {
@@ -552,91 +566,146 @@ struct LaneHolder {
     last_event: Instant,
 }
 
-fn lane_loop(shared: &Shared, rx: &Receiver<LaneMsg>) {
-    let mut holders: HashMap<HolderId, LaneHolder> = HashMap::new();
-    let mut effects = Vec::new();
-    loop {
-        match rx.recv_timeout(TICK) {
-            Ok(LaneMsg::Shutdown) | Err(RecvTimeoutError::Disconnected) => return,
-            Ok(LaneMsg::Add(h)) => {
-                let id = h.writer.holder();
-                let h = holders.entry(id).or_insert(*h);
-                h.seq.step(Input::Start, &mut effects);
-                if !h.execute(shared, &mut effects) {
-                    holders.remove(&id);
-                }
-                shared.progress.notify();
-            }
-            Ok(LaneMsg::RemoveWorker { worker, done }) => {
-                holders.retain(|id, _| id.worker != worker);
-                let _ = done.send(());
-            }
-            Ok(LaneMsg::Input(id, input)) => {
-                if let Some(h) = holders.get_mut(&id) {
-                    if matches!(input, Input::Live { .. } | Input::Replayed { .. }) {
-                        h.last_event = Instant::now();
-                    }
-                    h.seq.step(input, &mut effects);
-                    if !h.execute(shared, &mut effects) {
-                        holders.remove(&id);
-                    }
-                    shared.progress.notify();
-                }
-            }
-            Err(RecvTimeoutError::Timeout) => {}
-        }
-        check_timers(shared, &mut holders, &mut effects);
-    }
+/// A lane's holders and its reusable buffers.
+struct Lane<'s> {
+    shared: &'s Shared,
+    holders: HashMap<HolderId, LaneHolder>,
+    effects: Vec<Effect<zmq::Message>>,
+    pending: VecDeque<Effect<zmq::Message>>,
 }
 
-fn check_timers(
-    shared: &Shared,
-    holders: &mut HashMap<HolderId, LaneHolder>,
-    effects: &mut Vec<Effect<zmq::Message>>,
-) {
-    let now = Instant::now();
-    let mut gone = Vec::new();
-    for (id, h) in holders.iter_mut() {
-        let input = if h.replay_deadline.is_some_and(|d| now >= d) && h.seq.replaying() {
-            h.replay_deadline = None;
-            Some(Input::ReplayTimeout)
-        } else if h.seq.state() == HolderState::Ready
-            // Relaxed: a gauge written by the load poller.
-            && h.stats.running.load(Ordering::Relaxed) > 0
-            && now.duration_since(h.last_event) >= shared.cfg.silence_timeout
-        {
-            h.last_event = now;
-            Some(Input::Silent)
-        } else {
-            None
+fn lane_loop(shared: &Shared, rx: &Receiver<LaneMsg>) {
+    let mut lane = Lane { shared, holders: HashMap::new(), effects: Vec::new(), pending: VecDeque::new() };
+    loop {
+        let mut next = match rx.recv_timeout(TICK) {
+            Ok(msg) => Some(msg),
+            Err(RecvTimeoutError::Timeout) => None,
+            Err(RecvTimeoutError::Disconnected) => return,
         };
-        if let Some(input) = input {
-            h.seq.step(input, effects);
-            if !h.execute(shared, effects) {
-                gone.push(*id);
+        if next.is_some() {
+            // Drain what queued up meanwhile: one wake-up and one progress signal for all of it.
+            let mut handled = 0;
+            while let Some(msg) = next.take() {
+                match lane.handle(msg) {
+                    Some(n) => handled += n,
+                    None => return,
+                }
+                if handled < DRAIN {
+                    next = match rx.try_recv() {
+                        Ok(msg) => Some(msg),
+                        Err(TryRecvError::Empty) => None,
+                        Err(TryRecvError::Disconnected) => return,
+                    };
+                }
             }
             shared.progress.notify();
         }
+        lane.check_timers();
     }
-    for id in gone {
-        holders.remove(&id);
+}
+
+impl Lane<'_> {
+    /// Handles one message; the number of inputs it carried, or `None` on shutdown.
+    fn handle(&mut self, msg: LaneMsg) -> Option<usize> {
+        match msg {
+            LaneMsg::Shutdown => return None,
+            LaneMsg::Add(h) => {
+                let id = h.writer.holder();
+                let h = self.holders.entry(id).or_insert(*h);
+                h.seq.step(Input::Start, &mut self.effects);
+                if !h.execute(self.shared, &mut self.effects, &mut self.pending) {
+                    self.holders.remove(&id);
+                }
+            }
+            LaneMsg::RemoveWorker { worker, done } => {
+                self.holders.retain(|id, _| id.worker != worker);
+                let _ = done.send(());
+            }
+            LaneMsg::Inputs(id, inputs) => {
+                let n = inputs.len();
+                let Some(h) = self.holders.get_mut(&id) else { return Some(n) };
+                if inputs.iter().any(|i| matches!(i, Input::Live { .. } | Input::Replayed { .. })) {
+                    h.last_event = Instant::now();
+                }
+                for input in inputs {
+                    h.seq.step(input, &mut self.effects);
+                    if !h.execute(self.shared, &mut self.effects, &mut self.pending) {
+                        self.holders.remove(&id);
+                        break;
+                    }
+                }
+                return Some(n);
+            }
+        }
+        Some(1)
+    }
+
+    fn check_timers(&mut self) {
+        let now = Instant::now();
+        let mut gone = Vec::new();
+        let mut changed = false;
+        for (id, h) in &mut self.holders {
+            let input = if h.replay_deadline.is_some_and(|d| now >= d) && h.seq.replaying() {
+                h.replay_deadline = None;
+                Some(Input::ReplayTimeout)
+            } else if h.seq.state() == HolderState::Ready
+                // Relaxed: a gauge written by the load poller.
+                && h.stats.running.load(Ordering::Relaxed) > 0
+                && now.duration_since(h.last_event) >= self.shared.cfg.silence_timeout
+            {
+                h.last_event = now;
+                Some(Input::Silent)
+            } else {
+                None
+            };
+            if let Some(input) = input {
+                h.seq.step(input, &mut self.effects);
+                if !h.execute(self.shared, &mut self.effects, &mut self.pending) {
+                    gone.push(*id);
+                }
+                changed = true;
+            }
+        }
+        for id in gone {
+            self.holders.remove(&id);
+        }
+        if changed {
+            self.shared.progress.notify();
+        }
     }
 }
 
 impl LaneHolder {
-    /// Executes `effects` in order; false if the ledger revoked this holder.
-    fn execute(&mut self, shared: &Shared, effects: &mut Vec<Effect<zmq::Message>>) -> bool {
-        let mut pending: std::collections::VecDeque<Effect<zmq::Message>> = effects.drain(..).collect();
+    /// Executes `effects` in order (through `pending`, empty between calls); false if the ledger
+    /// revoked this holder.
+    fn execute(
+        &mut self,
+        shared: &Shared,
+        effects: &mut Vec<Effect<zmq::Message>>,
+        pending: &mut VecDeque<Effect<zmq::Message>>,
+    ) -> bool {
+        pending.extend(effects.drain(..));
+        let alive = self.run_effects(shared, effects, pending);
+        pending.clear();
+        effects.clear();
+        alive
+    }
+
+    fn run_effects(
+        &mut self,
+        shared: &Shared,
+        more: &mut Vec<Effect<zmq::Message>>,
+        pending: &mut VecDeque<Effect<zmq::Message>>,
+    ) -> bool {
         while let Some(effect) = pending.pop_front() {
             match effect {
                 Effect::Apply { seq, payload } => match self.apply(seq, &payload) {
                     Ok(true) => {}
                     Ok(false) => {
-                        // Undecodable: its events are lost; the machine says what to do.
-                        let mut more = Vec::new();
-                        self.seq.step(Input::Undecodable, &mut more);
-                        for (i, e) in more.into_iter().enumerate() {
-                            pending.insert(i, e);
+                        // Undecodable: its events are lost; the machine says what to do, first.
+                        self.seq.step(Input::Undecodable, more);
+                        for e in more.drain(..).rev() {
+                            pending.push_front(e);
                         }
                     }
                     Err(LedgerError::Revoked(_)) => return false,

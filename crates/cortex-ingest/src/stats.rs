@@ -2,7 +2,7 @@
 //!
 //! Key decision: plain atomics written by the lane that owns the holder and read by anyone; the
 //! gateway renders them as Prometheus metrics, tests wait on them (through a condition variable
-//! signalled after every apply, never by sleeping).
+//! signalled after every group of inputs a lane handles, never by sleeping).
 
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};

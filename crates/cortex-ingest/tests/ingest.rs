@@ -292,6 +292,33 @@ fn duplicates_are_dropped() {
 }
 
 #[test]
+fn a_long_burst_keeps_order_and_counts_across_hand_off_groups() {
+    // More batches than one socket drain (512) or one lane drain (1024) takes, sent without
+    // waiting: they reach the lane in many groups, whose boundaries fall anywhere.
+    const N: u64 = 3_000;
+    let s = setup(IngestConfig { lanes: 1, ..IngestConfig::default() });
+    let engine = FakeEngine::new("", None);
+    let h = holder(15, 0);
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    let mut duplicates = 0;
+    for i in 0..N {
+        engine.send_live(i, &vllm_block_batch(i));
+        if i % 7 == 6 {
+            engine.send_live(i - 3, &vllm_block_batch(i - 3));
+            duplicates += 1;
+        }
+    }
+    wait_seq(&s, h, N - 1);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.batches, N);
+    assert_eq!(st.duplicates, duplicates);
+    assert_eq!(st.clears, 0);
+    assert_eq!(st.transitions(Reason::Gap), 0);
+    assert_eq!(synthetic_overlap(&s.ledger, h, N as u32), N as u32, "every block, in order");
+}
+
+#[test]
 fn malformed_payload_is_counted_and_the_stream_continues() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
