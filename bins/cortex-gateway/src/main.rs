@@ -44,6 +44,12 @@ struct Cli {
     /// Log filter (`RUST_LOG` syntax).
     #[arg(long, default_value = "info", env = "RUST_LOG")]
     log: String,
+    /// Threads of the async runtime that serves HTTP and relays bodies (default: one per core).
+    /// Tokenizing long or chat prompts runs on a separate blocking pool either way. On a host
+    /// where the gateway shares few cores with other busy processes, 1 avoids cross-thread
+    /// wake-ups between a request's tasks (see docs/perf.md, gateway overhead).
+    #[arg(long, value_name = "N", env = "CORTEX_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
+    worker_threads: Option<u16>,
 }
 
 #[allow(clippy::print_stdout, clippy::print_stderr)]
@@ -74,8 +80,11 @@ fn run(cli: Cli) -> Result<()> {
         .install_recorder()
         .context("installing the metrics recorder")?;
     cortex_proxy::telemetry::describe();
-    let runtime =
-        tokio::runtime::Builder::new_multi_thread().enable_all().build().context("starting the runtime")?;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = cli.worker_threads {
+        runtime.worker_threads(usize::from(n));
+    }
+    let runtime = runtime.enable_all().build().context("starting the runtime")?;
     runtime.block_on(async move {
         let (settings, sims) = if cli.demo {
             let d = demo::start(cli.listen, cli.workers_per_engine, cli.sim_speed)?;

@@ -1,0 +1,65 @@
+//! The binary as users start it: flags are validated before anything starts, and the demo serves
+//! with the runtime size a flag asks for (port 0, the bound address read from the banner; the
+//! child is killed at the end, whatever happens).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)] // a test fails loudly
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_cortex-gateway");
+
+/// Kills the child when dropped, so a failing assertion never leaves a gateway running.
+struct Running(Child);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn zero_worker_threads_is_refused_with_the_flag_named() {
+    let out = Command::new(BIN).args(["--demo", "--worker-threads", "0"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--worker-threads"), "{err}");
+}
+
+#[test]
+fn demo_serves_on_one_runtime_thread() {
+    let child = Command::new(BIN)
+        .args(["--demo", "--listen", "127.0.0.1:0", "--sim-speed", "0", "--worker-threads", "1"])
+        .args(["--workers-per-engine", "1", "--log", "warn"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut running = Running(child);
+    let stdout = running.0.stdout.take().unwrap();
+    let mut addr = None;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("Cortex gateway listening on http://") {
+            addr = Some(rest.trim().to_owned());
+            break;
+        }
+    }
+    let addr = addr.expect("the demo prints its address");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let response = loop {
+        let mut s = TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        write!(s, "GET /health/live HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n").unwrap();
+        let mut r = String::new();
+        s.read_to_string(&mut r).unwrap();
+        if r.starts_with("HTTP/1.1 200") || Instant::now() > deadline {
+            break r;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+}
