@@ -640,18 +640,18 @@ mod loom_models {
     const H0: u64 = 0x1000_0000_0000_0011;
     const H1: u64 = 0x2000_0000_0000_0022;
 
-    /// Runs `model` under loom; the first violation any interleaving reports is asserted once
-    /// loom is done (as in `table.rs`).
-    fn check(model: impl Fn() -> Option<String> + Sync + Send + 'static) {
-        let found = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
-        let sink = found.clone();
-        loom::model(move || {
-            if let Some(v) = model() {
-                sink.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get_or_insert(v);
+    use crate::table::loom_models::check;
+
+    /// Releases the writer's reference to `run` on another thread, reclaiming it if it was the
+    /// last.
+    fn release_in_thread(t: &Arc<SlotTable>, run: Run) -> thread::JoinHandle<()> {
+        let t = t.clone();
+        thread::spawn(move || {
+            let g = epoch::pin();
+            if run.release() {
+                reclaim(&t, run, &g);
             }
-        });
-        let violation = found.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
-        assert!(violation.is_none(), "{}", violation.unwrap_or_default());
+        })
     }
 
     /// A published run (one reference, its writer's).
@@ -729,15 +729,7 @@ mod loom_models {
         check(|| {
             let t = Arc::new(SlotTable::new());
             let run = published(&t);
-            let w = {
-                let t = t.clone();
-                thread::spawn(move || {
-                    let g = epoch::pin();
-                    if run.release() {
-                        reclaim(&t, run, &g);
-                    }
-                })
-            };
+            let w = release_in_thread(&t, run);
             let g = epoch::pin();
             let bits = t.get(head_key(H0), &g);
             let freed = (bits != 0).then(|| {
@@ -760,15 +752,7 @@ mod loom_models {
         check(|| {
             let t = Arc::new(SlotTable::new());
             let run = published(&t);
-            let w = {
-                let t = t.clone();
-                thread::spawn(move || {
-                    let g = epoch::pin();
-                    if run.release() {
-                        reclaim(&t, run, &g);
-                    }
-                })
-            };
+            let w = release_in_thread(&t, run);
             let g = epoch::pin();
             let found = find(&t, H0, &g);
             drop(g);

@@ -539,7 +539,7 @@ mod tests {
 /// turns into `--cfg cortex_loom_bug="<name>"`), the model must fail — it is then
 /// `#[should_panic]`, so `cargo xtask loom` runs the suite once per bug and expects green.
 #[cfg(all(test, loom))]
-mod loom_models {
+pub(crate) mod loom_models {
     use super::*;
     use loom::sync::Arc;
     use loom::thread;
@@ -552,8 +552,8 @@ mod loom_models {
 
     /// Runs `model` under loom; the first violation any interleaving reports is asserted once
     /// loom is done (a panic inside a model would unwind through epoch thread-locals that loom
-    /// has already torn down, and abort).
-    fn check(model: impl Fn() -> Option<String> + Sync + Send + 'static) {
+    /// has already torn down, and abort). Shared with the run models (`run.rs`).
+    pub(crate) fn check(model: impl Fn() -> Option<String> + Sync + Send + 'static) {
         let found = std::sync::Arc::new(std::sync::Mutex::new(None::<String>));
         let sink = found.clone();
         loom::model(move || {
