@@ -12,12 +12,14 @@
 pub mod config;
 pub mod demo;
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use cortex_hash::Engine;
-use cortex_ingest::{HolderSource, Ingest, Unlabeled, Wire};
+use cortex_hash::kv::HolderId;
+use cortex_ingest::{DECODE_ERROR_KINDS, HolderSource, Ingest, Reason, Unlabeled, Wire};
 use cortex_proxy::{Admin, Gateway, GatewayParts, RegistryEvent};
 use cortex_radix::Ledger;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -66,6 +68,7 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
         prometheus,
     })
     .map_err(|e| anyhow::anyhow!("{e}"))?;
+    gateway.on_scrape(event_metrics(Arc::clone(&ingest)));
     gateway.start_background();
     let mut tasks = vec![tokio::spawn(forward_events(events, Arc::clone(&ingest)))];
     let listener =
@@ -134,6 +137,39 @@ impl Running {
         let ingest = self.ingest;
         let _ = tokio::task::spawn_blocking(move || drop(ingest)).await;
     }
+}
+
+/// The event plane's metrics, refreshed on every scrape from the ingest runtime's per-holder
+/// counters. Counters advance by what changed since the last scrape (a holder added again starts
+/// from zero, which counts as new), so they never go backwards.
+fn event_metrics(ingest: Arc<Ingest>) -> cortex_proxy::ScrapeHook {
+    use cortex_proxy::telemetry as t;
+    let last: std::sync::Mutex<HashMap<(HolderId, &'static str), u64>> = std::sync::Mutex::default();
+    Box::new(move |gw| {
+        let mut last = last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        for st in ingest.statuses() {
+            let Some(name) = gw.worker_name(st.holder.worker) else { continue };
+            let rank = st.holder.rank.0.to_string();
+            let mut advance = |key: &'static str, now: u64, counter: metrics::Counter| {
+                let before = last.insert((st.holder, key), now).unwrap_or(0);
+                counter.increment(if now >= before { now - before } else { now });
+            };
+            let labels = [("worker", name.clone()), ("rank", rank.clone())];
+            advance("batches", st.batches, metrics::counter!(t::EVENT_BATCHES, &labels));
+            advance("duplicates", st.duplicates, metrics::counter!(t::EVENT_DUPLICATES, &labels));
+            advance("replays", st.replays_requested, metrics::counter!(t::EVENT_REPLAYS, &labels));
+            for reason in Reason::ALL {
+                let c = metrics::counter!(t::EVENT_TRANSITIONS, "worker" => name.clone(), "rank" => rank.clone(), "reason" => reason.as_str());
+                advance(reason.as_str(), st.transitions(reason), c);
+            }
+            for (i, kind) in DECODE_ERROR_KINDS.iter().enumerate() {
+                let c = metrics::counter!(t::EVENT_DECODE_ERRORS, "worker" => name.clone(), "rank" => rank.clone(), "kind" => *kind);
+                advance(kind, st.decode_errors[i], c);
+            }
+            metrics::gauge!(t::EVENT_APPLY_LAG, &labels).set(st.apply_lag_us as f64 / 1e6);
+            metrics::gauge!(t::EVENT_APPLY_LAG_MAX, &labels).set(st.apply_lag_max_us as f64 / 1e6);
+        }
+    })
 }
 
 /// Turns the registry's events into ingest calls, in order. Removal waits for the event plane

@@ -103,7 +103,12 @@ pub struct Gateway {
     prometheus: Option<PrometheusHandle>,
     shutting_down: AtomicBool,
     pub(crate) tasks: Mutex<std::collections::HashMap<WorkerId, tokio::task::AbortHandle>>,
+    scrape_hooks: Mutex<Vec<ScrapeHook>>,
 }
+
+/// Called on every `/metrics` scrape, before rendering, to refresh metrics that mirror a
+/// component this crate does not own (the binary registers the event plane's).
+pub type ScrapeHook = Box<dyn Fn(&Gateway) + Send + Sync>;
 
 impl std::fmt::Debug for Gateway {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -159,6 +164,7 @@ impl Gateway {
             prometheus: parts.prometheus,
             shutting_down: AtomicBool::new(false),
             tasks: Mutex::new(std::collections::HashMap::new()),
+            scrape_hooks: Mutex::new(Vec::new()),
         };
         Ok((Arc::new(gw), rx))
     }
@@ -191,6 +197,17 @@ impl Gateway {
     #[must_use]
     pub fn verdict(&self, worker: WorkerId) -> Verdict {
         self.alignment.verdict(worker)
+    }
+
+    /// A registered worker's configured name (the `worker` label of every metric).
+    #[must_use]
+    pub fn worker_name(&self, worker: WorkerId) -> Option<String> {
+        self.registry.get(worker).map(|w| w.config.name.clone())
+    }
+
+    /// Registers `hook` to run on every `/metrics` scrape (see [`ScrapeHook`]).
+    pub fn on_scrape(&self, hook: ScrapeHook) {
+        self.scrape_hooks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(hook);
     }
 
     /// Stops admitting requests (graceful shutdown); in-flight ones finish.
@@ -656,6 +673,13 @@ impl Gateway {
         metrics::gauge!(t::LEDGER_BYTES).set(stats.live_bytes as f64);
         metrics::gauge!(t::LEDGER_BLOCKS).set(stats.blocks as f64);
         metrics::gauge!(t::LEDGER_ORPHANS).set(stats.orphans as f64);
+        metrics::counter!(t::LEDGER_EVICTIONS, "reason" => "capacity").absolute(stats.evictions_capacity);
+        metrics::counter!(t::LEDGER_EVICTIONS, "reason" => "budget").absolute(stats.evictions_budget);
+        let free = self.admission.slots.available_permits();
+        metrics::gauge!(t::INFLIGHT).set(self.cfg.limits.max_concurrent.max(1).saturating_sub(free) as f64);
+        for hook in self.scrape_hooks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter() {
+            hook(self);
+        }
         let snap = self.cluster.load();
         let now = self.clock.now();
         for w in self.registry.snapshot().values() {

@@ -31,6 +31,6 @@ pub mod workers;
 pub use admin::Admin;
 pub use config::{AlignmentConfig, Limits, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy};
 pub use error::ProxyError;
-pub use gateway::{Gateway, GatewayParts};
+pub use gateway::{Gateway, GatewayParts, ScrapeHook};
 pub use models::{ModelRoute, ModelTable};
 pub use registry::{EventSource, EventsOverride, RankEndpoints, RegistryEvent, WorkerConfig};

@@ -49,8 +49,24 @@ pub const WORKER_WAITING: &str = "cortex_worker_waiting_requests";
 pub const WORKER_KV_USAGE: &str = "cortex_worker_kv_usage";
 /// Gauge: 1 when a worker is in the live pool, by `worker`.
 pub const WORKER_LIVE: &str = "cortex_worker_live";
-/// Gauge: requests being processed by the gateway.
+/// Gauge: requests being processed by the gateway (holding an admission slot).
 pub const INFLIGHT: &str = "cortex_inflight_requests";
+/// Counter: KV-event batches applied, by `worker` and `rank`.
+pub const EVENT_BATCHES: &str = "cortex_event_batches_total";
+/// Counter: duplicate KV-event batches dropped, by `worker` and `rank`.
+pub const EVENT_DUPLICATES: &str = "cortex_event_duplicates_total";
+/// Counter: event-plane transitions and repairs (gaps, restarts, replays, silence...), by
+/// `worker`, `rank` and `reason`.
+pub const EVENT_TRANSITIONS: &str = "cortex_event_transitions_total";
+/// Counter: replays requested from an engine's replay socket, by `worker` and `rank`.
+pub const EVENT_REPLAYS: &str = "cortex_event_replays_requested_total";
+/// Counter: KV-event payloads that did not decode, by `worker`, `rank` and `kind`.
+pub const EVENT_DECODE_ERRORS: &str = "cortex_event_decode_errors_total";
+/// Gauge: seconds from the engine's batch timestamp to the batch being visible in the ledger,
+/// last batch, by `worker` and `rank`.
+pub const EVENT_APPLY_LAG: &str = "cortex_event_apply_lag_seconds";
+/// Gauge: the largest such lag seen, by `worker` and `rank`.
+pub const EVENT_APPLY_LAG_MAX: &str = "cortex_event_apply_lag_max_seconds";
 
 /// Registers descriptions for every metric (call once after installing a recorder).
 pub fn describe() {
@@ -86,4 +102,15 @@ pub fn describe() {
     describe_gauge!(WORKER_KV_USAGE, "Engine-reported KV cache usage");
     describe_gauge!(WORKER_LIVE, "1 when the worker is in the live pool");
     describe_gauge!(INFLIGHT, "Requests being processed by the gateway");
+    describe_counter!(EVENT_BATCHES, "KV-event batches applied");
+    describe_counter!(EVENT_DUPLICATES, "Duplicate KV-event batches dropped");
+    describe_counter!(EVENT_TRANSITIONS, "Event-plane transitions and repairs, by reason");
+    describe_counter!(EVENT_REPLAYS, "Replays requested from an engine's replay socket");
+    describe_counter!(EVENT_DECODE_ERRORS, "KV-event payloads that did not decode, by kind");
+    describe_gauge!(
+        EVENT_APPLY_LAG,
+        metrics::Unit::Seconds,
+        "Engine batch timestamp to visible in the ledger, last batch"
+    );
+    describe_gauge!(EVENT_APPLY_LAG_MAX, metrics::Unit::Seconds, "Largest apply lag seen");
 }
