@@ -20,7 +20,7 @@ use proptest::strategy::ValueTree;
 // The universe: holders and chains.
 
 const HOLDERS: [(u32, u16, bool, u32); 4] =
-    [(0, 0, false, 8), (0, 1, true, 12), (1, 0, true, 16), (2, 0, false, 64)];
+    [(0, 0, false, 8), (0, 1, true, 12), (1, 0, true, 16), (2, 0, false, 96)];
 const SLACK_PERCENT: u32 = 25;
 
 fn holder_id(h: usize) -> HolderId {
@@ -45,6 +45,10 @@ fn specs() -> Vec<Spec> {
         Spec { ns: 1, salt: None, pages: vec![1, 2, 3, 4, 5, 6] },
         Spec { ns: 0, salt: Some("s"), pages: vec![1, 2, 3, 4] },
         Spec { ns: 0, salt: None, pages: vec![20, 21, 22, 23, 24, 25, 26, 27, 28, 29] },
+        // Long enough to fill runs (16 reserved for a short store, up to 64 for a long one) and
+        // continue in the next; the second leaves the first inside a run.
+        Spec { ns: 0, salt: None, pages: (40..120).collect() },
+        Spec { ns: 0, salt: None, pages: (40..80).chain(200..230).collect() },
     ]
 }
 
@@ -101,6 +105,13 @@ enum Op {
         lineage: bool,
         tier: u8,
     },
+    /// Stores positions `0..len` of a spec in 16-block events, one after another, as an engine
+    /// stores a long prompt: runs grow by appends, fill and continue in the next.
+    Prompt {
+        h: usize,
+        spec: usize,
+        len: usize,
+    },
     /// Re-stores a known engine hash with another identity (a broken or reused hash).
     Conflict {
         h: usize,
@@ -143,11 +154,12 @@ fn medium(tier: u8) -> Medium {
 fn op_strategy() -> impl Strategy<Value = Op> {
     let h = 0..HOLDERS.len();
     prop_oneof![
-        10 => (h.clone(), 0..5usize, 0..10usize, 1..6usize, prop::bool::weighted(0.9), 0..4u8).prop_map(
+        10 => (h.clone(), 0..7usize, 0..80usize, prop_oneof![4 => 1..6usize, 1 => 14..24usize], prop::bool::weighted(0.9), 0..4u8).prop_map(
             |(h, spec, from, len, lineage, tier)| Op::Store { h, spec, from, len, lineage, tier }
         ),
-        1 => (h.clone(), 0..5usize, 0..10usize, 100..103u32).prop_map(|(h, spec, pos, page)| Op::Conflict { h, spec, pos, page }),
-        5 => (h.clone(), 0..5usize, 0..10usize, 1..4usize, 0..4u8, prop::bool::weighted(0.15))
+        1 => (h.clone(), 5..7usize, 17..80usize).prop_map(|(h, spec, len)| Op::Prompt { h, spec, len }),
+        1 => (h.clone(), 0..7usize, 0..80usize, 100..103u32).prop_map(|(h, spec, pos, page)| Op::Conflict { h, spec, pos, page }),
+        5 => (h.clone(), 0..7usize, 0..80usize, 1..4usize, 0..4u8, prop::bool::weighted(0.15))
             .prop_map(|(h, spec, pos, n, tier, garbage)| Op::Remove { h, spec, pos, n, tier, garbage }),
         1 => h.clone().prop_map(|h| Op::Clear { h }),
         1 => h.clone().prop_map(|h| Op::RemoveWorker { h }),
@@ -517,6 +529,13 @@ impl Harness {
 
     fn step(&mut self, op: &Op) -> Result<(), String> {
         match *op {
+            Op::Prompt { h, spec, len } => {
+                for from in (0..len).step_by(16) {
+                    let len = (len - from).min(16);
+                    self.step(&Op::Store { h, spec, from, len, lineage: true, tier: 0 })?;
+                }
+                return Ok(());
+            }
             Op::RemoveWorker { h } => {
                 let worker = holder_id(h).worker;
                 self.ledger.remove_worker(worker);
@@ -566,7 +585,13 @@ impl Harness {
     }
 
     fn compare(&mut self) -> Result<(), String> {
-        for (i, seqs) in self.u.seqs.iter().enumerate() {
+        // Every chain whole, and the long ones also cut inside a run (the prompt ends there).
+        let prompts = self.u.seqs.iter().enumerate().flat_map(|(i, s)| {
+            let cut = (s.len() > 20).then(|| (i, &s[..s.len() * 2 / 3]));
+            std::iter::once((i, &s[..])).chain(cut)
+        });
+        let prompts: Vec<(usize, &[SeqHash])> = prompts.collect();
+        for (i, seqs) in prompts {
             for holders in [HolderFilter::All, HolderFilter::Ready] {
                 for early_exit in [EarlyExit::Never, EarlyExit::OneHolderLeft] {
                     let opts = QueryOptions { early_exit, holders };
@@ -719,6 +744,11 @@ fn random_operations_cover_the_rules() {
     let strategy = prop::collection::vec(op_strategy(), 60..120);
     let mut total = cortex_radix::LedgerStats::default();
     let mut lower_tier = 0;
+    // Holders with more than 16 leading blocks of a long chain: a run grew past a short store's
+    // 16-block reservation, or filled and continued in the next (paths a 10-block chain never
+    // reaches), and the query compared above walked it.
+    let mut long_runs = 0;
+    let long: Vec<SeqHash> = Universe::new().seqs[5].clone();
     for _ in 0..48 {
         let ops = strategy.new_tree(&mut runner).expect("ops").current();
         let mut h = Harness::new(Fault::None);
@@ -726,6 +756,9 @@ fn random_operations_cover_the_rules() {
             h.step(op).expect("ledger matches the model");
             lower_tier +=
                 h.model.holders.values().flat_map(|m| m.entries.values()).filter(|e| e.low > 0).count();
+            let opts = QueryOptions { early_exit: EarlyExit::Never, holders: HolderFilter::All };
+            long_runs +=
+                h.model.query(&long, opts).iter().filter(|(_, gpu, any)| (*gpu).max(*any) > 16).count();
         }
         let s = h.ledger.stats();
         total.grafts += s.grafts;
@@ -738,6 +771,7 @@ fn random_operations_cover_the_rules() {
     assert!(total.grafts > 0 && total.evictions_capacity > 0 && total.conflicts > 0, "{total:?}");
     assert!(total.unknown_removes > 0 && total.refused_applies > 0 && total.orphans > 0, "{total:?}");
     assert!(lower_tier > 0);
+    assert!(long_runs > 0, "no holder ever had more than 16 leading blocks of a long chain");
 }
 
 /// Orphan rules, spelled out: an orphan never counts, is grafted by a late parent in its own
