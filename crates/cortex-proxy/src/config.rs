@@ -25,7 +25,8 @@ pub enum Mode {
 pub struct Limits {
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
-    /// Time allowed to receive a request's headers (408 beyond; hyper closes the connection).
+    /// Time allowed to receive a request's headers, from its first byte; beyond, hyper closes
+    /// the connection without a response (it has no 408 for this).
     pub header_read_timeout: Duration,
     /// Time allowed to receive a request's body (408 beyond).
     pub body_read_timeout: Duration,

@@ -3,7 +3,8 @@
 //!
 //! Key decisions: HTTP/1.1 with keep-alive and HTTP/2 from clients that ask for it (hyper-util's
 //! auto builder); `TCP_NODELAY` on every accepted socket; a header-read timeout, which hyper only
-//! enforces when it is given a timer; graceful shutdown stops accepting at once, lets in-flight
+//! enforces when it is given a timer, and which also closes a connection that sends no byte at
+//! all (hyper's timer starts only after the protocol is sniffed); graceful shutdown stops accepting at once, lets in-flight
 //! streams finish up to the deadline, then closes what is left.
 
 use std::convert::Infallible;
@@ -52,10 +53,19 @@ pub async fn serve_with<H, Fut, S>(
                 };
                 let _ = stream.set_nodelay(true);
                 let h = handler.clone();
-                let conn = builder.serve_connection(TokioIo::new(stream), service_fn(h));
-                let conn = graceful.watch(conn.into_owned());
+                let builder = builder.clone();
+                let watcher = graceful.watcher();
                 tokio::spawn(async move {
-                    if let Err(e) = conn.await {
+                    // hyper's header timer starts after the protocol is sniffed: a connection
+                    // that never sends a byte would otherwise be held forever.
+                    // (`peek`, not `readable`: readiness may be reported before any byte.)
+                    let mut first = [0u8; 1];
+                    if tokio::time::timeout(header_read_timeout, stream.peek(&mut first)).await.is_err() {
+                        tracing::debug!("closing a connection that sent nothing");
+                        return;
+                    }
+                    let conn = builder.serve_connection(TokioIo::new(stream), service_fn(h));
+                    if let Err(e) = watcher.watch(conn.into_owned()).await {
                         tracing::debug!(error = %e, "connection ended with an error");
                     }
                 });

@@ -74,10 +74,9 @@ pub fn end_to_end(headers: &HeaderMap) -> HeaderMap {
 pub struct Failure {
     /// The class, for cooldowns and retry decisions.
     pub class: FailureClass,
-    /// What happened, for logs and the client.
+    /// What happened, for logs and the client; when the worker answered, its status and the
+    /// start of its own error message, so the client loses nothing the worker said.
     pub message: String,
-    /// The worker's own error response, when it sent one (passed through when not retried).
-    pub response: Option<(StatusCode, HeaderMap, Bytes)>,
 }
 
 /// What a worker answered.
@@ -120,14 +119,12 @@ pub async fn send(
             return Err(Failure {
                 class: FailureClass::Timeout,
                 message: format!("no response head within {head_timeout:?}"),
-                response: None,
             });
         }
         Ok(Err(e)) => {
             return Err(Failure {
                 class: FailureClass::ServerError,
                 message: format!("worker unreachable: {e}"),
-                response: None,
             });
         }
         Ok(Ok(r)) => r,
@@ -149,13 +146,30 @@ pub async fn send(
     };
     let headers = end_to_end(&parts.headers);
     match classify(status, &body) {
-        Some(class) if crate::error::retry_elsewhere(class) => Err(Failure {
-            class,
-            message: format!("worker answered {status}"),
-            response: Some((status, headers, body)),
-        }),
+        Some(class) if crate::error::retry_elsewhere(class) => {
+            Err(Failure { class, message: worker_said(status, &body) })
+        }
         class => Ok(Answer::Reject { status, headers, body, class }),
     }
+}
+
+/// `worker answered <status>`, then the start of the worker's own error text (its JSON
+/// `message` when it has one), on one line.
+fn worker_said(status: StatusCode, body: &[u8]) -> String {
+    const MAX: usize = 300;
+    let json: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+    let text = json
+        .as_ref()
+        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("message")).or_else(|| v.get("detail")))
+        .and_then(serde_json::Value::as_str)
+        .map_or_else(|| String::from_utf8_lossy(body).into_owned(), str::to_owned);
+    let text: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    if text.is_empty() {
+        return format!("worker answered {status}");
+    }
+    let cut = text.char_indices().nth(MAX).map_or(text.len(), |(i, _)| i);
+    let ellipsis = if cut < text.len() { "…" } else { "" };
+    format!("worker answered {status}: {}{ellipsis}", &text[..cut])
 }
 
 /// Classifies a worker's error response. `None`: an ordinary client error (bad request) that is
@@ -438,6 +452,20 @@ pub fn set_header(h: &mut HeaderMap, name: &'static str, value: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_attempt_keeps_what_the_worker_said() {
+        let s = |code: u16, b: &str| worker_said(StatusCode::from_u16(code).unwrap(), b.as_bytes());
+        assert_eq!(
+            s(503, r#"{"error":{"message":"KV cache\n full","type":"server_error"}}"#),
+            "worker answered 503 Service Unavailable: KV cache full"
+        );
+        assert_eq!(s(500, r#"{"detail":"boom"}"#), "worker answered 500 Internal Server Error: boom");
+        assert_eq!(s(502, "upstream died"), "worker answered 502 Bad Gateway: upstream died");
+        assert_eq!(s(500, ""), "worker answered 500 Internal Server Error");
+        let long = s(500, &"é".repeat(400));
+        assert!(long.ends_with('…') && long.chars().filter(|&c| c == 'é').count() == 300, "{long}");
+    }
 
     #[test]
     fn classification() {
