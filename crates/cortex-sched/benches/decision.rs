@@ -3,11 +3,9 @@
 //!
 //! `cargo bench -p cortex-sched --bench decision`
 //!
-//! The overlap query is a stated **stand-in** until the real ledger (cortex-radix) lands: a
-//! `HashMap<SeqHash, holder bitset>` walked over an 80-block prompt, intersecting the set of
-//! holders still matching at each block and stopping when it is empty. Holders hold a prefix of
-//! the prompt of `(7·w mod 80)` blocks; a quarter hold none (the ledger issue's 75 % hits). The
-//! number will be re-measured with the real ledger.
+//! The overlap query is the real one: `cortex_radix::Ledger::query` over an 80-block prompt on
+//! a ledger where every worker is a READY holder; worker `w` holds a prefix of `(7·w mod 80)`
+//! blocks of the prompt, and a quarter hold none (the ledger issue's 75 % hits).
 //!
 //! The naive baseline is what a first implementation looks like: the workers behind an `RwLock`,
 //! each worker's counters behind a `Mutex`, the model compared as a `String`, the overlap looked
@@ -16,15 +14,15 @@
 
 #![allow(missing_docs)] // criterion_group! generates undocumented items
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::hint::black_box;
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
-use cortex_hash::kv::{DpRank, HolderId, WorkerId};
-use cortex_hash::{Engine, SeqHash};
-use cortex_radix::{Overlap, OverlapScores};
+use cortex_hash::kv::{
+    BlockStored, DpRank, EngineHash, HolderId, KvEvent, Lineage, Medium, StoredBlock, WorkerId,
+};
+use cortex_hash::{Engine, Namespace, SeqHash};
+use cortex_radix::{HolderConfig, Ledger, LedgerConfig, OverlapScores, QueryOptions, Readiness};
 use cortex_sched::*;
 use criterion::{BenchmarkId, Criterion};
 
@@ -32,87 +30,55 @@ const BLOCKS: usize = 80;
 const BLOCK_TOKENS: u32 = 16;
 const PROMPT_TOKENS: u32 = BLOCKS as u32 * BLOCK_TOKENS;
 
-/// `SeqHash` is already a hash: use its bits.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | u64::from(b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-/// The stand-in ledger: block → bitset of holders.
-struct StandIn {
-    index: HashMap<SeqHash, Vec<u64>, BuildHasherDefault<IdHasher>>,
-    holders: Vec<HolderId>,
+/// The ledger the decision reads: every worker a READY holder of a prefix of the prompt.
+struct Overlaps {
+    ledger: Arc<Ledger>,
     prompt: Vec<SeqHash>,
-    words: usize,
 }
 
-impl StandIn {
+impl Overlaps {
     fn new(workers: u32) -> Self {
-        let prompt: Vec<SeqHash> = (0..BLOCKS as u64)
-            .map(|i| SeqHash::from_bits(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0xabc))
-            .collect();
-        let words = (workers as usize).div_ceil(64);
-        let mut index: HashMap<SeqHash, Vec<u64>, BuildHasherDefault<IdHasher>> = HashMap::default();
+        let ns = Namespace::new(Engine::Sglang, BLOCK_TOKENS, "m", None);
+        let tokens: Vec<u32> = (0..PROMPT_TOKENS).map(|t| t.wrapping_mul(2_654_435_761) % 150_000).collect();
+        let prompt = ns.seq_hashes(None, &tokens);
+        let ledger = Ledger::new(LedgerConfig::default());
         for w in 0..workers {
+            let cfg = HolderConfig { capacity_blocks: 1_000, content_deterministic: false };
+            let mut writer = ledger.add_holder(HolderId::new(WorkerId(w), DpRank(0)), cfg).expect("holder");
+            writer.set_readiness(Readiness::Ready);
             let held = if w % 4 == 0 { 0 } else { (w as usize * 7) % BLOCKS };
-            for b in &prompt[..held] {
-                index.entry(*b).or_insert_with(|| vec![0; words])[w as usize / 64] |= 1 << (w % 64);
+            if held == 0 {
+                continue;
             }
+            let blocks = tokens
+                .chunks(BLOCK_TOKENS as usize)
+                .take(held)
+                .enumerate()
+                .map(|(i, page)| StoredBlock {
+                    engine: EngineHash::from_u64(u64::from(w) << 32 | i as u64),
+                    content: ns.block_hash(page),
+                })
+                .collect();
+            let store = BlockStored {
+                parent: None,
+                blocks,
+                lineage: Some(Lineage::new(ns, None)),
+                medium: Medium::Gpu,
+            };
+            writer.apply(&KvEvent::Stored(store)).expect("store");
         }
-        let holders = (0..workers).map(|w| HolderId::new(WorkerId(w), DpRank(0))).collect();
-        StandIn { index, holders, prompt, words }
+        Overlaps { ledger, prompt }
     }
 
-    fn query(&self, out: &mut OverlapScores, active: &mut [u64]) {
-        out.begin(BLOCKS as u32);
-        active.iter_mut().for_each(|a| *a = u64::MAX);
-        let mut depth = 0u32;
-        for b in &self.prompt {
-            let Some(bits) = self.index.get(b) else { break };
-            let mut any = 0;
-            for (i, (a, &m)) in active.iter_mut().zip(bits).enumerate() {
-                let dropped = *a & !m;
-                self.flush(out, i, dropped, depth);
-                *a &= m;
-                any |= *a;
-            }
-            depth += 1;
-            if any == 0 {
-                return;
-            }
-        }
-        for (i, &a) in active.iter().enumerate() {
-            self.flush(out, i, a, depth);
-        }
-    }
-
-    fn flush(&self, out: &mut OverlapScores, word: usize, mut bits: u64, depth: u32) {
-        while bits != 0 && depth > 0 {
-            let j = word * 64 + bits.trailing_zeros() as usize;
-            bits &= bits - 1;
-            if let Some(&holder) = self.holders.get(j) {
-                out.push(Overlap { holder, gpu_blocks: depth, any_tier_blocks: depth });
-            }
-        }
+    fn query(&self, out: &mut OverlapScores) {
+        self.ledger.query(&self.prompt, QueryOptions::default(), out);
     }
 }
 
 struct Fixture {
     cluster: Cluster,
     sched: Scheduler,
-    standin: StandIn,
+    overlaps: Overlaps,
 }
 
 fn fixture(workers: u32) -> Fixture {
@@ -131,7 +97,7 @@ fn fixture(workers: u32) -> Fixture {
     Fixture {
         cluster,
         sched: Scheduler::new(SchedConfig::default()).expect("config"),
-        standin: StandIn::new(workers),
+        overlaps: Overlaps::new(workers),
     }
 }
 
@@ -217,27 +183,26 @@ fn benches(c: &mut Criterion) {
         let f = fixture(workers);
         let naive = Naive::new(workers);
         let mut overlap = OverlapScores::with_capacity(workers as usize);
-        let mut active = vec![0u64; f.standin.words];
         let mut out = Ranking::with_capacity(workers as usize);
-        f.standin.query(&mut overlap, &mut active);
-        assert!(overlap.len() > (workers as usize) / 2, "stand-in answers for most holders");
+        f.overlaps.query(&mut overlap);
+        assert!(overlap.len() > (workers as usize) / 2, "the ledger answers for most holders");
         let now = Timestamp::from_millis(1);
 
-        g.bench_with_input(BenchmarkId::new("overlap_standin", workers), &workers, |b, _| {
-            b.iter(|| f.standin.query(black_box(&mut overlap), &mut active));
+        g.bench_with_input(BenchmarkId::new("overlap_ledger", workers), &workers, |b, _| {
+            b.iter(|| f.overlaps.query(black_box(&mut overlap)));
         });
         g.bench_with_input(BenchmarkId::new("cortex_decide", workers), &workers, |b, _| {
             b.iter(|| decide(&f, black_box(&overlap), &mut out, now));
         });
         g.bench_with_input(BenchmarkId::new("cortex_overlap+decide", workers), &workers, |b, _| {
             b.iter(|| {
-                f.standin.query(&mut overlap, &mut active);
+                f.overlaps.query(&mut overlap);
                 decide(&f, black_box(&overlap), &mut out, now);
             });
         });
         g.bench_with_input(BenchmarkId::new("naive_overlap+decide", workers), &workers, |b, _| {
             b.iter(|| {
-                f.standin.query(&mut overlap, &mut active);
+                f.overlaps.query(&mut overlap);
                 black_box(naive.decide("m", black_box(&overlap)))
             });
         });
@@ -251,14 +216,13 @@ fn percentiles() {
     for workers in [8u32, 64, 512] {
         let f = fixture(workers);
         let mut overlap = OverlapScores::with_capacity(workers as usize);
-        let mut active = vec![0u64; f.standin.words];
         let mut out = Ranking::with_capacity(workers as usize);
         let now = Timestamp::from_millis(1);
         let mut with_query = Vec::with_capacity(100_000);
         let mut alone = Vec::with_capacity(100_000);
         for i in 0..110_000 {
             let t0 = Instant::now();
-            f.standin.query(&mut overlap, &mut active);
+            f.overlaps.query(&mut overlap);
             let t1 = Instant::now();
             decide(&f, &overlap, &mut out, now);
             let t2 = Instant::now();
@@ -287,9 +251,8 @@ fn main() {
     if let Some(n) = std::env::var("CORTEX_BENCH_LOOP").ok().and_then(|v| v.parse::<u32>().ok()) {
         let f = fixture(64);
         let mut overlap = OverlapScores::with_capacity(64);
-        let mut active = vec![0u64; f.standin.words];
         let mut out = Ranking::with_capacity(64);
-        f.standin.query(&mut overlap, &mut active);
+        f.overlaps.query(&mut overlap);
         for _ in 0..n {
             decide(&f, black_box(&overlap), &mut out, Timestamp::from_millis(1));
         }

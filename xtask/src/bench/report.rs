@@ -346,14 +346,14 @@ pub fn sched(r: &Results) -> String {
         return s + &f;
     }
     let pct = parse_sched_percentiles(r.output(id));
-    s.push_str("| workers | overlap stand-in (mean) | decide (mean) | overlap + decide (mean) | naive overlap + decide (mean) | naive ÷ Cortex | decide p50 / p99 | overlap + decide p50 / p99 |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    s.push_str("| workers | overlap: ledger query (mean) | decide (mean) | overlap + decide (mean) | naive overlap + decide (mean) | naive ÷ Cortex | decide p50 / p99 | overlap + decide p50 / p99 |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for w in [8u32, 64, 512] {
         let m = |f: &str| r.get(&format!("decision/{f}/{w}")).map(|e| e.mean_ns);
         let p = |n: &str| opt(pct.get(&(n.to_owned(), w)), |(a, b)| format!("{} / {}", time(*a), time(*b)));
         let _ = writeln!(
             s,
             "| {w} | {} | {} | {} | {} | {} | {} | {} |",
-            opt(m("overlap_standin"), time),
+            opt(m("overlap_ledger"), time),
             opt(m("cortex_decide"), time),
             opt(m("cortex_overlap+decide"), time),
             opt(m("naive_overlap+decide"), time),
