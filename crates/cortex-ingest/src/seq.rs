@@ -319,6 +319,9 @@ impl<P> Sequencer<P> {
                     self.start_replay(last + 1, Reason::Gap, out);
                     self.buffered.push_back((seq, payload));
                 } else {
+                    // Stale for the instant it takes to drop what the gap may have removed: the
+                    // gap is counted as a gap, the repair as the replay that could not be had.
+                    self.set_state(HolderState::Stale, Reason::Gap, out);
                     out.push(Effect::Clear(Reason::Gap));
                     self.apply(seq, payload, out);
                     self.set_state(HolderState::Ready, Reason::ReplayFailed, out);
@@ -531,6 +534,7 @@ mod tests {
         assert_eq!(
             e,
             vec![
+                Effect::State(HolderState::Stale, Reason::Gap),
                 Effect::Clear(Reason::Gap),
                 Effect::Apply { seq: 7, payload: 7 },
                 Effect::State(HolderState::Ready, Reason::ReplayFailed)
