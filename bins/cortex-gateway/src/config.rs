@@ -286,6 +286,10 @@ pub struct WorkerFile {
     /// Event endpoints for engines that do not advertise them.
     #[serde(default)]
     pub events: Option<EventsFile>,
+    /// `plain` (default) or `unknown`: how to read stores that do not say which adapter or extra
+    /// keys they were made under.
+    #[serde(default)]
+    pub unlabeled_stores: Option<String>,
 }
 
 /// `workers[].events:`
@@ -601,6 +605,13 @@ impl Config {
                     topic: e.topic,
                     dp_size: e.dp_size.max(1),
                 }),
+                unlabeled_stores_unknown: match w.unlabeled_stores.as_deref() {
+                    None | Some("plain") => false,
+                    Some("unknown") => true,
+                    Some(other) => {
+                        bail!("workers[{i}].unlabeled_stores must be plain or unknown, not `{other}`")
+                    }
+                },
             });
         }
         let di = IngestConfig::default();
@@ -831,6 +842,7 @@ mod tests {
         let s = cfg.into_settings(&docs).unwrap();
         assert_eq!(s.workers.len(), 2);
         assert_eq!(s.workers[1].events.as_ref().map(|e| e.publish_port_base), Some(5557));
+        assert!(!s.workers[0].unlabeled_stores_unknown);
         assert_eq!(s.sched.pools.decode, PolicyConfig::PowerOfTwo);
     }
 
@@ -850,6 +862,10 @@ mod tests {
             ("scheduler: {policy: fastest}\n", "scheduler.policy"),
             ("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: other}\n", "workers[0].model"),
             ("alignment: {tolerance: 2.0}\n", "alignment.tolerance"),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: sglang, model: m, unlabeled_stores: maybe}\n",
+                "workers[0].unlabeled_stores",
+            ),
         ] {
             let err =
                 format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());

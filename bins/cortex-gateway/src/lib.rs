@@ -186,7 +186,11 @@ async fn forward_events(mut events: mpsc::UnboundedReceiver<RegistryEvent>, inge
                             _ => Wire::Vllm,
                         },
                         model: s.model,
-                        unlabeled: Unlabeled::Plain,
+                        unlabeled: if s.unlabeled_stores_unknown {
+                            Unlabeled::Unknown
+                        } else {
+                            Unlabeled::Plain
+                        },
                         publish: s.endpoints.publish,
                         replay: s.endpoints.replay,
                         topic: s.endpoints.topic,

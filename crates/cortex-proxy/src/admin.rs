@@ -123,7 +123,25 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
             )));
         }
     };
-    Ok(WorkerConfig { name: s("name")?, url: s("url")?, engine, model: s("model")?, role, events: None })
+    let unlabeled_stores_unknown = match v.get("unlabeled_stores").and_then(Value::as_str).unwrap_or("plain")
+    {
+        "plain" => false,
+        "unknown" => true,
+        other => {
+            return Err(ProxyError::InvalidRequest(format!(
+                "`unlabeled_stores` must be plain or unknown, not {other}"
+            )));
+        }
+    };
+    Ok(WorkerConfig {
+        name: s("name")?,
+        url: s("url")?,
+        engine,
+        model: s("model")?,
+        role,
+        events: None,
+        unlabeled_stores_unknown,
+    })
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -144,6 +162,12 @@ mod tests {
         assert_eq!((w.engine, w.role), (Engine::Sglang, Role::Regular));
         assert!(worker_config(&json!({"name": "a", "url": "u", "engine": "trt", "model": "m"})).is_err());
         assert!(worker_config(&json!({"url": "u", "engine": "vllm", "model": "m"})).is_err());
+        assert!(!w.unlabeled_stores_unknown);
+        let u =
+            json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "unlabeled_stores": "unknown"});
+        assert!(worker_config(&u).unwrap().unlabeled_stores_unknown);
+        let bad = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "unlabeled_stores": "x"});
+        assert!(worker_config(&bad).unwrap_err().to_string().contains("unlabeled_stores"));
     }
 
     #[test]

@@ -34,6 +34,10 @@ pub struct WorkerConfig {
     /// KV events for engines that do not advertise them (vLLM < 0.31 has no
     /// `/kv_event_sources`): per-rank endpoints are `publish_port_base + rank`.
     pub events: Option<EventsOverride>,
+    /// Stores that do not say which adapter or extra keys they were made under (SGLang never
+    /// names unregistered LoRA adapters; vLLM before 0.17 has no `extra_keys`) are never counted,
+    /// instead of being read as plain base-model blocks. For workers that serve such traffic.
+    pub unlabeled_stores_unknown: bool,
 }
 
 /// Event endpoints given by configuration instead of discovery.
@@ -77,6 +81,9 @@ pub struct EventSource {
     pub capacity_blocks: u32,
     /// Whether equal content gives equal engine hashes across workers.
     pub content_deterministic: bool,
+    /// Stores without an adapter or extra-key label are unknown, never base-model blocks (see
+    /// [`WorkerConfig::unlabeled_stores_unknown`]).
+    pub unlabeled_stores_unknown: bool,
 }
 
 /// What the event plane must do, as the registry learns it.
@@ -560,6 +567,7 @@ vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 0.0\nvllm:kv_cache_usag
             model: "m".into(),
             role: Role::Regular,
             events: None,
+            unlabeled_stores_unknown: false,
         };
         assert!(r.add(cfg("a", "http://127.0.0.1:8000")).is_ok());
         assert_eq!(

@@ -215,6 +215,7 @@ impl Gateway {
                     endpoints: e.clone(),
                     capacity_blocks: d.capacity_blocks.max(1),
                     content_deterministic,
+                    unlabeled_stores_unknown: w.config.unlabeled_stores_unknown,
                 })
                 .collect();
             let _ = self.events.send(RegistryEvent::Follow(sources));
