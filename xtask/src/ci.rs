@@ -47,6 +47,24 @@ pub fn run(root: &Path) -> Result<ExitCode> {
         &["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"],
     )?;
     step("tests", root, &cargo, &["test", "--workspace", "--locked"])?;
+    // The workspace build turns cortex-hash's `text` feature on; routers that embed only the
+    // hash recipes build it without, so that must keep compiling (and linting) on its own.
+    step(
+        "cortex-hash without features",
+        root,
+        &cargo,
+        &[
+            "clippy",
+            "-p",
+            "cortex-hash",
+            "--lib",
+            "--no-default-features",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
 
     println!("==> tidy");
     let violations = tidy::run(root)?;

@@ -20,13 +20,29 @@ fn golden() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../golden")
 }
 
-/// Real English/markdown text long enough for 8k Qwen3 tokens.
+/// Real English/markdown text of 8k Qwen3 tokens: copies of a README, cut to the longest prefix
+/// (on a character boundary) that tokenizes to at most `PROMPT_TOKENS`.
 fn prompt_text(tok: &TextTokenizer) -> String {
     let seed = std::fs::read_to_string(golden().join("sglang/README.md")).expect("golden README");
+    let count = |t: &str| tok.encode(t, SpecialTokens::Omit).expect("encode").len();
     let mut text = String::new();
-    while tok.encode(&text, SpecialTokens::Omit).expect("encode").len() < PROMPT_TOKENS {
+    while count(&text) < PROMPT_TOKENS {
         text.push_str(&seed);
     }
+    let (mut lo, mut hi) = (0, text.len());
+    while lo < hi {
+        let mut mid = (lo + hi).div_ceil(2);
+        while !text.is_char_boundary(mid) {
+            mid -= 1;
+        }
+        if mid <= lo {
+            break;
+        }
+        if count(&text[..mid]) <= PROMPT_TOKENS { lo = mid } else { hi = mid - 1 }
+    }
+    text.truncate(lo);
+    let n = count(&text);
+    assert!(n <= PROMPT_TOKENS && n + 16 >= PROMPT_TOKENS, "prompt of {n} tokens");
     text
 }
 

@@ -131,6 +131,10 @@ pub fn parameters(replay: &Replay) -> String {
         t.itl_per_running.as_micros(),
         a.max_running,
         a.max_output,
+    ) + &format!(
+        " · request timeout {} s · scheduler overrides: {}",
+        a.timeout_secs,
+        if a.scheduler.trim().is_empty() { "none (the defaults)" } else { a.scheduler.trim() }
     )
 }
 
@@ -226,6 +230,13 @@ pub fn table(replay: &Replay, goals: &[Goal]) -> String {
     }
     if !goals.is_empty() {
         let _ = writeln!(s, "\nGoals:");
+        let overrides = replay.args.scheduler.trim();
+        if !overrides.is_empty() {
+            let _ = writeln!(
+                s,
+                "(judged with the scheduler overrides {overrides}, not the defaults the goals are set for)"
+            );
+        }
         for g in goals {
             let mark = match g.met {
                 Some(true) => "met",
@@ -262,6 +273,8 @@ pub fn to_json(replay: &Replay, goals: &[Goal], command: &str) -> Value {
             "max_running": a.max_running,
             "max_output": a.max_output,
             "seed": a.seed,
+            "timeout_secs": a.timeout_secs,
+            "scheduler_overrides": a.scheduler.trim(),
             "sglang_router": replay.sglang_version,
         },
         "workloads": replay.workloads.iter().map(|w| json!({
