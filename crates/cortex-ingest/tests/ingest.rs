@@ -13,8 +13,8 @@ use std::time::Duration;
 use cortex_events_vllm::{Version, WireBatch, WireBlockStored, WireEvent, WireHash};
 use cortex_hash::kv::{DpRank, HolderId, WorkerId};
 use cortex_hash::{Engine, Namespace};
-use cortex_ingest::{HolderSource, HolderState, Ingest, IngestConfig, Reason, Unlabeled, Wire};
-use cortex_radix::{Ledger, LedgerConfig, OverlapScores, QueryOptions};
+use cortex_ingest::{HolderSource, HolderState, Ingest, IngestConfig, Reason, StaleRouting, Unlabeled, Wire};
+use cortex_radix::{Ledger, LedgerConfig, OverlapScores, QueryOptions, Readiness};
 
 mod support;
 use support::{FakeEngine, ReplayFraming};
@@ -61,10 +61,26 @@ fn holder(w: u32, r: u16) -> HolderId {
 }
 
 fn wait_seq(s: &Setup, h: HolderId, seq: u64) {
+    // The ledger's readiness too: a transition shows in the status a moment before the ledger.
     assert!(
-        s.ingest.wait_for(h, WAIT, |st| st.last_seq == seq && st.state == HolderState::Ready),
-        "holder never applied seq {seq}: {:?}",
-        s.ingest.status(h)
+        s.ingest.wait_for(h, WAIT, |st| st.last_seq == seq
+            && st.state == HolderState::Ready
+            && s.ledger.readiness(h) == Some(Readiness::Ready)),
+        "holder never applied seq {seq}: {:?}, ledger {:?}",
+        s.ingest.status(h),
+        s.ledger.readiness(h)
+    );
+}
+
+/// Waits until `h` is STALE with `transitions(reason) == count` and the ledger shows `readiness`.
+fn wait_stale(s: &Setup, h: HolderId, reason: Reason, count: u64, readiness: Readiness) {
+    assert!(
+        s.ingest.wait_for(h, WAIT, |st| st.state == HolderState::Stale
+            && st.transitions(reason) == count
+            && s.ledger.readiness(h) == Some(readiness)),
+        "holder never went STALE ({reason:?} x{count}, ledger {readiness:?}): {:?}, ledger {:?}",
+        s.ingest.status(h),
+        s.ledger.readiness(h)
     );
 }
 
@@ -393,8 +409,7 @@ fn silence_while_busy_is_stale_until_events_resume() {
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
     s.ingest.report_running(h, 3);
-    assert!(s.ingest.wait_for(h, WAIT, |st| st.state == HolderState::Stale));
-    assert_eq!(s.ledger.readiness(h), Some(cortex_radix::Readiness::Stale));
+    wait_stale(&s, h, Reason::Silent, 1, Readiness::Stale);
     assert_eq!(synthetic_overlap(&s.ledger, h, 1), 0, "a STALE holder is not counted by default");
     engine.publish(1, &vllm_block_batch(1));
     wait_seq(&s, h, 1);
@@ -415,6 +430,181 @@ fn an_idle_engine_is_ready_without_any_event() {
     let h2 = holder(14, 0);
     s.ingest.add_holder(source(&with_replay, h2, Wire::Sglang)).unwrap();
     assert_eq!(with_replay.serve_replay(), 0);
-    assert!(s.ingest.wait_for(h2, WAIT, |st| st.state == HolderState::Ready));
-    assert_eq!(s.ledger.readiness(h2), Some(cortex_radix::Readiness::Ready));
+    assert!(s.ingest.wait_for(h2, WAIT, |st| st.state == HolderState::Ready
+        && s.ledger.readiness(h2) == Some(Readiness::Ready)));
+}
+
+/// How many leading pages of the synthetic SGLang stream `h` holds, as a query sees it.
+fn sglang_overlap(ledger: &Ledger, h: HolderId, pages: u32) -> u32 {
+    let ns = Namespace::new(Engine::Sglang, 16, MODEL, None);
+    let tokens: Vec<u32> = (0..pages * 16).collect();
+    let mut out = OverlapScores::default();
+    ledger.query(&ns.seq_hashes(None, &tokens), QueryOptions::default(), &mut out);
+    out.get(h).map_or(0, |o| o.gpu_blocks)
+}
+
+/// A synthetic SGLang stream in `encoding`: batch `i` stores page `i` of the token sequence
+/// `0..`, chained on page `i - 1`; SGLang's hash of page `i` is `2000 + i`.
+fn sglang_page_batch(i: u64, encoding: cortex_events_sglang::Encoding) -> Vec<u8> {
+    use cortex_events_sglang::{TokenIds, WireBatch, WireBlockStored, WireEvent};
+    let stored = WireBlockStored {
+        block_hashes: vec![2000 + i as i64],
+        parent_block_hash: i.checked_sub(1).map(|p| 2000 + p as i64),
+        token_ids: TokenIds::Flat((i * 16..i * 16 + 16).collect()),
+        block_size: 16,
+        medium: Some("GPU"),
+        ..WireBlockStored::default()
+    };
+    let batch = WireBatch { ts: 1.0, events: vec![WireEvent::BlockStored(stored)], attn_dp_rank: Some(0) };
+    cortex_events_sglang::encode(&batch, encoding).unwrap()
+}
+
+#[test]
+fn a_disconnected_publisher_makes_the_holder_stale_until_it_publishes_in_order_again() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let endpoint = engine.pub_endpoint.clone();
+    let h = holder(16, 0);
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    for i in 0..3 {
+        engine.publish(i, &vllm_block_batch(i));
+    }
+    wait_seq(&s, h, 2);
+    assert_eq!(s.ingest.status(h).unwrap().transitions(Reason::Resumed), 0);
+    // The engine's PUB socket goes away: the SUB's monitor reports the disconnection.
+    drop(engine);
+    wait_stale(&s, h, Reason::Disconnected, 1, Readiness::Stale);
+    assert_eq!(s.ingest.status(h).unwrap().clears, 0, "a disconnection is a suspicion, not a loss");
+    assert_eq!(synthetic_overlap(&s.ledger, h, 3), 0, "a STALE holder is not counted by default");
+    // The same publisher comes back on the same address (libzmq reconnects the SUB) and goes on
+    // where it stopped: seq = last + 1 proves nothing was lost, so READY with every block kept.
+    let mut engine = FakeEngine::bound_to(&endpoint, "", None);
+    engine.wait_subscribed();
+    engine.publish(3, &vllm_block_batch(3));
+    wait_seq(&s, h, 3);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.transitions(Reason::Resumed), 1);
+    assert_eq!(st.clears, 0);
+    assert_eq!(s.ledger.readiness(h), Some(Readiness::Ready));
+    assert_eq!(synthetic_overlap(&s.ledger, h, 4), 4, "what was applied before the disconnection is kept");
+    // It goes away again and comes back restarted (seq 0): a restart, so cleared and READY.
+    drop(engine);
+    wait_stale(&s, h, Reason::Disconnected, 2, Readiness::Stale);
+    let mut engine = FakeEngine::bound_to(&endpoint, "", None);
+    engine.wait_subscribed();
+    engine.publish(0, &vllm_block_batch(0));
+    wait_seq(&s, h, 0);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!((st.transitions(Reason::Restart), st.clears), (1, 1));
+    assert_eq!(synthetic_overlap(&s.ledger, h, 4), 1, "only what the restarted engine stored");
+}
+
+/// Makes a READY holder holding one block STALE (silent while its engine reports work) under
+/// `stale_routing`; returns its ledger readiness and the blocks a query counts while STALE, then
+/// checks that events resuming make it READY and counted.
+fn silent_holder_under(stale_routing: StaleRouting, worker: u32) -> (Option<Readiness>, u32) {
+    let cfg = IngestConfig {
+        silence_timeout: Duration::from_millis(100),
+        stale_routing,
+        ..IngestConfig::default()
+    };
+    let s = setup(cfg);
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(worker, 0);
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    engine.publish(0, &vllm_block_batch(0));
+    wait_seq(&s, h, 0);
+    s.ingest.report_running(h, 2);
+    let expected = match stale_routing {
+        StaleRouting::Included => Readiness::Ready,
+        StaleRouting::Excluded => Readiness::Stale,
+    };
+    wait_stale(&s, h, Reason::Silent, 1, expected);
+    let while_stale = (s.ledger.readiness(h), synthetic_overlap(&s.ledger, h, 1));
+    engine.publish(1, &vllm_block_batch(1));
+    wait_seq(&s, h, 1);
+    assert_eq!(s.ledger.readiness(h), Some(Readiness::Ready));
+    assert_eq!(synthetic_overlap(&s.ledger, h, 2), 2);
+    assert_eq!(s.ingest.status(h).unwrap().clears, 0);
+    s.ingest.shutdown();
+    while_stale
+}
+
+#[test]
+fn stale_routing_included_keeps_a_stale_holder_ready_in_the_ledger() {
+    assert_eq!(
+        silent_holder_under(StaleRouting::Included, 17),
+        (Some(Readiness::Ready), 1),
+        "Included: STALE in the event plane, still counted by exact routing"
+    );
+    assert_eq!(IngestConfig::default().stale_routing, StaleRouting::Excluded);
+    assert_eq!(
+        silent_holder_under(StaleRouting::Excluded, 18),
+        (Some(Readiness::Stale), 0),
+        "the default: a STALE holder leaves exact routing"
+    );
+}
+
+#[test]
+fn sglang_gap_is_filled_by_replay() {
+    use cortex_events_sglang::Encoding;
+    let s = setup(IngestConfig::default());
+    // Both encodings SGLang has published (arrays up to 0.5.19, maps since 0.5.20).
+    for (worker, encoding) in [(19, Encoding::Maps), (20, Encoding::Arrays)] {
+        let mut engine = FakeEngine::new("kv", Some(ReplayFraming::WithTopic));
+        let h = holder(worker, 0);
+        s.ingest.add_holder(source(&engine, h, Wire::Sglang)).unwrap();
+        engine.wait_subscribed();
+        assert_eq!(engine.serve_replay(), 0);
+        for i in 0..3 {
+            engine.publish(i, &sglang_page_batch(i, encoding));
+        }
+        wait_seq(&s, h, 2);
+        assert_eq!(sglang_overlap(&s.ledger, h, 6), 3);
+        // Pages 3 and 4 are lost on the wire; 5 arrives and reveals the gap.
+        engine.record_only(3, &sglang_page_batch(3, encoding));
+        engine.record_only(4, &sglang_page_batch(4, encoding));
+        engine.publish(5, &sglang_page_batch(5, encoding));
+        assert_eq!(engine.serve_replay(), 3);
+        wait_seq(&s, h, 5);
+        assert_eq!(sglang_overlap(&s.ledger, h, 6), 6, "{encoding:?}: every page is back, in order");
+        let st = s.ingest.status(h).unwrap();
+        assert_eq!(st.transitions(Reason::Gap), 1);
+        assert_eq!(st.transitions(Reason::ReplayOk), 2, "the start replay and the gap's");
+        assert_eq!(st.clears, 0);
+        assert_eq!(st.decode_errors_total(), 0);
+        assert_eq!(st.rank_mismatches, 0);
+        assert!(st.duplicates >= 1, "page 5 came live and replayed");
+        assert_eq!(s.ledger.readiness(h), Some(Readiness::Ready));
+    }
+}
+
+#[test]
+fn a_gap_without_replay_passes_through_stale_and_back_to_ready() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(21, 0);
+    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+    for i in 0..3 {
+        engine.publish(i, &vllm_block_batch(i));
+    }
+    wait_seq(&s, h, 2);
+    // Two gaps (3..=4 and 7 lost): each is one STALE (`gap`) and one READY (`replay_failed`).
+    engine.publish(5, &vllm_block_batch(5));
+    engine.publish(6, &vllm_block_batch(6));
+    wait_seq(&s, h, 6);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!((st.transitions(Reason::Gap), st.transitions(Reason::ReplayFailed)), (1, 1));
+    engine.publish(8, &vllm_block_batch(8));
+    wait_seq(&s, h, 8);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.transitions(Reason::Gap), 2, "the gap is counted as a gap");
+    assert_eq!(st.transitions(Reason::ReplayFailed), 2, "the repair as the replay that could not be had");
+    assert_eq!(st.clears, 2);
+    assert_eq!(st.replays_requested, 0, "no replay socket: nothing asked");
+    assert_eq!(st.transitions(Reason::Resumed), 0);
+    assert_eq!(s.ledger.readiness(h), Some(Readiness::Ready));
 }

@@ -30,11 +30,22 @@ pub struct FakeEngine {
 
 impl FakeEngine {
     pub fn new(topic: &str, replay: Option<ReplayFraming>) -> Self {
+        Self::bound(topic, replay, "tcp://127.0.0.1:*")
+    }
+
+    /// An engine whose PUB binds `pub_endpoint`: the address an earlier engine published on
+    /// (drop that one first), so a subscriber's automatic reconnect finds this one — the
+    /// engine coming back. Its replay socket, if any, gets a new port.
+    pub fn bound_to(pub_endpoint: &str, topic: &str, replay: Option<ReplayFraming>) -> Self {
+        Self::bound(topic, replay, pub_endpoint)
+    }
+
+    fn bound(topic: &str, replay: Option<ReplayFraming>, pub_endpoint: &str) -> Self {
         let ctx = zmq::Context::new();
         let publish = ctx.socket(zmq::XPUB).unwrap();
         publish.set_sndhwm(0).unwrap();
         publish.set_linger(0).unwrap();
-        publish.bind("tcp://127.0.0.1:*").unwrap();
+        publish.bind(pub_endpoint).unwrap();
         let pub_endpoint = publish.get_last_endpoint().unwrap().unwrap();
         let (router, replay_endpoint) = match replay {
             Some(_) => {
