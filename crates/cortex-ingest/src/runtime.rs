@@ -382,7 +382,8 @@ impl SocketThread {
                     tracing::error!(error = %e, "ingest: zmq poll failed; the event plane stops");
                     // No more events will arrive: no holder's ledger may stay READY.
                     for h in &self.holders {
-                        let _ = shared.lanes[h.lane].send(LaneMsg::Inputs(h.holder, vec![Input::Disconnected]));
+                        let _ =
+                            shared.lanes[h.lane].send(LaneMsg::Inputs(h.holder, vec![Input::Disconnected]));
                     }
                     return;
                 }
