@@ -4,196 +4,30 @@
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // test helpers: a failed setup step should panic
 
+mod common;
+
+use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use bytes::Bytes;
-use cortex_gateway::config::Config;
-use cortex_gateway::{Running, demo};
-use cortex_sim::{SimConfig, SimWorker, Timing};
-use http::{HeaderMap, Request, StatusCode};
+use common::{
+    Harness, MODEL, cached_tokens, chat, harness, harness_with, long_prompt, metric, prometheus, sim,
+    slow_sim, worker_entry,
+};
+use cortex_proxy::alignment::Verdict;
+use cortex_radix::Readiness;
+use cortex_sim::SimWorker;
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
-
-const WAIT: Duration = Duration::from_secs(20);
-const MODEL: &str = "m";
-
-struct Harness {
-    sims: Vec<SimWorker>,
-    gw: Running,
-    client: Client<HttpConnector, Full<Bytes>>,
-}
-
-struct Reply {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: String,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> &str {
-        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or("")
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or(Value::Null)
-    }
-}
-
-fn sim(engine: &str) -> SimConfig {
-    let mut c = if engine == "vllm" { SimConfig::vllm() } else { SimConfig::sglang() };
-    c.model_name = MODEL.to_owned();
-    c.timing = Timing { speed: 0.0, ..Timing::default() };
-    c
-}
-
-async fn harness(engine: &str, sims: Vec<SimConfig>, extra: &str) -> Harness {
-    harness_with(engine, sims, extra, |_| {}, None).await
-}
-
-async fn harness_with(
-    engine: &str,
-    sims: Vec<SimConfig>,
-    extra: &str,
-    adjust: impl FnOnce(&mut cortex_gateway::Settings),
-    prometheus: Option<metrics_exporter_prometheus::PrometheusHandle>,
-) -> Harness {
-    let sims: Vec<SimWorker> = sims.into_iter().map(|c| SimWorker::start(c).unwrap()).collect();
-    let mut workers = String::new();
-    for (i, s) in sims.iter().enumerate() {
-        workers.push_str(&format!(
-            "  - {{name: w{i}, url: '{}', engine: {engine}, model: {MODEL}}}\n",
-            s.base_url()
-        ));
-    }
-    let qwen = demo::repo_root().join("golden/models/qwen3");
-    let yaml = format!(
-        "listen: '127.0.0.1:0'
-models:
-  - name: {MODEL}
-    engine: {engine}
-    tokenizer: '{}'
-    tokenizer_config: '{}'
-    block_size: 16
-workers:
-{workers}probes: {{health_interval: 200ms, load_interval: 100ms, timeout: 2s, failures_to_remove: 2, successes_to_restore: 1}}
-alignment: {{settle: 100ms, min_samples: 2, window: 4}}
-ingest: {{silence_timeout: 500ms, replay_timeout: 1s}}
-limits: {{max_body: 65536}}
-{extra}",
-        qwen.join("tokenizer.json").display(),
-        qwen.join("tokenizer_config.json").display(),
-    );
-    let mut settings = Config::parse(&yaml).unwrap().into_settings(&demo::repo_root()).unwrap();
-    adjust(&mut settings);
-    let gw = cortex_gateway::start(settings, prometheus).await.unwrap();
-    let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let h = Harness { sims, gw, client };
-    h.wait("every worker live", || h.live_workers() == h.sims.len()).await;
-    h
-}
-
-impl Harness {
-    fn addr(&self) -> SocketAddr {
-        self.gw.addr
-    }
-
-    fn live_workers(&self) -> usize {
-        self.gw
-            .gateway
-            .cluster()
-            .load()
-            .workers()
-            .iter()
-            .filter(|w| w.health() == cortex_sched::Health::Healthy)
-            .count()
-    }
-
-    async fn wait(&self, what: &str, mut done: impl FnMut() -> bool) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        while !done() {
-            assert!(tokio::time::Instant::now() < deadline, "timed out waiting for: {what}");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    }
-
-    async fn send(&self, method: &str, path: &str, body: Bytes) -> Reply {
-        let req = Request::builder()
-            .method(method)
-            .uri(format!("http://{}{path}", self.addr()))
-            .header("content-type", "application/json")
-            .body(Full::new(body))
-            .unwrap();
-        let resp = self.client.request(req).await.unwrap();
-        let (parts, body) = resp.into_parts();
-        let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
-        Reply {
-            status: parts.status,
-            headers: parts.headers,
-            body: String::from_utf8_lossy(&body).into_owned(),
-        }
-    }
-
-    async fn post(&self, path: &str, v: &Value) -> Reply {
-        self.send("POST", path, Bytes::from(v.to_string())).await
-    }
-
-    /// The gateway's dry-run view of a request: (best worker name, its matched tokens).
-    async fn best_hit(&self, body: &Value) -> (String, u64) {
-        let r = self.post("/debug/route", body).await;
-        let v = r.json();
-        let first = &v["candidates"][0];
-        (
-            first["worker"].as_str().unwrap_or_default().to_owned(),
-            first["matched_tokens"].as_u64().unwrap_or(0),
-        )
-    }
-
-    async fn wait_hit(&self, body: &Value, pred: impl Fn(&str, u64) -> bool) -> (String, u64) {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let (w, hit) = self.best_hit(body).await;
-            if pred(&w, hit) {
-                return (w, hit);
-            }
-            assert!(tokio::time::Instant::now() < deadline, "timed out: ledger view {w} {hit}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    fn worker(&self, name: &str) -> &SimWorker {
-        &self.sims[name.trim_start_matches('w').parse::<usize>().unwrap()]
-    }
-}
-
-/// A long shared prompt: ~400 tokens, so 25 full blocks of 16.
-fn long_prompt(tag: &str) -> String {
-    let mut s = format!("[{tag}] You are a careful assistant. ");
-    for i in 0..60 {
-        s.push_str(&format!("Rule {i}: answer briefly, cite sources, and keep calm. "));
-    }
-    s
-}
-
-fn chat(prompt: &str, stream: bool) -> Value {
-    json!({"model": MODEL, "stream": stream, "max_tokens": 8,
-           "messages": [{"role": "system", "content": prompt}, {"role": "user", "content": "Summarize the rules."}]})
-}
-
-fn cached_tokens(r: &Reply) -> u64 {
-    let v = r.json();
-    v["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .or_else(|| v["meta_info"]["cached_tokens"].as_u64())
-        .unwrap_or(0)
-}
 
 /// The seed's Phase 1 acceptance on one engine, at concurrency 1.
 async fn phase1(engine: &str) {
-    let h = harness(engine, vec![sim(engine), sim(engine)], "").await;
+    // Every served request is checked (the window outlasts the run); a verdict waits for the
+    // eleven checks before the flush (a block check for each of the six requests, a hit check for
+    // each of the five exact repeats), and one failed check makes it `misaligned`.
+    let alignment = "{settle: 100ms, min_samples: 11, window: 50, tolerance: 0.0}";
+    let h = harness(engine, vec![sim(engine), sim(engine)], &[("alignment", alignment)]).await;
     let body = chat(&long_prompt(engine), false);
     let first = h.post("/v1/chat/completions", &body).await;
     assert_eq!(first.status, StatusCode::OK, "{}", first.body);
@@ -215,6 +49,11 @@ async fn phase1(engine: &str) {
         );
         assert!(realized > 0);
     }
+    // Every continuous check of the run held: the realized hits matched the predictions and the
+    // worker published the predicted blocks under the predicted engine hashes. (Waiting for the
+    // verdict also means no block check is still pending when the flush below removes the blocks.)
+    h.wait("the holder's eleven alignment checks", || h.verdict(&holder) != Verdict::Unknown).await;
+    assert_eq!(h.verdict(&holder), Verdict::Aligned);
     // Flush the holder's cache: the hit disappears.
     h.worker(&holder).flush_cache().unwrap();
     h.wait_hit(&body, |_, hit| hit == 0).await;
@@ -222,10 +61,17 @@ async fn phase1(engine: &str) {
     assert_eq!(r.header("x-cortex-cache-hit-tokens"), "0");
     assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events");
     assert_eq!(cached_tokens(&r), 0);
-    // Profiles were confirmed and no continuous check failed.
-    let workers = h.post("/debug/route", &body).await;
-    assert_eq!(workers.status, StatusCode::OK);
-    h.gw.shutdown().await;
+    // Both profiles were confirmed at registration and no continuous check failed.
+    let dbg = h.debug_workers().await;
+    for name in ["w0", "w1"] {
+        let w = worker_entry(&dbg, name);
+        assert_eq!(w["profile"]["verdict"], "confirmed", "{name}: {w}");
+        assert_ne!(w["continuous_verdict"]["verdict"], "misaligned", "{name}: {w}");
+    }
+    let w = worker_entry(&dbg, &holder);
+    assert_eq!(w["continuous_verdict"]["verdict"], "aligned", "{w}");
+    assert_eq!(w["ranks"][0]["ledger"], "ready", "{w}");
+    h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,36 +84,52 @@ async fn phase1_acceptance_sglang() {
     phase1("sglang").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn stale_ledger_is_routed_by_load_and_says_so() {
-    let h = harness("sglang", vec![sim("sglang"), sim("sglang")], "").await;
+async fn stale_ledger(engine: &str) {
+    let h = harness(engine, vec![sim(engine), sim(engine)], &[]).await;
     let body = chat(&long_prompt("stale"), false);
     let first = h.post("/v1/chat/completions", &body).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.body);
     let holder = first.header("x-cortex-assigned-worker").to_owned();
     h.wait_hit(&body, |w, hit| w == holder && hit > 0).await;
     // The holder stops stepping while a request runs: busy and silent, so its ledger is STALE.
     h.worker(&holder).stall();
-    let gw = h.gw.addr;
+    // The same prompt: the exact hit sends it to the (now stalled) holder.
     let stuck = tokio::spawn({
-        let client = h.client.clone();
-        // The same prompt: the exact hit sends it to the (now stalled) holder.
-        let b = Bytes::from(body.to_string());
-        async move {
-            let req = Request::post(format!("http://{gw}/v1/chat/completions")).body(Full::new(b)).unwrap();
-            let _ = client.request(req).await;
-        }
+        let (gw, b) = (h.caller(), body.clone());
+        async move { gw.post("/v1/chat/completions", &b).await.status }
     });
-    let id = h.gw.gateway.registry().by_name(&holder).unwrap().id;
-    let holder_id = cortex_hash::kv::HolderId::new(id, cortex_hash::kv::DpRank(0));
-    h.wait("the holder turns STALE", || h.gw.ledger_state(holder_id) == Some(cortex_radix::Readiness::Stale))
-        .await;
+    h.wait("the stuck request reached the holder", || h.worker(&holder).in_flight(0).unwrap_or(0) > 0).await;
+    let holder_id = h.holder(&holder);
+    h.wait("the holder turns STALE", || h.gw.ledger_state(holder_id) == Some(Readiness::Stale)).await;
+    // The ledger still holds the prompt for the holder, but a STALE holder gets no credit: the
+    // request is routed by load (away from the busy holder) and says so.
     let r = h.post("/v1/chat/completions", &body).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events");
     assert_eq!(r.header("x-cortex-cache-hit-tokens"), "0");
+    assert_ne!(r.header("x-cortex-assigned-worker"), holder);
     h.worker(&holder).resume();
-    let _ = stuck.await;
-    h.gw.shutdown().await;
+    assert_eq!(stuck.await.unwrap(), StatusCode::OK);
+    // Its next batch follows the last one without a gap: READY again, nothing lost. (The stuck
+    // request was all hits and published nothing new; a fresh prompt, sent to the worker
+    // directly, does.)
+    let url = format!("{}/v1/completions", h.worker(&holder).base_url());
+    let fresh = json!({"model": MODEL, "prompt": long_prompt("fresh"), "max_tokens": 2});
+    assert_eq!(h.send_to("POST", &url, Bytes::from(fresh.to_string())).await.status, StatusCode::OK);
+    h.wait("the holder is READY again", || h.gw.ledger_state(holder_id) == Some(Readiness::Ready)).await;
+    // The holder keeps its blocks, and gets credit for them again.
+    h.wait_hit_on(&body, &holder).await;
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_ledger_is_routed_by_load_and_says_so_sglang() {
+    stale_ledger("sglang").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_ledger_is_routed_by_load_and_says_so_vllm() {
+    stale_ledger("vllm").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -281,7 +143,7 @@ async fn misaligned_workers_get_no_exact_routing() {
     );
     let mut other_block = sim("vllm");
     other_block.block_size = 32;
-    let h = harness("vllm", vec![same, other_template, other_block], "").await;
+    let h = harness("vllm", vec![same, other_template, other_block], &[]).await;
     let verdict = |name: &str| {
         let w = h.gw.gateway.registry().by_name(name).unwrap();
         w.status().alignment
@@ -301,26 +163,60 @@ async fn misaligned_workers_get_no_exact_routing() {
         panic!("w2 {:?}", verdict("w2"))
     };
     assert!(m2.iter().any(|m| m.field == "block_size"), "{m2:?}");
+    // Fresh prompts have no hit anywhere, so they are routed by load and equal holders take turns
+    // at random: send them until every worker has served a few.
+    let mut served: HashMap<String, Vec<Value>> = HashMap::new();
+    let mut i = 0;
+    while ["w0", "w1", "w2"].iter().any(|w| served.get(*w).map_or(0, Vec::len) < 3) {
+        assert!(i < 100, "the load-routed requests never reached every worker: {:?}", served.keys());
+        let body = chat(&long_prompt(&format!("mis {i}")), false);
+        let r = h.post("/v1/chat/completions", &body).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events", "request {i} had no hit anywhere");
+        served.entry(r.header("x-cortex-assigned-worker").to_owned()).or_default().push(body);
+        i += 1;
+    }
     // Requests that land on a misaligned worker are never exact, however often repeated.
-    for i in 0..12 {
-        let r = h.post("/v1/chat/completions", &chat(&long_prompt("mis"), false)).await;
-        assert_eq!(r.status, StatusCode::OK);
-        if r.header("x-cortex-assigned-worker") != "w0" {
-            assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events", "request {i}");
+    for name in ["w1", "w2"] {
+        let body = &served[name][0];
+        for j in 0..3 {
+            let r = h.post("/v1/chat/completions", body).await;
+            assert_eq!(r.status, StatusCode::OK);
+            if r.header("x-cortex-assigned-worker") != "w0" {
+                assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events", "{name}'s prompt, repeat {j}");
+                assert_eq!(r.header("x-cortex-cache-hit-tokens"), "0", "{name}'s prompt, repeat {j}");
+            }
         }
     }
-    let dbg = h.send("GET", "/debug/workers", Bytes::new()).await.json();
-    let ledger_of = |name: &str| {
-        dbg["workers"].as_array().unwrap().iter().find(|w| w["name"] == name).unwrap()["ranks"][0]["ledger"]
-            .clone()
-    };
-    assert_eq!(ledger_of("w1"), "disabled");
-    assert_eq!(ledger_of("w2"), "disabled");
-    h.gw.shutdown().await;
+    // What they served is checked too: the blocks they published are not the gateway's, so the
+    // continuous checks flag them; the aligned worker's checks hold.
+    h.wait("w1 and w2 flagged by the continuous checks", || {
+        matches!(h.verdict("w1"), Verdict::Misaligned(_)) && matches!(h.verdict("w2"), Verdict::Misaligned(_))
+    })
+    .await;
+    h.wait("w0 confirmed by the continuous checks", || h.verdict("w0") == Verdict::Aligned).await;
+    // The aligned worker still routes exactly: a prompt it served comes back to it as a hit.
+    let body = &served["w0"][0];
+    h.wait_hit(body, |w, hit| w == "w0" && hit > 0).await;
+    let r = h.post("/v1/chat/completions", body).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header("x-cortex-assigned-worker"), "w0");
+    assert_eq!(r.header("x-cortex-match-mode"), "exact_kv_events");
+    assert!(cached_tokens(&r) > 0, "{}", r.body);
+    let dbg = h.debug_workers().await;
+    for name in ["w1", "w2"] {
+        let w = worker_entry(&dbg, name);
+        assert_eq!(w["ranks"][0]["ledger"], "disabled", "{w}");
+        assert_eq!(w["continuous_verdict"]["verdict"], "misaligned", "{w}");
+    }
+    let w0 = worker_entry(&dbg, "w0");
+    assert_eq!(w0["ranks"][0]["ledger"], "ready", "{w0}");
+    assert_eq!(w0["continuous_verdict"]["verdict"], "aligned", "{w0}");
+    h.shutdown().await;
 }
 
 async fn every_route(engine: &str) {
-    let h = harness(engine, vec![sim(engine)], "").await;
+    let h = harness(engine, vec![sim(engine)], &[]).await;
     let cases = [
         ("/v1/chat/completions", chat("hello there", false)),
         ("/v1/chat/completions", chat("hello there", true)),
@@ -359,7 +255,7 @@ async fn every_route(engine: &str) {
     assert_eq!(models.json()["data"][0]["id"], MODEL);
     assert_eq!(h.send("GET", "/health/live", Bytes::new()).await.status, StatusCode::OK);
     assert_eq!(h.send("GET", "/health/ready", Bytes::new()).await.status, StatusCode::OK);
-    h.gw.shutdown().await;
+    h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -374,9 +270,7 @@ async fn every_route_sglang() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_dying_mid_stream_ends_only_that_stream_with_an_error_event() {
-    let mut slow = sim("vllm");
-    slow.timing = Timing { speed: 1.0, itl_base: Duration::from_millis(20), ..Timing::default() };
-    let h = harness("vllm", vec![slow], "").await;
+    let h = harness("vllm", vec![slow_sim("vllm")], &[]).await;
     h.sims[0].die_mid_stream(3, 1);
     let body = |p: &str| json!({"model": MODEL, "prompt": p, "max_tokens": 12, "stream": true});
     let (first, second) = (body("first stream"), body("second stream"));
@@ -391,12 +285,12 @@ async fn a_worker_dying_mid_stream_ends_only_that_stream_with_an_error_event() {
     assert_eq!(b.status, StatusCode::OK);
     assert!(!b.body.contains("\"error\""), "{}", b.body);
     assert!(b.body.ends_with("data: [DONE]\n\n"));
-    h.gw.shutdown().await;
+    h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_429_moves_the_request_elsewhere() {
-    let h = harness("sglang", vec![sim("sglang"), sim("sglang")], "").await;
+    let h = harness("sglang", vec![sim("sglang"), sim("sglang")], &[]).await;
     h.sims[0].fail_next(429, 1);
     let req = |i: usize| json!({"model": MODEL, "prompt": format!("request {i}"), "max_tokens": 2});
     let cooldown_of_w0 = |dbg: &Value| {
@@ -420,12 +314,12 @@ async fn a_429_moves_the_request_elsewhere() {
         assert_eq!(r.status, StatusCode::OK);
         assert_eq!(r.header("x-cortex-assigned-worker"), "w1");
     }
-    h.gw.shutdown().await;
+    h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_clear_client_errors() {
-    let h = harness("vllm", vec![sim("vllm")], "").await;
+    let h = harness("vllm", vec![sim("vllm")], &[]).await;
     let big = Bytes::from(vec![b' '; 70_000]);
     let r = h.send("POST", "/v1/completions", big).await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
@@ -440,7 +334,7 @@ async fn bad_requests_get_clear_client_errors() {
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
     let r = h.send("GET", "/nope", Bytes::new()).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
-    h.gw.shutdown().await;
+    h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -451,24 +345,30 @@ async fn a_worker_hashing_differently_is_caught_by_the_published_hashes() {
     if let cortex_sim::EngineConfig::Vllm(o) = &mut seeded.engine {
         o.none_hash_seed = cortex_sim::formats::NoneHashSeed::PythonHashSeed("0".into());
     }
-    let h = harness("vllm", vec![seeded], "").await;
-    let id = h.gw.gateway.registry().by_name("w0").unwrap().id;
-    let mut i = 0;
-    while !matches!(h.gw.gateway.verdict(id), cortex_proxy::alignment::Verdict::Misaligned(_)) {
+    let h = harness("vllm", vec![seeded], &[]).await;
+    // Four fresh prompts: while the worker's window (4) is not full every served request gets a
+    // block check, and two failed checks (min_samples) are a verdict.
+    for i in 0..4 {
         let r = h.post("/v1/chat/completions", &chat(&long_prompt(&format!("seed {i}")), false)).await;
         assert_eq!(r.status, StatusCode::OK);
-        i += 1;
-        assert!(i < 40, "never flagged: {:?}", h.gw.gateway.verdict(id));
-        tokio::time::sleep(Duration::from_millis(150)).await; // let each block check run (settle 100ms)
     }
-    let cortex_proxy::alignment::Verdict::Misaligned(why) = h.gw.gateway.verdict(id) else { unreachable!() };
+    h.wait("the worker flagged misaligned", || matches!(h.verdict("w0"), Verdict::Misaligned(_))).await;
+    let Verdict::Misaligned(why) = h.verdict("w0") else { unreachable!() };
     assert!(why.contains("engine hashes"), "{why}");
     h.gw.gateway.sync_ledger_states();
+    // The ledger holds the next prompt for the worker, yet the repeat gets no credit.
+    let holder = h.holder("w0");
+    let blocks = || h.gw.gateway.ledger().dump(holder).map_or(0, |d| d.blocks.len());
+    let before = blocks();
     let body = chat(&long_prompt("after"), false);
-    h.post("/v1/chat/completions", &body).await;
+    assert_eq!(h.post("/v1/chat/completions", &body).await.status, StatusCode::OK);
+    h.wait("the prompt's blocks in the ledger", || blocks() > before).await;
     let r = h.post("/v1/chat/completions", &body).await;
+    assert_eq!(r.status, StatusCode::OK);
     assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events");
-    h.gw.shutdown().await;
+    assert_eq!(r.header("x-cortex-cache-hit-tokens"), "0");
+    assert!(cached_tokens(&r) > 0, "the worker did have the prefix: {}", r.body);
+    h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -477,7 +377,7 @@ async fn admin_api_adds_lists_and_removes_workers() {
     let h = harness_with(
         "sglang",
         vec![sim("sglang")],
-        "",
+        &[],
         |s| s.admin = Some((admin_listen, "s3cret".into())),
         None,
     )
@@ -520,19 +420,18 @@ async fn admin_api_adds_lists_and_removes_workers() {
     assert_eq!(status, StatusCode::OK);
     h.wait("the removed worker left the pool", || h.live_workers() == 1).await;
     assert!(h.gw.gateway.registry().by_name("extra").is_none());
-    h.gw.shutdown().await;
+    h.shutdown().await;
     extra.shutdown();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failing_worker_leaves_the_pool_and_comes_back_syncing() {
-    let h = harness("vllm", vec![sim("vllm"), sim("vllm")], "").await;
+async fn a_failing_worker_leaves_the_pool_and_comes_back_with_its_ledger_replayed() {
+    let h = harness("vllm", vec![sim("vllm"), sim("vllm")], &[]).await;
     let body = chat(&long_prompt("health"), false);
     let first = h.post("/v1/chat/completions", &body).await;
     let holder_name = first.header("x-cortex-assigned-worker").to_owned();
     h.wait_hit(&body, |w, hit| w == holder_name && hit > 0).await;
-    let id = h.gw.gateway.registry().by_name(&holder_name).unwrap().id;
-    let holder = cortex_hash::kv::HolderId::new(id, cortex_hash::kv::DpRank(0));
+    let holder = h.holder(&holder_name);
     assert!(h.gw.gateway.ledger().dump(holder).is_some_and(|d| !d.blocks.is_empty()));
     // Its health probe fails: out of the pool first, then its ledger entries are pruned.
     h.worker(&holder_name).set_healthy(false);
@@ -545,14 +444,17 @@ async fn a_failing_worker_leaves_the_pool_and_comes_back_syncing() {
     h.worker(&holder_name).set_healthy(true);
     h.wait("the worker is back", || h.live_workers() == 2).await;
     h.wait("its ledger is followed again", || h.gw.ledger_state(holder).is_some()).await;
-    h.gw.shutdown().await;
+    // The fresh subscription starts SYNCING and asks the worker's replay socket for its history:
+    // READY with what the worker held before it left, not cold (an empty ledger is READY too).
+    h.wait("its ledger is READY again", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
+    // The replay restored the blocks from before it left (a cold start would have none).
+    h.wait_hit_on(&body, &holder_name).await;
+    h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_lets_streams_finish() {
-    let mut slow = sim("sglang");
-    slow.timing = Timing { speed: 1.0, itl_base: Duration::from_millis(20), ..Timing::default() };
-    let h = harness("sglang", vec![slow], "shutdown_grace: 10s\n").await;
+    let h = harness("sglang", vec![slow_sim("sglang")], &[("shutdown_grace", "10s")]).await;
     let addr = h.addr();
     let stream = {
         let client = h.client.clone();
@@ -578,9 +480,7 @@ async fn graceful_shutdown_lets_streams_finish() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_describe_routing_ledger_and_workers() {
-    let handle = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder().unwrap();
-    cortex_proxy::telemetry::describe();
-    let h = harness_with("vllm", vec![sim("vllm")], "", |_| {}, Some(handle)).await;
+    let h = harness_with("vllm", vec![sim("vllm")], &[], |_| {}, Some(prometheus())).await;
     let body = chat(&long_prompt("metrics"), false);
     h.post("/v1/chat/completions", &body).await;
     h.wait_hit(&body, |_, hit| hit > 0).await;
@@ -602,5 +502,79 @@ async fn metrics_describe_routing_ledger_and_workers() {
         assert!(m.body.contains(name), "{name} missing from /metrics:\n{}", m.body);
     }
     assert!(m.body.contains("mode=\"exact_kv_events\""), "{}", m.body);
-    h.gw.shutdown().await;
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_only_mode_routes_by_load_without_tokens_or_ledger() {
+    let h = harness("vllm", vec![sim("vllm"), sim("vllm")], &[("mode", "proxy_only")]).await;
+    let body = chat(&long_prompt("proxy"), false);
+    // Four sends of one prompt to two workers: some worker serves it twice and has it cached,
+    // yet the gateway never claims a hit.
+    let mut realized = 0;
+    for i in 0..4 {
+        let r = h.post("/v1/chat/completions", &body).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert!(["w0", "w1"].contains(&r.header("x-cortex-assigned-worker")), "request {i}");
+        assert_eq!(r.header("x-cortex-match-mode"), "load_aware", "request {i}");
+        assert_eq!(r.header("x-cortex-cache-hit-tokens"), "0", "request {i}");
+        realized += cached_tokens(&r);
+    }
+    assert!(realized > 0, "a worker served the prompt twice and reported its cached tokens");
+    // No tokenization, no hashing: the dry run shows the prompt was never tokenized.
+    let dry = h.post("/debug/route", &body).await.json();
+    assert_eq!(dry["tokenization"], "proxy-only mode", "{dry}");
+    assert_eq!(dry["prompt_tokens"], 0, "{dry}");
+    assert_eq!(dry["blocks"], 0, "{dry}");
+    assert_eq!(dry["mode"], "load_aware", "{dry}");
+    // No event plane: nobody subscribed to the workers' events, the ledger has no holder.
+    let dbg = h.debug_workers().await;
+    assert_eq!(dbg["mode"], "ProxyOnly");
+    for (i, name) in ["w0", "w1"].into_iter().enumerate() {
+        assert!(!h.sims[i].subscribed(0), "{name}'s events are not followed");
+        assert_eq!(h.gw.ledger_state(h.holder(name)), None, "{name}");
+        assert_eq!(worker_entry(&dbg, name)["ranks"][0]["ledger"], "disabled");
+    }
+    let ready = h.send("GET", "/health/ready", Bytes::new()).await;
+    assert_eq!(ready.status, StatusCode::OK);
+    assert_eq!(ready.json()["routing"], "proxy_only");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreproducible_prompts_are_routed_by_load_and_counted() {
+    let h = harness_with("vllm", vec![sim("vllm"), sim("vllm")], &[], |_| {}, Some(prometheus())).await;
+    let plain = chat(&long_prompt("unreproducible"), false);
+    let first = h.post("/v1/chat/completions", &plain).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+    let holder = first.header("x-cortex-assigned-worker").to_owned();
+    h.wait_hit(&plain, |w, hit| w == holder && hit > 0).await;
+    // The same conversation with an image part, and with a template of its own. The simulated
+    // worker ignores both and renders the same prompt, so the holder does have its prefix; the
+    // gateway still must not claim it: it cannot know what a real engine renders.
+    let mut image = plain.clone();
+    image["messages"][1]["content"] = json!([
+        {"type": "text", "text": "Summarize the rules."},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+    ]);
+    let mut template = plain.clone();
+    template["chat_template"] = json!("{% for m in messages %}{{ m.content }}\n{% endfor %}");
+    let metrics = || async { h.send("GET", "/metrics", Bytes::new()).await.body };
+    for (what, body) in [("an image part", image), ("a per-request chat_template", template)] {
+        let dry = h.post("/debug/route", &body).await.json();
+        assert!(dry["tokenization"].is_string(), "{what}: {dry}");
+        assert_eq!(dry["mode"], "load_aware", "{what}: {dry}");
+        let reason = dry["reason"].as_str().unwrap_or_else(|| panic!("{what}: no fallback reason: {dry}"));
+        let counted = |text: &str| metric(text, "cortex_fallback_total", &[("reason", reason)]);
+        let before = counted(&metrics().await);
+        let r = h.post("/v1/chat/completions", &body).await;
+        assert_eq!(r.status, StatusCode::OK, "{what}: {}", r.body);
+        assert_eq!(r.header("x-cortex-match-mode"), "load_aware", "{what}");
+        assert_eq!(r.header("x-cortex-cache-hit-tokens"), "0", "{what}");
+        if r.header("x-cortex-assigned-worker") == holder {
+            assert!(cached_tokens(&r) > 0, "{what}: the holder reports the prefix the gateway did not claim");
+        }
+        assert!(counted(&metrics().await) > before, "{what}: cortex_fallback_total{{reason=\"{reason}\"}}");
+    }
+    h.shutdown().await;
 }
