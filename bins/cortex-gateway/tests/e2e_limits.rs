@@ -105,8 +105,6 @@ async fn a_client_leaving_mid_stream_cancels_the_upstream_request() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "bug: graceful shutdown waits for a connection that sent nothing until limits.header_read_timeout \
-            (cortex-proxy server.rs takes the graceful watcher before the first-byte peek)"]
 async fn graceful_shutdown_does_not_wait_for_a_connection_that_sent_nothing() {
     let limits = "{max_body: 65536, header_read_timeout: 3s}";
     let h = harness("vllm", vec![sim("vllm")], &[("limits", limits)]).await;

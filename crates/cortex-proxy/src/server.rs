@@ -38,6 +38,9 @@ pub async fn serve_with<H, Fut, S>(
     builder.http1().timer(TokioTimer::new()).header_read_timeout(header_read_timeout).keep_alive(true);
     builder.http2().timer(TokioTimer::new());
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    // Tells connections still waiting for their first byte to go: graceful shutdown waits for
+    // every watcher, and a silent connection must not hold it until its timeout.
+    let (closing, closing_rx) = tokio::sync::watch::channel(());
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -55,14 +58,20 @@ pub async fn serve_with<H, Fut, S>(
                 let h = handler.clone();
                 let builder = builder.clone();
                 let watcher = graceful.watcher();
+                let mut closing = closing_rx.clone();
                 tokio::spawn(async move {
                     // hyper's header timer starts after the protocol is sniffed: a connection
                     // that never sends a byte would otherwise be held forever.
                     // (`peek`, not `readable`: readiness may be reported before any byte.)
                     let mut first = [0u8; 1];
-                    if tokio::time::timeout(header_read_timeout, stream.peek(&mut first)).await.is_err() {
-                        tracing::debug!("closing a connection that sent nothing");
-                        return;
+                    tokio::select! {
+                        r = tokio::time::timeout(header_read_timeout, stream.peek(&mut first)) => {
+                            if r.is_err() {
+                                tracing::debug!("closing a connection that sent nothing");
+                                return;
+                            }
+                        }
+                        _ = closing.changed() => return,
                     }
                     let conn = builder.serve_connection(TokioIo::new(stream), service_fn(h));
                     if let Err(e) = watcher.watch(conn.into_owned()).await {
@@ -74,6 +83,7 @@ pub async fn serve_with<H, Fut, S>(
         }
     }
     drop(listener);
+    let _ = closing.send(());
     if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
         tracing::warn!(?grace, "graceful shutdown deadline passed; closing remaining connections");
     }
