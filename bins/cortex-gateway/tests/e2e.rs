@@ -502,6 +502,21 @@ async fn metrics_describe_routing_ledger_and_workers() {
         assert!(m.body.contains(name), "{name} missing from /metrics:\n{}", m.body);
     }
     assert!(m.body.contains("mode=\"exact_kv_events\""), "{}", m.body);
+    // The event plane, per holder, rendered by the binary's scrape hook; and the gateway's own.
+    assert!(
+        metric(&m.body, "cortex_event_batches_total", &[("worker", "w0"), ("rank", "0")]) > 0.0,
+        "{}",
+        m.body
+    );
+    for name in [
+        "cortex_event_apply_lag_seconds",
+        "cortex_event_transitions_total",
+        "cortex_event_duplicates_total",
+        "cortex_inflight_requests",
+        "cortex_ledger_evictions_total",
+    ] {
+        assert!(m.body.contains(name), "{name} missing from /metrics:\n{}", m.body);
+    }
     h.shutdown().await;
 }
 
@@ -565,6 +580,7 @@ async fn unreproducible_prompts_are_routed_by_load_and_counted() {
         assert!(dry["tokenization"].is_string(), "{what}: {dry}");
         assert_eq!(dry["mode"], "load_aware", "{what}: {dry}");
         let reason = dry["reason"].as_str().unwrap_or_else(|| panic!("{what}: no fallback reason: {dry}"));
+        assert_eq!(reason, "unreproducible_prompt", "{what}: a known limit, not a tokenizer failure");
         let counted = |text: &str| metric(text, "cortex_fallback_total", &[("reason", reason)]);
         let before = counted(&metrics().await);
         let r = h.post("/v1/chat/completions", &body).await;

@@ -42,12 +42,12 @@ impl Gateway {
         })?);
         let (m, f) = (Arc::clone(&model), Arc::clone(&facts));
         let tokens = if self.cfg.mode == Mode::ProxyOnly {
-            Err("proxy-only mode".to_owned())
+            Err(("proxy-only mode".to_owned(), Untrusted::ExactRoutingOff))
         } else {
             tokio::task::spawn_blocking(move || m.tokens(&f.prompt))
                 .await
-                .map_err(|e| e.to_string())
-                .and_then(|r| r.map_err(|e| e.to_string()))
+                .map_err(|e| (e.to_string(), Untrusted::TokenizerFailed))
+                .and_then(|r| r.map_err(|e| (e.to_string(), crate::gateway::untrusted_for(&e))))
         };
         let mut seq = Vec::new();
         let untrusted = match &tokens {
@@ -55,8 +55,7 @@ impl Gateway {
                 .seq_hashes(t, facts.cache_salt.as_deref(), &mut seq)
                 .err()
                 .map(|_| Untrusted::ExactRoutingOff),
-            Err(_) if self.cfg.mode == Mode::ProxyOnly => Some(Untrusted::ExactRoutingOff),
-            Err(_) => Some(Untrusted::TokenizerFailed),
+            Err((_, u)) => Some(*u),
         };
         let mut overlap = cortex_radix::OverlapScores::with_capacity(16);
         let cache = match untrusted {
@@ -101,7 +100,7 @@ impl Gateway {
             "lora": model.lora(),
             "prompt_tokens": prompt_tokens,
             "blocks": seq.len(),
-            "tokenization": tokens.as_ref().err(),
+            "tokenization": tokens.as_ref().err().map(|(why, _)| why),
             "decided": decided.as_ref().err().map(ToString::to_string),
             "mode": ranking.mode().as_str(),
             "reason": ranking.reason().map(|r| r.as_str()),

@@ -345,12 +345,9 @@ impl Gateway {
             metrics::histogram!(t::TOKENIZE_SECONDS).record(started.elapsed().as_secs_f64());
             match result {
                 Ok(Ok(t)) => tokens = t,
-                Ok(Err(TokenizeError::ExtraKeyNotReproduced(_))) => {
-                    untrusted = Some(Untrusted::ExactRoutingOff)
-                }
                 Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "tokenization failed; routing by load");
-                    untrusted = Some(Untrusted::TokenizerFailed);
+                    tracing::debug!(error = %e, "no tokens for this request; routing by load");
+                    untrusted = Some(untrusted_for(&e));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "tokenizer task failed; routing by load");
@@ -711,6 +708,17 @@ impl Gateway {
                 }
             }
         }
+    }
+}
+
+/// Why a request without tokens is routed by load: an extra key the profile does not reproduce
+/// turns exact routing off, a prompt Cortex cannot reproduce is a known limit, anything else is a
+/// tokenizer failure.
+pub(crate) fn untrusted_for(e: &TokenizeError) -> Untrusted {
+    match e {
+        TokenizeError::ExtraKeyNotReproduced(_) => Untrusted::ExactRoutingOff,
+        TokenizeError::Unreproducible(_) => Untrusted::UnreproduciblePrompt,
+        TokenizeError::Text(_) => Untrusted::TokenizerFailed,
     }
 }
 

@@ -67,6 +67,9 @@ impl fmt::Display for MatchMode {
 pub enum Untrusted {
     /// Rendering or tokenizing the prompt failed.
     TokenizerFailed,
+    /// The prompt holds what the gateway cannot reproduce token for token (images, audio, a
+    /// per-request chat template): not a failure, a known limit.
+    UnreproduciblePrompt,
     /// The gateway's chat template does not match the worker's.
     TemplateMismatch,
     /// The model's ledger is not READY (syncing, stale, no events).
@@ -94,6 +97,8 @@ pub enum CacheView<'a> {
 pub enum FallbackReason {
     /// See [`Untrusted::TokenizerFailed`].
     TokenizerFailed,
+    /// See [`Untrusted::UnreproduciblePrompt`].
+    UnreproduciblePrompt,
     /// See [`Untrusted::TemplateMismatch`].
     TemplateMismatch,
     /// See [`Untrusted::LedgerNotReady`]; also when no holder of the pool is READY.
@@ -124,6 +129,7 @@ impl FallbackReason {
     pub const fn as_str(self) -> &'static str {
         match self {
             FallbackReason::TokenizerFailed => "tokenizer_failed",
+            FallbackReason::UnreproduciblePrompt => "unreproducible_prompt",
             FallbackReason::TemplateMismatch => "template_mismatch",
             FallbackReason::LedgerNotReady => "ledger_not_ready",
             FallbackReason::ExactRoutingOff => "exact_routing_off",
@@ -143,6 +149,7 @@ impl From<Untrusted> for FallbackReason {
     fn from(u: Untrusted) -> Self {
         match u {
             Untrusted::TokenizerFailed => FallbackReason::TokenizerFailed,
+            Untrusted::UnreproduciblePrompt => FallbackReason::UnreproduciblePrompt,
             Untrusted::TemplateMismatch => FallbackReason::TemplateMismatch,
             Untrusted::LedgerNotReady => FallbackReason::LedgerNotReady,
             Untrusted::ExactRoutingOff => FallbackReason::ExactRoutingOff,

@@ -150,6 +150,7 @@ fn load_aware_when_the_hit_is_overruled_by_load() {
 fn untrusted_requests_never_get_a_guessed_hit() {
     for (u, reason) in [
         (Untrusted::TokenizerFailed, FallbackReason::TokenizerFailed),
+        (Untrusted::UnreproduciblePrompt, FallbackReason::UnreproduciblePrompt),
         (Untrusted::TemplateMismatch, FallbackReason::TemplateMismatch),
         (Untrusted::LedgerNotReady, FallbackReason::LedgerNotReady),
         (Untrusted::ExactRoutingOff, FallbackReason::ExactRoutingOff),

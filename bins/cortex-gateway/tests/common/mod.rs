@@ -160,10 +160,9 @@ pub(crate) fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 }
 
 impl Harness {
-    /// Stops the gateway, then the workers. The client's pool is closed first: it may hold a
-    /// spare connection that never sent a byte, and the gateway's graceful shutdown waits for
-    /// such a connection until `limits.header_read_timeout` (10 s; the bug is pinned by an
-    /// ignored test in `e2e_limits.rs`).
+    /// Stops the gateway, then the workers. The client's pool is closed first, as a well-behaved
+    /// client's would be (a silent spare connection no longer holds the gateway's shutdown:
+    /// `e2e_limits.rs` pins that).
     pub(crate) async fn shutdown(self) {
         let Harness { sims, gw, client } = self;
         drop(client);
