@@ -50,6 +50,19 @@ struct Setup {
     ingest: Ingest,
 }
 
+/// Follows `h` on `engine` (vLLM's wire format) and waits until the engine has the subscription.
+fn follow(s: &Setup, engine: &FakeEngine, h: HolderId) {
+    s.ingest.add_holder(source(engine, h, Wire::Vllm)).unwrap();
+    engine.wait_subscribed();
+}
+
+/// Publishes the vLLM batches `seqs` live, in order.
+fn publish_vllm(engine: &mut FakeEngine, seqs: std::ops::Range<u64>) {
+    for i in seqs {
+        engine.publish(i, &vllm_block_batch(i));
+    }
+}
+
 fn setup(cfg: IngestConfig) -> Setup {
     let ledger = Ledger::new(LedgerConfig::default());
     let ingest = Ingest::start(Arc::clone(&ledger), cfg).unwrap();
@@ -161,8 +174,7 @@ fn vllm_golden_blockpool_stream() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(2, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     let steps = doc.as_array().unwrap();
     for step in &steps[..2] {
         engine.publish(step["step"].as_u64().unwrap(), &unhex(&step["frames_hex"][2]));
@@ -189,13 +201,10 @@ fn gap_is_filled_by_replay() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("kv-events", Some(ReplayFraming::WithTopic));
     let h = holder(3, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     // Added: the holder asks for everything buffered (nothing yet) and is READY.
     assert_eq!(engine.serve_replay(), 0);
-    for i in 0..3 {
-        engine.publish(i, &vllm_block_batch(i));
-    }
+    publish_vllm(&mut engine, 0..3);
     wait_seq(&s, h, 2);
     // Batches 3 and 4 are lost on the wire; 5 arrives and reveals the gap.
     engine.record_only(3, &vllm_block_batch(3));
@@ -216,11 +225,8 @@ fn gap_without_replay_clears_and_continues() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(4, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
-    for i in 0..3 {
-        engine.publish(i, &vllm_block_batch(i));
-    }
+    follow(&s, &engine, h);
+    publish_vllm(&mut engine, 0..3);
     wait_seq(&s, h, 2);
     engine.publish(5, &vllm_block_batch(5));
     wait_seq(&s, h, 5);
@@ -237,8 +243,7 @@ fn replay_timeout_rebuilds_cold() {
     let s = setup(cfg);
     let mut engine = FakeEngine::new("", Some(ReplayFraming::WithTopic));
     let h = holder(5, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     engine.serve_replay();
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
@@ -254,8 +259,7 @@ fn incomplete_replay_rebuilds_cold() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", Some(ReplayFraming::WithTopic));
     let h = holder(6, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     engine.serve_replay();
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
@@ -275,11 +279,8 @@ fn restart_clears_and_reapplies() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(7, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
-    for i in 0..4 {
-        engine.publish(i, &vllm_block_batch(i));
-    }
+    follow(&s, &engine, h);
+    publish_vllm(&mut engine, 0..4);
     wait_seq(&s, h, 3);
     assert_eq!(synthetic_overlap(&s.ledger, h, 4), 4);
     // The engine restarts: sequence back to 0, no AllBlocksCleared (vLLM), new content.
@@ -293,11 +294,8 @@ fn duplicates_are_dropped() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(8, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
-    for i in 0..3 {
-        engine.publish(i, &vllm_block_batch(i));
-    }
+    follow(&s, &engine, h);
+    publish_vllm(&mut engine, 0..3);
     engine.send_live(1, &vllm_block_batch(1));
     engine.publish(3, &vllm_block_batch(3));
     wait_seq(&s, h, 3);
@@ -315,8 +313,7 @@ fn a_long_burst_keeps_order_and_counts_across_hand_off_groups() {
     let s = setup(IngestConfig { lanes: 1, ..IngestConfig::default() });
     let engine = FakeEngine::new("", None);
     let h = holder(15, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     let mut duplicates = 0;
     for i in 0..N {
         engine.send_live(i, &vllm_block_batch(i));
@@ -339,8 +336,7 @@ fn malformed_payload_is_counted_and_the_stream_continues() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(9, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     engine.publish(0, &vllm_block_batch(0));
     engine.publish(1, b"\x93\xcb not msgpack");
     engine.publish(2, &vllm_block_batch(2));
@@ -364,8 +360,7 @@ fn first_batch_after_start_replays_from_zero_without_topic_frame() {
     engine.record_only(0, &payloads[0]);
     engine.record_only(1, &payloads[1]);
     let h = holder(10, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     engine.publish(2, &payloads[2]);
     assert_eq!(engine.serve_replay(), 0);
     wait_seq(&s, h, 2);
@@ -380,8 +375,7 @@ fn removed_worker_gets_no_late_events() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(11, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
     s.ingest.remove_worker(WorkerId(11)).unwrap();
@@ -391,8 +385,7 @@ fn removed_worker_gets_no_late_events() {
     assert!(s.ledger.dump(h).is_none());
     // The worker comes back: it starts SYNCING again and follows a fresh stream.
     let mut engine = FakeEngine::new("", None);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
     assert_eq!(synthetic_overlap(&s.ledger, h, 2), 1);
@@ -404,8 +397,7 @@ fn silence_while_busy_is_stale_until_events_resume() {
     let s = setup(cfg);
     let mut engine = FakeEngine::new("", None);
     let h = holder(12, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
     s.ingest.report_running(h, 3);
@@ -465,11 +457,8 @@ fn a_disconnected_publisher_makes_the_holder_stale_until_it_publishes_in_order_a
     let mut engine = FakeEngine::new("", None);
     let endpoint = engine.pub_endpoint.clone();
     let h = holder(16, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
-    for i in 0..3 {
-        engine.publish(i, &vllm_block_batch(i));
-    }
+    follow(&s, &engine, h);
+    publish_vllm(&mut engine, 0..3);
     wait_seq(&s, h, 2);
     assert_eq!(s.ingest.status(h).unwrap().transitions(Reason::Resumed), 0);
     // The engine's PUB socket goes away: the SUB's monitor reports the disconnection.
@@ -512,8 +501,7 @@ fn silent_holder_under(stale_routing: StaleRouting, worker: u32) -> (Option<Read
     let s = setup(cfg);
     let mut engine = FakeEngine::new("", None);
     let h = holder(worker, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
+    follow(&s, &engine, h);
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
     s.ingest.report_running(h, 2);
@@ -586,11 +574,8 @@ fn a_gap_without_replay_passes_through_stale_and_back_to_ready() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
     let h = holder(21, 0);
-    s.ingest.add_holder(source(&engine, h, Wire::Vllm)).unwrap();
-    engine.wait_subscribed();
-    for i in 0..3 {
-        engine.publish(i, &vllm_block_batch(i));
-    }
+    follow(&s, &engine, h);
+    publish_vllm(&mut engine, 0..3);
     wait_seq(&s, h, 2);
     // Two gaps (3..=4 and 7 lost): each is one STALE (`gap`) and one READY (`replay_failed`).
     engine.publish(5, &vllm_block_batch(5));

@@ -199,6 +199,12 @@ impl Gateway {
         self.alignment.verdict(worker)
     }
 
+    /// Workers in the live pool (healthy: discovered, probed, not failing).
+    #[must_use]
+    pub fn live_workers(&self) -> usize {
+        self.cluster.load().workers().iter().filter(|w| w.health() == cortex_sched::Health::Healthy).count()
+    }
+
     /// A registered worker's configured name (the `worker` label of every metric).
     #[must_use]
     pub fn worker_name(&self, worker: WorkerId) -> Option<String> {
@@ -632,8 +638,7 @@ impl Gateway {
     }
 
     fn ready(&self) -> Response<Body> {
-        let snap = self.cluster.load();
-        let live = snap.workers().iter().filter(|w| w.health() == cortex_sched::Health::Healthy).count();
+        let live = self.live_workers();
         let ready_holders = self
             .registry
             .snapshot()

@@ -163,14 +163,7 @@ impl EngineMap {
         if self.slots.is_empty() {
             return;
         }
-        let slot: *const Slot = &self.slots[self.home(key)];
-        #[cfg(all(target_arch = "x86_64", not(loom)))]
-        // SAFETY: a prefetch is only a hint; it never faults, and the address is in bounds.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(slot.cast::<i8>());
-        }
-        #[cfg(not(all(target_arch = "x86_64", not(loom))))]
-        let _ = slot;
+        crate::sync::prefetch(&raw const self.slots[self.home(key)]);
     }
 
     pub(crate) fn get(&self, key: &u64) -> Option<&Entry> {

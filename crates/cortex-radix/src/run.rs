@@ -566,14 +566,7 @@ pub(crate) fn reclaim(table: &SlotTable, run: Run, guard: &Guard) -> bool {
 
 #[inline]
 fn prefetch(w: &AtomicU64) {
-    let p: *const AtomicU64 = w;
-    #[cfg(all(target_arch = "x86_64", not(loom)))]
-    // SAFETY: a prefetch is only a hint; it never faults.
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
-    }
-    #[cfg(not(all(target_arch = "x86_64", not(loom))))]
-    let _ = p;
+    crate::sync::prefetch(std::ptr::from_ref(w));
 }
 
 /// The cuts of a holder's blocks of a run: the first offset missing from `bits`.

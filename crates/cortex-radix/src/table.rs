@@ -103,14 +103,7 @@ impl Table {
     /// Hints the CPU to fetch `key`'s home bucket.
     #[inline]
     fn prefetch(&self, key: u64) {
-        let bucket: *const Bucket = &self.buckets[self.home(key) / LANES];
-        #[cfg(all(target_arch = "x86_64", not(loom)))]
-        // SAFETY: a prefetch is only a hint; it never faults, and the address is in bounds.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(bucket.cast::<i8>());
-        }
-        #[cfg(not(all(target_arch = "x86_64", not(loom))))]
-        let _ = bucket;
+        crate::sync::prefetch(&raw const self.buckets[self.home(key) / LANES]);
     }
 
     /// The reader's lookup: the value of `key`, `None` if absent.

@@ -170,15 +170,7 @@ probes: {{health_interval: 1s, load_interval: 250ms}}
             let Some(w) = running.gateway.registry().by_name(n) else { return false };
             w.status().alignment.allows_exact_routing()
         }) && sims.workers.iter().all(|s| s.subscribed(0))
-            && running
-                .gateway
-                .cluster()
-                .load()
-                .workers()
-                .iter()
-                .filter(|w| w.health() == cortex_sched::Health::Healthy)
-                .count()
-                == names.len()
+            && running.gateway.live_workers() == names.len()
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     while !ready() {

@@ -175,14 +175,7 @@ impl Harness {
     }
 
     pub(crate) fn live_workers(&self) -> usize {
-        self.gw
-            .gateway
-            .cluster()
-            .load()
-            .workers()
-            .iter()
-            .filter(|w| w.health() == cortex_sched::Health::Healthy)
-            .count()
+        self.gw.gateway.live_workers()
     }
 
     pub(crate) async fn wait(&self, what: &str, done: impl FnMut() -> bool) {
