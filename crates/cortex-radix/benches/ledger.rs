@@ -24,7 +24,7 @@ use cortex_radix::{
     Readiness,
 };
 use criterion::Criterion;
-use workload::{CountingAlloc, Workload, live_bytes, percentile};
+use workload::{CountingAlloc, Workload, latencies, live_bytes, percentile};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
@@ -119,30 +119,6 @@ struct Row {
     cortex_bytes: f64,
     cortex_stat_bytes: f64,
     naive_bytes: f64,
-}
-
-/// Per-query latencies in ns (minus the timer's own cost), sorted.
-fn latencies(n: usize, warm: impl Fn(usize), mut f: impl FnMut(usize)) -> Vec<f64> {
-    let mut empty: Vec<f64> = (0..2000)
-        .map(|_| {
-            let t = Instant::now();
-            black_box(());
-            t.elapsed().as_nanos() as f64
-        })
-        .collect();
-    empty.sort_by(f64::total_cmp);
-    let overhead = percentile(&empty, 50.0);
-    let mut v: Vec<f64> = (0..n)
-        .map(|i| {
-            // The caller hashed the prompt just before asking: its input is in cache.
-            warm(i);
-            let t = Instant::now();
-            f(i);
-            (t.elapsed().as_nanos() as f64 - overhead).max(0.0)
-        })
-        .collect();
-    v.sort_by(f64::total_cmp);
-    v
 }
 
 fn measure(holders: u32, blocks: usize) -> Row {

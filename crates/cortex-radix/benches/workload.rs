@@ -11,6 +11,9 @@
 
 #![allow(dead_code, unreachable_pub, missing_docs)]
 
+use std::hint::black_box;
+use std::time::Instant;
+
 use cortex_hash::kv::{BlockStored, EngineHash, KvEvent, Lineage, Medium, StoredBlock};
 use cortex_hash::{BlockHash, Engine, Namespace, SeqHash, chain};
 
@@ -201,4 +204,29 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     }
     let i = ((sorted.len() - 1) as f64 * p / 100.0).round() as usize;
     sorted[i]
+}
+
+/// Per-call latencies in ns of `f(i)` for `i < n`, each after `warm(i)` (a caller that just hashed
+/// the prompt has it in cache), minus the timer's own median cost, sorted.
+pub fn latencies(n: usize, warm: impl Fn(usize), mut f: impl FnMut(usize)) -> Vec<f64> {
+    let mut empty: Vec<f64> = (0..2000)
+        .map(|_| {
+            let t = Instant::now();
+            black_box(());
+            t.elapsed().as_nanos() as f64
+        })
+        .collect();
+    empty.sort_by(f64::total_cmp);
+    let overhead = percentile(&empty, 50.0);
+    let mut v: Vec<f64> = (0..n)
+        .map(|i| {
+            // The caller hashed the prompt just before asking: its input is in cache.
+            warm(i);
+            let t = Instant::now();
+            f(i);
+            (t.elapsed().as_nanos() as f64 - overhead).max(0.0)
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v
 }
