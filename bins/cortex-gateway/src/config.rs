@@ -19,11 +19,12 @@ use cortex_hash::text::{ChatTemplate, TextTokenizer, TokenizerConfig};
 use cortex_hash::vllm::{ExtraKeyForm, HashAlgo, NoneHashSeed};
 use cortex_ingest::{IngestConfig, StaleRouting};
 use cortex_proxy::config::{AlignmentConfig, Limits, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy};
+use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
     BoundedLoad, BreakerConfig, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies,
-    Role, SchedConfig, UnreadyHolders, Watermark, Weights,
+    SchedConfig, UnreadyHolders, Watermark, Weights,
 };
 use serde::Deserialize;
 
@@ -598,20 +599,18 @@ impl Config {
                 url: w.url,
                 engine: w.engine.into(),
                 model: w.model,
-                role: role(w.role.as_deref()).with_context(|| format!("workers[{i}].role"))?,
+                role: parse_role(w.role.as_deref())
+                    .map_err(anyhow::Error::msg)
+                    .with_context(|| format!("workers[{i}].role"))?,
                 events: w.events.map(|e| EventsOverride {
                     publish_port_base: e.publish_port_base,
                     replay_port_base: e.replay_port_base,
                     topic: e.topic,
                     dp_size: e.dp_size.max(1),
                 }),
-                unlabeled_stores_unknown: match w.unlabeled_stores.as_deref() {
-                    None | Some("plain") => false,
-                    Some("unknown") => true,
-                    Some(other) => {
-                        bail!("workers[{i}].unlabeled_stores must be plain or unknown, not `{other}`")
-                    }
-                },
+                unlabeled_stores_unknown: parse_unlabeled_stores(w.unlabeled_stores.as_deref())
+                    .map_err(anyhow::Error::msg)
+                    .with_context(|| format!("workers[{i}].unlabeled_stores"))?,
             });
         }
         let di = IngestConfig::default();
@@ -648,15 +647,6 @@ impl Config {
         };
         Ok(Settings { listen: self.listen, admin, proxy, models, workers, sched, health, ingest, ledger })
     }
-}
-
-fn role(s: Option<&str>) -> Result<Role> {
-    Ok(match s {
-        None | Some("regular") => Role::Regular,
-        Some("prefill") => Role::Prefill,
-        Some("decode") => Role::Decode,
-        Some(o) => bail!("must be regular, prefill or decode, not `{o}`"),
-    })
 }
 
 fn policy(s: Option<&str>, default: PolicyConfig, key: &str) -> Result<PolicyConfig> {

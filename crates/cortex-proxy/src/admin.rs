@@ -13,14 +13,13 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use cortex_hash::Engine;
-use cortex_sched::Role;
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
 use crate::error::{Body, ProxyError};
 use crate::gateway::{Gateway, json_response};
-use crate::registry::WorkerConfig;
+use crate::registry::{WorkerConfig, parse_role, parse_unlabeled_stores};
 
 /// The admin service.
 #[derive(Clone)]
@@ -113,26 +112,10 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
             return Err(ProxyError::InvalidRequest(format!("`engine` must be vllm or sglang, not {other}")));
         }
     };
-    let role = match v.get("role").and_then(Value::as_str).unwrap_or("regular") {
-        "regular" => Role::Regular,
-        "prefill" => Role::Prefill,
-        "decode" => Role::Decode,
-        other => {
-            return Err(ProxyError::InvalidRequest(format!(
-                "`role` must be regular, prefill or decode, not {other}"
-            )));
-        }
-    };
-    let unlabeled_stores_unknown = match v.get("unlabeled_stores").and_then(Value::as_str).unwrap_or("plain")
-    {
-        "plain" => false,
-        "unknown" => true,
-        other => {
-            return Err(ProxyError::InvalidRequest(format!(
-                "`unlabeled_stores` must be plain or unknown, not {other}"
-            )));
-        }
-    };
+    let role = parse_role(v.get("role").and_then(Value::as_str))
+        .map_err(|e| ProxyError::InvalidRequest(format!("`role` {e}")))?;
+    let unlabeled_stores_unknown = parse_unlabeled_stores(v.get("unlabeled_stores").and_then(Value::as_str))
+        .map_err(|e| ProxyError::InvalidRequest(format!("`unlabeled_stores` {e}")))?;
     Ok(WorkerConfig {
         name: s("name")?,
         url: s("url")?,
@@ -159,7 +142,7 @@ mod tests {
     fn worker_json() {
         let w = worker_config(&json!({"name": "a", "url": "http://h:1", "engine": "sglang", "model": "m"}))
             .unwrap();
-        assert_eq!((w.engine, w.role), (Engine::Sglang, Role::Regular));
+        assert_eq!((w.engine, w.role), (Engine::Sglang, cortex_sched::Role::Regular));
         assert!(worker_config(&json!({"name": "a", "url": "u", "engine": "trt", "model": "m"})).is_err());
         assert!(worker_config(&json!({"url": "u", "engine": "vllm", "model": "m"})).is_err());
         assert!(!w.unlabeled_stores_unknown);

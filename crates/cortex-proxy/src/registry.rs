@@ -40,6 +40,32 @@ pub struct WorkerConfig {
     pub unlabeled_stores_unknown: bool,
 }
 
+/// A worker's `role` as the YAML file and the admin API spell it (absent: `regular`).
+///
+/// # Errors
+/// Any other word, named in the message.
+pub fn parse_role(s: Option<&str>) -> Result<Role, String> {
+    match s {
+        None | Some("regular") => Ok(Role::Regular),
+        Some("prefill") => Ok(Role::Prefill),
+        Some("decode") => Ok(Role::Decode),
+        Some(o) => Err(format!("must be regular, prefill or decode, not `{o}`")),
+    }
+}
+
+/// A worker's `unlabeled_stores` (absent: `plain`): whether stores that name no adapter or extra
+/// keys are unknown ([`WorkerConfig::unlabeled_stores_unknown`]).
+///
+/// # Errors
+/// Any word but `plain` or `unknown`, named in the message.
+pub fn parse_unlabeled_stores(s: Option<&str>) -> Result<bool, String> {
+    match s {
+        None | Some("plain") => Ok(false),
+        Some("unknown") => Ok(true),
+        Some(o) => Err(format!("must be plain or unknown, not `{o}`")),
+    }
+}
+
 /// Event endpoints given by configuration instead of discovery.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EventsOverride {
