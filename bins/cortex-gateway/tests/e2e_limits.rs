@@ -32,25 +32,16 @@ async fn a_full_queue_answers_429_and_a_wait_past_the_queue_timeout_503() {
     });
     h.wait("the slot's request reached the worker", || h.sims[0].in_flight(0).unwrap_or(0) > 0).await;
     // Two more: one takes the only place in the queue and waits there until the timeout, the
-    // other finds the queue full and is refused at once. Which is which depends on arrival.
-    let timed = |p: &str| {
-        let b = body(p);
-        let h = &h;
-        async move {
-            let started = Instant::now();
-            let r = h.post("/v1/completions", &b).await;
-            (r, started.elapsed())
-        }
-    };
-    let (a, b) = tokio::join!(timed("queued or refused, 1"), timed("queued or refused, 2"));
-    let (refused, queued) = if a.0.status == StatusCode::TOO_MANY_REQUESTS { (a, b) } else { (b, a) };
-    assert_eq!(refused.0.status, StatusCode::TOO_MANY_REQUESTS, "{}", refused.0.body);
-    assert_eq!(refused.0.error_code(), "gateway_overloaded", "{}", refused.0.body);
-    assert!(refused.1 < QUEUE_TIMEOUT, "refused at once, not after {:?}", refused.1);
-    assert_eq!(queued.0.status, StatusCode::SERVICE_UNAVAILABLE, "{}", queued.0.body);
-    assert_eq!(queued.0.error_code(), "queue_timeout", "{}", queued.0.body);
-    assert!(queued.1 >= QUEUE_TIMEOUT, "gave up after {:?}", queued.1);
-    for (r, _) in [&refused, &queued] {
+    // other finds the queue full and is refused. Which is which depends on arrival; the error
+    // codes say which path each took (no timing is asserted).
+    let (b1, b2) = (body("queued or refused, 1"), body("queued or refused, 2"));
+    let (a, b) = tokio::join!(h.post("/v1/completions", &b1), h.post("/v1/completions", &b2));
+    let (refused, queued) = if a.status == StatusCode::TOO_MANY_REQUESTS { (a, b) } else { (b, a) };
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{}", refused.body);
+    assert_eq!(refused.error_code(), "gateway_overloaded", "{}", refused.body);
+    assert_eq!(queued.status, StatusCode::SERVICE_UNAVAILABLE, "{}", queued.body);
+    assert_eq!(queued.error_code(), "queue_timeout", "{}", queued.body);
+    for r in [&refused, &queued] {
         assert!(!r.header("x-request-id").is_empty(), "gateway errors carry x-request-id");
     }
     // Nothing refused reached the worker.
@@ -92,11 +83,12 @@ async fn a_client_leaving_mid_stream_cancels_the_upstream_request() {
     assert_eq!(booked(&h.debug_workers().await), 1);
     // The client leaves: the gateway drops its upstream request, and the worker stops it.
     drop(conn);
-    h.wait_within("the worker dropped the request", Duration::from_secs(5), || {
+    // Deadlines well inside the 40 s the whole stream would take.
+    h.wait_within("the worker dropped the request", Duration::from_secs(20), || {
         h.sims[0].in_flight(0).unwrap_or(1) == 0
     })
     .await;
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let deadline = Instant::now() + Duration::from_secs(20);
     while booked(&h.debug_workers().await) != 0 {
         assert!(Instant::now() < deadline, "the gateway's booking was never released");
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -106,8 +98,10 @@ async fn a_client_leaving_mid_stream_cancels_the_upstream_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn graceful_shutdown_does_not_wait_for_a_connection_that_sent_nothing() {
-    let limits = "{max_body: 65536, header_read_timeout: 3s}";
-    let h = harness("vllm", vec![sim("vllm")], &[("limits", limits)]).await;
+    // A silent connection could hold shutdown for the whole grace period (60 s here); finishing
+    // well inside the deadline below shows it does not. No timing is measured.
+    let limits = "{max_body: 65536, header_read_timeout: 120s}";
+    let h = harness("vllm", vec![sim("vllm")], &[("limits", limits), ("shutdown_grace", "60s")]).await;
     // A client connects and sends nothing (a spare pooled connection, a TCP health check).
     let silent = tokio::net::TcpStream::connect(h.addr()).await.unwrap();
     // A request on a later connection: once it is answered, the silent one was accepted too.
@@ -115,9 +109,8 @@ async fn graceful_shutdown_does_not_wait_for_a_connection_that_sent_nothing() {
     // Nothing is in flight: shutdown has nothing to wait for.
     let common::Harness { sims, gw, client } = h;
     drop(client);
-    let started = Instant::now();
-    gw.shutdown().await;
-    let took = started.elapsed();
-    assert!(took < Duration::from_secs(1), "shutdown with nothing in flight took {took:?}");
+    tokio::time::timeout(Duration::from_secs(20), gw.shutdown())
+        .await
+        .expect("shutdown waited for a connection that sent nothing");
     drop((silent, sims));
 }
