@@ -16,8 +16,16 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Everything CI runs: fmt check, clippy (warnings denied), all tests, tidy, golden --check
-    /// and cargo-deny (installed if missing).
-    Ci,
+    /// and cargo-deny (installed if missing), with the time of each step.
+    Ci {
+        /// Run `.ci/run` as a fresh machine does instead: on a clone of the committed HEAD under
+        /// `target/fresh-ci` (or `--dir`), with an empty cargo home and an empty target directory.
+        #[arg(long)]
+        fresh: bool,
+        /// Where `--fresh` clones (removed first).
+        #[arg(long, requires = "fresh")]
+        dir: Option<std::path::PathBuf>,
+    },
     /// Workspace rules: `//!` docs, dependency direction, manifests.
     Tidy,
     /// Check every golden vector, or rewrite the derived expectations.
@@ -66,7 +74,10 @@ fn main() -> Result<ExitCode> {
     let cli = Cli::parse();
     let root = workspace_root();
     match cli.command {
-        Cmd::Ci => ci::run(&root),
+        Cmd::Ci { fresh: false, .. } => ci::run(&root),
+        Cmd::Ci { fresh: true, dir } => {
+            ci::fresh(&root, &dir.unwrap_or_else(|| root.join("target").join("fresh-ci")))
+        }
         Cmd::Loom { cap_secs } => radix::loom(&root, std::time::Duration::from_secs(cap_secs)),
         Cmd::Soak { ops, budget_mib } => {
             radix::soak(&root, ops, budget_mib, std::time::Duration::from_secs(3600))
