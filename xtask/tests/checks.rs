@@ -106,3 +106,46 @@ fn a_corrupted_wire_capture_fails() {
     });
     assert!(report.failures().any(|f| f.recipe == "sglang wire decode"), "{report}");
 }
+
+/// Each dependency's features as `cargo tree` resolves them for `args`: `name version → features`.
+fn resolved_features(
+    args: &[&str],
+) -> std::collections::BTreeMap<String, std::collections::BTreeSet<String>> {
+    let out = std::process::Command::new(xtask::cargo())
+        .args(["tree", "--locked", "--prefix", "none", "--format", "{p} {f}"])
+        .args(args)
+        .current_dir(workspace_root())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let mut map = std::collections::BTreeMap::<String, std::collections::BTreeSet<String>>::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let mut words = line.split(' ').filter(|w| !w.starts_with('('));
+        let (Some(name), Some(version)) = (words.next(), words.next()) else { continue };
+        let feats = words.next().unwrap_or("").split(',').filter(|f| !f.is_empty()).map(str::to_owned);
+        map.entry(format!("{name} {version}")).or_default().extend(feats);
+    }
+    map
+}
+
+/// `cargo xtask` is the first build CI runs and the test build the second: a dependency both
+/// use with different features is compiled twice (tokenizers, below which the dev-dependencies
+/// turn features on, cost a fresh CI run minutes). The pins in the root manifest keep them equal.
+#[test]
+fn xtask_builds_its_dependencies_with_the_test_builds_features() {
+    let xtask = resolved_features(&["-p", "xtask", "-e", "normal,build"]);
+    let tests = resolved_features(&["--workspace", "-e", "normal,build,dev"]);
+    let drift: Vec<String> = xtask
+        .iter()
+        .filter(|(pkg, _)| !pkg.starts_with("cortex-") && !pkg.starts_with("xtask "))
+        .filter_map(|(pkg, f)| {
+            let t = tests.get(pkg)?;
+            (f != t).then(|| format!("{pkg}: xtask {f:?}, tests {t:?}"))
+        })
+        .collect();
+    assert!(
+        drift.is_empty(),
+        "pin these features in the root manifest's feature pins:\n{}",
+        drift.join("\n")
+    );
+}
