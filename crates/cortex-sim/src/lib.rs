@@ -78,7 +78,7 @@ pub use error::SimError;
 pub use faults::Fault;
 pub use model::{SimModel, qwen3_dir};
 pub use publisher::RankEndpoints;
-pub use truth::{HeldBlock, RankState};
+pub use truth::{HeldBlock, PdCounters, RankState};
 pub use worker::SimWorker;
 
 /// Re-exported engine-format types a configuration names.
