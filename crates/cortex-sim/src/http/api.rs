@@ -560,6 +560,15 @@ async fn prepare(
                         }
                         Role::Unified => {}
                     }
+                } else if shared.cfg.role != Role::Unified {
+                    // SGLang's scheduler refuses it in a disaggregation mode (a decode worker
+                    // cannot prefill alone; `Scheduler.handle_generate_request`).
+                    return Err(bad(
+                        flavor,
+                        kind,
+                        "Invalid request: Disaggregated request received without bootstrap room id.",
+                    )
+                    .into());
                 }
             }
         }

@@ -92,6 +92,12 @@ fn sglang_missing_leg_fails_after_the_bootstrap_timeout() {
     // Decode pointing at nothing listening.
     let dead = post(d.http_addr(), "/generate", &sglang_body(1, 101, 4));
     assert_eq!(dead.status, 500);
+    // A disaggregated SGLang worker refuses a request without a room: it cannot serve alone.
+    for w in [&p, &d] {
+        let r = post(w.http_addr(), "/generate", &json!({"input_ids": [1, 2, 3]}));
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert!(r.text().contains("without bootstrap room"));
+    }
     p.shutdown();
     d.shutdown();
 }
