@@ -182,15 +182,6 @@ pub fn validate(b: &[u8]) -> Result<Range<usize>, JsonError> {
     Ok(start..end)
 }
 
-/// The end of the JSON value starting exactly at `start` in `b` (validated), for walking the
-/// items of an array.
-///
-/// # Errors
-/// If no valid value starts there.
-pub fn validate_prefix(b: &[u8], start: usize) -> Result<usize, JsonError> {
-    value_end(b, start, 1)
-}
-
 /// One member of an object: where its key (with quotes) and its value are.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Member {
@@ -303,6 +294,33 @@ pub fn members(b: &[u8], obj: Range<usize>, out: &mut Vec<Member>) -> Result<(),
         match b.get(i) {
             Some(b',') => i = ws(b, i + 1),
             Some(b'}') => return Ok(()),
+            Some(_) => return Err(JsonError::Unexpected(i)),
+            None => return Err(JsonError::Eof),
+        }
+    }
+}
+
+/// The spans of the elements of the array `b[array]` (the span of a validated array value), in
+/// order.
+///
+/// # Errors
+/// [`JsonError::Unexpected`] if the span is not an array; scanning errors otherwise.
+pub fn elements(b: &[u8], array: Range<usize>, out: &mut Vec<Range<usize>>) -> Result<(), JsonError> {
+    out.clear();
+    if b.get(array.start) != Some(&b'[') {
+        return Err(JsonError::Unexpected(array.start));
+    }
+    let mut i = ws(b, array.start + 1);
+    if b.get(i) == Some(&b']') {
+        return Ok(());
+    }
+    loop {
+        let end = value_end(b, i, 1)?;
+        out.push(i..end);
+        i = ws(b, end);
+        match b.get(i) {
+            Some(b',') => i = ws(b, i + 1),
+            Some(b']') => return Ok(()),
             Some(_) => return Err(JsonError::Unexpected(i)),
             None => return Err(JsonError::Eof),
         }
@@ -560,6 +578,19 @@ mod tests {
         assert!(out.is_empty());
         assert!(edit(br#"{"a":1"#, &[], &mut out).is_err());
         assert!(edit(br#"{"a":1}{}"#, &[], &mut out).is_err());
+    }
+
+    #[test]
+    fn elements_of_arrays() {
+        let b = b" [1, {\"a\":[2]} ,\"x\" ] ";
+        let span = validate(b).unwrap();
+        let mut out = Vec::new();
+        elements(b, span, &mut out).unwrap();
+        let got: Vec<&[u8]> = out.iter().map(|r| &b[r.clone()]).collect();
+        assert_eq!(got, [&b"1"[..], br#"{"a":[2]}"#, br#""x""#]);
+        elements(b"[ ]", 0..3, &mut out).unwrap();
+        assert!(out.is_empty());
+        assert!(elements(b"{}", 0..2, &mut out).is_err());
     }
 
     #[test]

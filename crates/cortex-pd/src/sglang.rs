@@ -70,25 +70,9 @@ pub fn rooms(body: &[u8]) -> Result<Option<usize>, JsonError> {
 }
 
 fn count_items(array: &[u8]) -> Result<usize, JsonError> {
-    let span = json::validate(array)?;
-    let b = &array[span];
-    // Count top-level commas by walking the items with the validating scanner.
-    let mut n = 0;
-    let mut i = 1;
-    let ws = |i: usize| i + b[i..].iter().take_while(|c| c.is_ascii_whitespace()).count();
-    i = ws(i);
-    if b.get(i) == Some(&b']') {
-        return Ok(0);
-    }
-    loop {
-        let end = json::validate_prefix(b, i)?;
-        n += 1;
-        i = ws(end);
-        match b.get(i) {
-            Some(b',') => i = ws(i + 1),
-            _ => return Ok(n),
-        }
-    }
+    let mut items = Vec::new();
+    json::elements(array, json::validate(array)?, &mut items)?;
+    Ok(items.len())
 }
 
 /// Which leg a body is for.
@@ -163,22 +147,10 @@ fn objects(b: &[u8], span: Range<usize>) -> Result<Vec<Range<usize>>, JsonError>
     match b.get(span.start) {
         Some(b'{') => Ok(vec![span]),
         Some(b'[') => {
-            let mut out = Vec::new();
-            let inner = span.start + 1;
-            let mut i = inner;
-            let skip = |i: usize| i + b[i..].iter().take_while(|c| c.is_ascii_whitespace()).count();
-            i = skip(i);
-            while i < span.end - 1 {
-                let end = json::validate_prefix(b, i)?;
-                if b[i] == b'{' {
-                    out.push(i..end);
-                }
-                i = skip(end);
-                if b.get(i) == Some(&b',') {
-                    i = skip(i + 1);
-                }
-            }
-            Ok(out)
+            let mut items = Vec::new();
+            json::elements(b, span, &mut items)?;
+            items.retain(|r| b[r.start] == b'{');
+            Ok(items)
         }
         _ => Ok(Vec::new()),
     }

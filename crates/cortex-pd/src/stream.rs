@@ -85,32 +85,26 @@ fn object_verdict(b: &[u8], span: Range<usize>) -> Result<Verdict, json::JsonErr
         return Ok(Verdict::Output); // a usage chunk
     }
     let mut any_output = false;
-    let mut i = choices.start + 1;
-    let skip = |i: usize| i + b[i..].iter().take_while(|c| c.is_ascii_whitespace()).count();
-    i = skip(i);
-    while i < choices.end - 1 {
-        let end = json::validate_prefix(b, i)?;
-        if b[i] == b'{' {
-            let c = i..end;
-            let fr = json::find_path(b, c.clone(), &["finish_reason"])?.map(|r| &b[r]);
-            if str_is(fr, "error") {
-                return Ok(Verdict::Error);
-            }
-            let delta = json::find_path(b, c.clone(), &["delta"])?;
-            let preamble = fr.is_none_or(|v| v == b"null")
-                && delta.is_some_and(|d| {
-                    let mut ms = Vec::new();
-                    json::members(b, d, &mut ms).is_ok()
-                        && ms.iter().all(|m| m.is(b, "role") || !json::truthy(&b[m.value.clone()]))
-                });
-            any_output |= !preamble;
-        } else {
+    let mut choices_of = Vec::new();
+    json::elements(b, choices, &mut choices_of)?;
+    for c in choices_of {
+        if b[c.start] != b'{' {
             any_output = true;
+            continue;
         }
-        i = skip(end);
-        if b.get(i) == Some(&b',') {
-            i = skip(i + 1);
+        let fr = json::find_path(b, c.clone(), &["finish_reason"])?.map(|r| &b[r]);
+        if str_is(fr, "error") {
+            return Ok(Verdict::Error);
         }
+        let delta = json::find_path(b, c, &["delta"])?;
+        // A role preamble: no finish, and a delta with nothing but a role and empty fields.
+        let preamble = fr.is_none_or(|v| v == b"null")
+            && delta.is_some_and(|d| {
+                let mut ms = Vec::new();
+                json::members(b, d, &mut ms).is_ok()
+                    && ms.iter().all(|m| m.is(b, "role") || !json::truthy(&b[m.value.clone()]))
+            });
+        any_output |= !preamble;
     }
     Ok(if any_output { Verdict::Output } else { Verdict::Preamble })
 }
@@ -134,21 +128,13 @@ pub fn body_verdict(body: &[u8]) -> Verdict {
     let verdict = match body.get(span.start) {
         Some(b'{') => object_verdict(body, span),
         Some(b'[') => {
-            let mut v = Ok(Verdict::Output);
-            let mut i = span.start + 1;
-            let skip = |i: usize| i + body[i..].iter().take_while(|c| c.is_ascii_whitespace()).count();
-            i = skip(i);
-            while i < span.end - 1 {
-                let Ok(end) = json::validate_prefix(body, i) else { break };
-                if body[i] == b'{' && object_verdict(body, i..end) == Ok(Verdict::Error) {
-                    v = Ok(Verdict::Error);
-                }
-                i = skip(end);
-                if body.get(i) == Some(&b',') {
-                    i = skip(i + 1);
-                }
-            }
-            v
+            let mut items = Vec::new();
+            json::elements(body, span, &mut items).map(|()| {
+                let error = items
+                    .iter()
+                    .any(|r| body[r.start] == b'{' && object_verdict(body, r.clone()) == Ok(Verdict::Error));
+                if error { Verdict::Error } else { Verdict::Output }
+            })
         }
         _ => Ok(Verdict::Output),
     };
