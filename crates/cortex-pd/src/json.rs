@@ -64,6 +64,20 @@ fn string_end(b: &[u8], start: usize) -> Result<usize, JsonError> {
                 Some(_) => return Err(JsonError::Unexpected(i + 1)),
             },
             Some(c) if c < 0x20 => return Err(JsonError::Unexpected(i)),
+            Some(c) if c >= 0x80 => {
+                // UTF-8 is checked where it occurs (the engines' servers decode bodies as UTF-8).
+                let len = match c {
+                    0xc2..=0xdf => 2,
+                    0xe0..=0xef => 3,
+                    0xf0..=0xf4 => 4,
+                    _ => return Err(JsonError::Unexpected(i)),
+                };
+                let ch = b.get(i..i + len).ok_or(JsonError::Eof)?;
+                if std::str::from_utf8(ch).is_err() {
+                    return Err(JsonError::Unexpected(i));
+                }
+                i += len;
+            }
             Some(_) => i += 1,
         }
     }
@@ -535,6 +549,11 @@ mod tests {
             assert!(validate(bad.as_bytes()).is_err(), "{bad:?}");
             assert!(serde_json::from_str::<Value>(bad).is_err(), "{bad:?} is valid JSON after all");
         }
+        for bad in [&b"\"\x80\""[..], b"\"\xc3\"", b"\"\xed\xa0\x80\"", b"\"\xf5\x80\x80\x80\""] {
+            assert!(validate(bad).is_err(), "{bad:?}: not UTF-8");
+            assert!(serde_json::from_slice::<Value>(bad).is_err());
+        }
+        assert!(validate("\"é😀\"".as_bytes()).is_ok());
         let deep = "[".repeat(MAX_DEPTH + 1) + &"]".repeat(MAX_DEPTH + 1);
         assert_eq!(validate(deep.as_bytes()), Err(JsonError::TooDeep));
         let ok = "[".repeat(MAX_DEPTH) + &"]".repeat(MAX_DEPTH);
