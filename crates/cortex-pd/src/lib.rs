@@ -45,7 +45,9 @@
 //!   2xx head → LegEvent::Answered; failure before output → LegEvent::Failed(LegFailure)
 //!   (non-2xx, transport error, timeout, or stream::event_verdict / body_verdict = Error);
 //!   prefill answer complete → LegEvent::PrefillDone(Transfer::Ready / Missing);
-//!   first event whose verdict is Output (Preamble events are held) → LegEvent::FirstOutput;
+//!   the stream pushed into a stream::Hold until its verdict is Output (→ LegEvent::FirstOutput,
+//!   then forward hold.take() and the rest unparsed) or Error (→ LegEvent::Failed); a
+//!   non-streaming body judged whole with stream::body_verdict;
 //!   end → LegEvent::Done; break after commit → LegEvent::Broken(class); client gone →
 //!   Input::ClientGone.
 //! ```
@@ -95,4 +97,4 @@ pub use machine::{
     Effect, FallbackCause, Input, Leg, LegEvent, LegFailure, Mode, Outcome, Pair, PdRequest, Pools, Protocol,
     Reached, Room, Transfer,
 };
-pub use stream::Verdict;
+pub use stream::{Hold, Verdict};

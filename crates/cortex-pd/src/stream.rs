@@ -141,6 +141,58 @@ pub fn body_verdict(body: &[u8]) -> Verdict {
     verdict.unwrap_or(Verdict::Output)
 }
 
+/// The most a [`Hold`] keeps before giving up on finding an output (then it lets the stream
+/// through as it is: a preamble that large is not one the engines send).
+pub const MAX_HELD: usize = 64 * 1024;
+
+/// The decode (or fallback) leg's stream held back until its first output: push the body's
+/// chunks as they come; the bytes stay in the hold until the verdict is [`Verdict::Output`]
+/// (commit, then forward [`Hold::take`] and the rest of the stream unparsed) or
+/// [`Verdict::Error`] (the leg failed before the first byte).
+#[derive(Clone, Debug, Default)]
+pub struct Hold {
+    buf: Vec<u8>,
+    scanned: usize,
+}
+
+impl Hold {
+    /// An empty hold.
+    #[must_use]
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a chunk and judges the events completed so far: [`Verdict::Preamble`] while there
+    /// is nothing but preamble (or an event still incomplete), else the first event that is an
+    /// output or an error decides.
+    pub fn push(&mut self, chunk: &[u8]) -> Verdict {
+        self.buf.extend_from_slice(chunk);
+        while let Some((end, data)) = next_event(&self.buf[self.scanned..]) {
+            let start = self.scanned;
+            self.scanned += end;
+            if let Some(d) = data {
+                let verdict = event_verdict(&self.buf[start + d.start..start + d.end]);
+                if verdict != Verdict::Preamble {
+                    return verdict;
+                }
+            }
+        }
+        if self.buf.len() > MAX_HELD { Verdict::Output } else { Verdict::Preamble }
+    }
+
+    /// The bytes held so far.
+    #[must_use]
+    pub fn held(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Takes the held bytes (to forward them on commit), leaving the hold empty.
+    pub fn take(&mut self) -> Vec<u8> {
+        self.scanned = 0;
+        std::mem::take(&mut self.buf)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -183,6 +235,37 @@ mod tests {
         assert_eq!(event_verdict(br#"{"choices":[],"usage":{"prompt_tokens":3}}"#), Verdict::Output);
         assert_eq!(event_verdict(b" [DONE] "), Verdict::Output);
         assert_eq!(event_verdict(b"not json"), Verdict::Output);
+    }
+
+    #[test]
+    fn a_hold_waits_for_the_first_output_across_chunks() {
+        let mut h = Hold::new();
+        let role = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"},\"finish_reason\":null}]}\n\n";
+        assert_eq!(h.push(&role[..20]), Verdict::Preamble, "an incomplete event");
+        assert_eq!(h.push(&role[20..]), Verdict::Preamble);
+        assert_eq!(h.push(b": keep-alive\n\n"), Verdict::Preamble);
+        assert_eq!(
+            h.push(b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Hi\"}"),
+            Verdict::Preamble
+        );
+        assert_eq!(h.push(b",\"finish_reason\":null}]}\n\n"), Verdict::Output);
+        let held = h.take();
+        assert!(held.starts_with(role));
+        assert!(held.ends_with(b"\n\n"));
+        assert!(h.held().is_empty());
+        // The vLLM KV-pull failure, in one chunk after the preamble.
+        let mut h = Hold::new();
+        h.push(role);
+        let err =
+            b"data: {\"error\":{\"message\":\"Internal server error\",\"code\":500}}\n\ndata: [DONE]\n\n";
+        assert_eq!(h.push(err), Verdict::Error);
+        // A preamble that never ends is not held forever.
+        let mut h = Hold::new();
+        let mut v = Verdict::Preamble;
+        while v == Verdict::Preamble && h.held().len() <= MAX_HELD {
+            v = h.push(role);
+        }
+        assert_eq!(v, Verdict::Output);
     }
 
     #[test]
