@@ -144,6 +144,9 @@ proptest! {
         b[i] = byte;
         // Lone surrogate escapes are JSON to Python (the engines) but not to serde_json; the
         // generator writes none, and a single byte change cannot make one.
-        prop_assert_eq!(json::validate(&b).is_ok(), serde_json::from_slice::<Value>(&b).is_ok(), "{:?}", String::from_utf8_lossy(&b));
+        let serde = serde_json::from_slice::<Value>(&b);
+        // serde_json refuses numbers beyond f64 (`1E400`); JSON and Python's parser accept them.
+        prop_assume!(!serde.as_ref().is_err_and(|e| e.to_string().contains("number out of range")));
+        prop_assert_eq!(json::validate(&b).is_ok(), serde.is_ok(), "{:?}", String::from_utf8_lossy(&b));
     }
 }
