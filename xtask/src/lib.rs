@@ -6,6 +6,7 @@
 pub mod bench;
 pub mod ci;
 pub mod golden;
+pub mod pd_check;
 pub mod radix;
 pub mod replay;
 pub mod tidy;

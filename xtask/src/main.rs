@@ -67,6 +67,8 @@ enum Cmd {
     /// Replay a request trace open loop through each routing policy onto a simulated cluster:
     /// cache hits against the infinite-cache bound, simulated TTFT, load imbalance, failures.
     Replay(xtask::replay::Args),
+    /// The simulator's PD workers through vLLM's toy proxy and SGLang's mini_lb (needs python3).
+    PdCheck(xtask::pd_check::Args),
 }
 
 #[allow(clippy::print_stdout, clippy::print_stderr)]
@@ -87,6 +89,7 @@ fn main() -> Result<ExitCode> {
         }
         Cmd::Bench(args) => xtask::bench::run(&root, &args),
         Cmd::Replay(args) => xtask::replay::cli(&root, &args),
+        Cmd::PdCheck(args) => xtask::pd_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::Tidy => {
             let violations = tidy::run(&root)?;
             for v in &violations {

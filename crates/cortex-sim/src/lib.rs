@@ -45,7 +45,11 @@
 //!   `/metrics` and `/v1/loads` carry the engines' names.
 //! - **PD**: SGLang's bootstrap rendezvous (both legs concurrent, prefill done when the transfer
 //!   is) and vLLM's NIXL pull (`kv_transfer_params`, leases that expire), over real HTTP between
-//!   workers, so prefill and decode workers may live in different processes.
+//!   workers, so prefill and decode workers may live in different processes. A decode leg
+//!   receives only the prompt tokens it lacks (its transfer costs time in proportion, and
+//!   [`SimWorker::pd_counters`] counts them), reports `cached_tokens` as the engines do, and
+//!   answers a failed transfer as they do (streaming: an error event after the `200` head).
+//!   `cargo xtask pd-check` drives both roles through vLLM's toy proxy and SGLang's `mini_lb`.
 //! - **Ground truth and faults**: [`SimWorker::held_blocks`] and `GET /sim/state` say exactly
 //!   which blocks each rank holds and whether a subscriber is connected; [`Fault`]s (errors,
 //!   stalls, cut streams, dropped batches, publisher restarts, replay off, flushes) are explicit
@@ -78,7 +82,7 @@ pub use error::SimError;
 pub use faults::Fault;
 pub use model::{SimModel, qwen3_dir};
 pub use publisher::RankEndpoints;
-pub use truth::{HeldBlock, RankState};
+pub use truth::{HeldBlock, PdCounters, RankState};
 pub use worker::SimWorker;
 
 /// Re-exported engine-format types a configuration names.

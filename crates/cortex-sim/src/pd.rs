@@ -34,6 +34,8 @@ pub(crate) struct RoomInfo {
     pub(crate) rank: u16,
     pub(crate) prompt_tokens: usize,
     pub(crate) first_token: u32,
+    /// The prefill side's prefix hit, which the decode side reports.
+    pub(crate) cached_tokens: usize,
     pub(crate) request: u64,
 }
 

@@ -44,4 +44,20 @@ pub struct RankState {
     pub waiting: usize,
     /// The rank's virtual clock.
     pub virtual_time: std::time::Duration,
+    /// Its PD legs so far.
+    pub pd: PdCounters,
+}
+
+/// A rank's PD legs, counted as the engines' own code would see them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PdCounters {
+    /// Prefill legs finished (SGLang: their KV taken by the decode side; vLLM: their blocks
+    /// leased).
+    pub prefill_legs: u64,
+    /// Decode legs admitted with the prompt's KV from a prefill worker.
+    pub decode_legs: u64,
+    /// Prompt tokens those decode legs received: the part of the prompt they lacked locally
+    /// (vLLM pulls `remote_num_tokens − num_computed_tokens`; SGLang's decode side with a radix
+    /// cache asks for the pages after its `decode_prefix_len`, without one for all of them).
+    pub pulled_tokens: u64,
 }

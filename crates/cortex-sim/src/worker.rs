@@ -10,7 +10,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -42,6 +42,8 @@ pub(crate) struct Shared {
     pub(crate) rr: AtomicUsize,
     pub(crate) created: u64,
     pub(crate) inflight_http: AtomicUsize,
+    /// Decode legs whose KV transfer failed.
+    pub(crate) pd_transfer_failures: AtomicU64,
 }
 
 impl Shared {
@@ -65,6 +67,11 @@ impl Shared {
             running: load.running,
             waiting: load.waiting,
             virtual_time: load.now,
+            pd: crate::PdCounters {
+                prefill_legs: load.stats.pd_prefill_legs,
+                decode_legs: load.stats.pd_decode_legs,
+                pulled_tokens: load.stats.pulled_tokens,
+            },
         })
     }
 
@@ -205,6 +212,7 @@ impl SimWorker {
             rr: AtomicUsize::new(0),
             created,
             inflight_http: AtomicUsize::new(0),
+            pd_transfer_failures: AtomicU64::new(0),
         });
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let rt =
@@ -344,6 +352,21 @@ impl SimWorker {
     /// [`SimError::NoSuchRank`].
     pub fn leases(&self, rank: u16) -> Result<usize, SimError> {
         Ok(self.shared.rank(rank)?.leases())
+    }
+
+    /// Rank `rank`'s PD legs so far.
+    ///
+    /// # Errors
+    /// [`SimError::NoSuchRank`].
+    pub fn pd_counters(&self, rank: u16) -> Result<crate::PdCounters, SimError> {
+        Ok(self.shared.rank_state(rank)?.pd)
+    }
+
+    /// Decode legs whose KV transfer failed (answered as the engine does: an error event after a
+    /// `200` head when streaming, a `500` otherwise).
+    #[must_use]
+    pub fn pd_transfer_failures(&self) -> u64 {
+        self.shared.pd_transfer_failures.load(Ordering::SeqCst)
     }
 
     /// Injects a fault (see [`Fault`]).

@@ -350,8 +350,60 @@ async fn resolve(host: &str, port: u16) -> Option<SocketAddr> {
     tokio::net::lookup_host((host, port)).await.ok()?.next()
 }
 
-fn fetch_error(flavor: Flavor, kind: Kind, e: &FetchError) -> Box<Resp> {
-    Box::new(error_resp(flavor, kind, StatusCode::INTERNAL_SERVER_ERROR, &format!("KV transfer failed: {e}")))
+/// Why [`prepare`] produced no items.
+enum Refusal {
+    /// An error answer before anything is sent (bad request, unknown model).
+    Resp(Box<Resp>),
+    /// The decode leg's KV transfer failed (SGLang bootstrap, vLLM NIXL pull).
+    Transfer(String),
+}
+
+impl From<Box<Resp>> for Refusal {
+    fn from(r: Box<Resp>) -> Self {
+        Refusal::Resp(r)
+    }
+}
+
+fn fetch_error(e: &FetchError) -> Refusal {
+    Refusal::Transfer(format!("KV transfer failed: {e}"))
+}
+
+/// The answer of a decode leg whose KV never arrived, as each engine gives it. Both have sent
+/// their `200` head before they know, when streaming: vLLM finishes the request with
+/// `finish_reason = "error"`, which its OpenAI server turns into an SSE error event after the
+/// chat role preamble (`_raise_if_error`, `_convert_generation_error_to_streaming_response`) or
+/// a `500` when not streaming; SGLang's `/generate` stream ends with an error event
+/// (`serve_generate_request`), a non-streaming request gets a `500`.
+fn transfer_failed(shared: &Shared, flavor: Flavor, kind: Kind, body: &Value, message: &str) -> Resp {
+    shared.pd_transfer_failures.fetch_add(1, Ordering::SeqCst);
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let (message, error) = match flavor {
+        Flavor::Vllm => (
+            "Internal server error",
+            json!({"error": {"message": "Internal server error", "type": "InternalServerError", "param": null, "code": 500}}),
+        ),
+        Flavor::Sglang => (
+            message,
+            json!({"error": {"message": message, "type": "invalid_request_error", "code": 500, "retryable": false}}),
+        ),
+    };
+    if !stream {
+        return error_resp(flavor, kind, StatusCode::INTERNAL_SERVER_ERROR, message);
+    }
+    let mut sse_body = Vec::new();
+    if flavor == Flavor::Vllm && kind == Kind::Chat {
+        let model = body.get("model").and_then(Value::as_str).unwrap_or(&shared.cfg.model_name);
+        let role = json!({
+            "id": format!("chatcmpl-{}", hex_id()), "object": "chat.completion.chunk", "created": unix_now(), "model": model,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
+        });
+        sse_body.extend_from_slice(&sse(&role.to_string()));
+    }
+    sse_body.extend_from_slice(&sse(&error.to_string()));
+    sse_body.extend_from_slice(SSE_DONE);
+    let mut r = super::full(StatusCode::OK, "text/event-stream", sse_body);
+    r.headers_mut().insert(http::header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
 }
 
 async fn generate(
@@ -375,7 +427,8 @@ async fn generate(
     }
     match prepare(&shared, &parts, &body, flavor, kind).await {
         Ok((ctx, items)) => run(Arc::clone(&shared), ctx, items).await,
-        Err(r) => Ok(*r),
+        Err(Refusal::Resp(r)) => Ok(*r),
+        Err(Refusal::Transfer(message)) => Ok(transfer_failed(&shared, flavor, kind, &body, &message)),
     }
 }
 
@@ -385,7 +438,7 @@ async fn prepare(
     body: &Value,
     flavor: Flavor,
     kind: Kind,
-) -> ApiResult<(Ctx, Vec<Item>)> {
+) -> Result<(Ctx, Vec<Item>), Refusal> {
     let lora = resolve_lora(shared, flavor, kind, body)?;
     let (prompts, batch) = prompts(shared, flavor, kind, body)?;
     let max_tokens = match kind {
@@ -401,7 +454,7 @@ async fn prepare(
     .map_or(shared.cfg.default_max_tokens, |v| usize::try_from(v).unwrap_or(usize::MAX));
     for p in &prompts {
         if p.is_empty() {
-            return Err(bad(flavor, kind, "The prompt cannot be empty"));
+            return Err(bad(flavor, kind, "The prompt cannot be empty").into());
         }
         if p.len().saturating_add(max_tokens) > shared.cfg.max_model_len {
             return Err(bad(
@@ -414,7 +467,8 @@ async fn prepare(
                     p.len(),
                     max_tokens
                 ),
-            ));
+            )
+            .into());
         }
     }
     let header = |k: &str| parts.headers.get(k).and_then(|h| h.to_str().ok()).map(str::to_owned);
@@ -468,6 +522,7 @@ async fn prepare(
         let pinned = pinned_rank(shared, flavor, kind, parts, body, i)?;
         let mut pd = PdMode::None;
         let mut first_token = None;
+        let mut prefill_cached = None;
         let mut rank = pinned;
         match flavor {
             Flavor::Vllm => {
@@ -497,13 +552,23 @@ async fn prepare(
                                 .and_then(u64_field)
                                 .and_then(|p| u16::try_from(p).ok())
                                 .unwrap_or(8998);
-                            first_token = Some(
-                                sglang_fetch(shared, flavor, kind, host, port, room, tokens.len()).await?,
-                            );
+                            let (tok, cached) =
+                                sglang_fetch(flavor, kind, shared, host, port, room, tokens.len()).await?;
+                            first_token = Some(tok);
+                            prefill_cached = Some(cached);
                             pd = PdMode::SglangDecode;
                         }
                         Role::Unified => {}
                     }
+                } else if shared.cfg.role != Role::Unified {
+                    // SGLang's scheduler refuses it in a disaggregation mode (a decode worker
+                    // cannot prefill alone; `Scheduler.handle_generate_request`).
+                    return Err(bad(
+                        flavor,
+                        kind,
+                        "Invalid request: Disaggregated request received without bootstrap room id.",
+                    )
+                    .into());
                 }
             }
         }
@@ -532,6 +597,7 @@ async fn prepare(
                 },
                 pd,
                 first_token,
+                prefill_cached,
             },
         });
     }
@@ -544,56 +610,54 @@ async fn vllm_fetch(
     kind: Kind,
     kv: &Value,
     prompt_len: usize,
-) -> ApiResult<()> {
+) -> Result<(), Refusal> {
     let host = kv.get("remote_host").and_then(Value::as_str).unwrap_or("localhost");
     let port = kv.get("remote_port").and_then(u64_field).and_then(|p| u16::try_from(p).ok());
     let rid = kv.get("remote_request_id").and_then(Value::as_str);
     let (Some(port), Some(rid)) = (port, rid) else {
-        return Err(bad(flavor, kind, "kv_transfer_params needs remote_port and remote_request_id"));
+        return Err(bad(flavor, kind, "kv_transfer_params needs remote_port and remote_request_id").into());
     };
     if let Some(n) = kv.get("remote_num_tokens").and_then(Value::as_u64)
         && usize::try_from(n).ok() != Some(prompt_len)
     {
-        return Err(bad(flavor, kind, "kv_transfer_params were computed for another prompt"));
+        return Err(bad(flavor, kind, "kv_transfer_params were computed for another prompt").into());
     }
     let addr = resolve(host, port).await.ok_or_else(|| {
-        fetch_error(flavor, kind, &FetchError::Connect(std::io::Error::other("cannot resolve remote_host")))
+        fetch_error(&FetchError::Connect(std::io::Error::other("cannot resolve remote_host")))
     })?;
     call(addr, Method::POST, &format!("/sim/pd/vllm/lease/{rid}"), shared.cfg.pd.bootstrap_timeout)
         .await
         .map(|_| ())
-        .map_err(|e| fetch_error(flavor, kind, &e))
+        .map_err(|e| fetch_error(&e))
 }
 
+/// The decode leg's side of a bootstrap room: the prefill's first token and `cached_tokens`.
 async fn sglang_fetch(
-    shared: &Shared,
     flavor: Flavor,
     kind: Kind,
+    shared: &Shared,
     host: &str,
     port: u16,
     room: u64,
     prompt_len: usize,
-) -> ApiResult<u32> {
+) -> Result<(u32, usize), Refusal> {
     let wait = shared.cfg.pd.bootstrap_timeout;
     let addr = resolve(host, port).await.ok_or_else(|| {
-        fetch_error(
-            flavor,
-            kind,
-            &FetchError::Connect(std::io::Error::other("cannot resolve bootstrap_host")),
-        )
+        fetch_error(&FetchError::Connect(std::io::Error::other("cannot resolve bootstrap_host")))
     })?;
     let path = format!("/sim/pd/sglang/room/{room}?timeout_ms={}", wait.as_millis());
-    let body = call(addr, Method::GET, &path, wait + Duration::from_secs(1))
-        .await
-        .map_err(|e| fetch_error(flavor, kind, &e))?;
+    let body =
+        call(addr, Method::GET, &path, wait + Duration::from_secs(1)).await.map_err(|e| fetch_error(&e))?;
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     if v.get("prompt_tokens").and_then(Value::as_u64).and_then(|n| usize::try_from(n).ok())
         != Some(prompt_len)
     {
-        return Err(bad(flavor, kind, "the prefill leg of this bootstrap_room had another prompt"));
+        return Err(bad(flavor, kind, "the prefill leg of this bootstrap_room had another prompt").into());
     }
     let tok = v.get("first_token").and_then(Value::as_u64).and_then(|t| u32::try_from(t).ok()).unwrap_or(0);
-    Ok(tok)
+    let cached =
+        v.get("cached_tokens").and_then(Value::as_u64).and_then(|n| usize::try_from(n).ok()).unwrap_or(0);
+    Ok((tok, cached))
 }
 
 /// One batch item's progress.

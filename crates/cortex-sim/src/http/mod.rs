@@ -178,7 +178,12 @@ async fn rendezvous(shared: &Arc<Shared>, req: &Request<Incoming>, path: &str) -
         return match shared.pd.take_room(room, wait).await {
             Some(info) => json_resp(
                 StatusCode::OK,
-                &json!({"prompt_tokens": info.prompt_tokens, "first_token": info.first_token, "rank": info.rank}),
+                &json!({
+                    "prompt_tokens": info.prompt_tokens,
+                    "first_token": info.first_token,
+                    "cached_tokens": info.cached_tokens,
+                    "rank": info.rank,
+                }),
             ),
             None => text_resp(StatusCode::GATEWAY_TIMEOUT, "no prefill for this room"),
         };
@@ -209,6 +214,11 @@ async fn sim_route(shared: &Arc<Shared>, req: Request<Incoming>, path: &str) -> 
                         "running": st.running,
                         "waiting": st.waiting,
                         "virtual_time_ms": st.virtual_time.as_secs_f64() * 1e3,
+                        "pd": {
+                            "prefill_legs": st.pd.prefill_legs,
+                            "decode_legs": st.pd.decode_legs,
+                            "pulled_tokens": st.pd.pulled_tokens,
+                        },
                         "publish": eps.map(|e| format!("tcp://{}", e.publish)),
                         "replay": eps.and_then(|e| e.replay).map(|a| format!("tcp://{a}")),
                         "blocks": st.blocks.iter().map(|b| {
@@ -229,7 +239,15 @@ async fn sim_route(shared: &Arc<Shared>, req: Request<Incoming>, path: &str) -> 
                     })
                 })
                 .collect();
-            json_resp(StatusCode::OK, &json!({"engine": shared.cfg.engine.name(), "ranks": ranks}))
+            json_resp(
+                StatusCode::OK,
+                &json!({
+                    "engine": shared.cfg.engine.name(),
+                    "role": shared.cfg.role.sglang_mode(),
+                    "pd_transfer_failures": shared.pd_transfer_failures.load(std::sync::atomic::Ordering::SeqCst),
+                    "ranks": ranks,
+                }),
+            )
         }
         "/sim/fault" => {
             let (_, body) = match read_json(req).await {

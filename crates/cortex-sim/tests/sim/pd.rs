@@ -92,6 +92,12 @@ fn sglang_missing_leg_fails_after_the_bootstrap_timeout() {
     // Decode pointing at nothing listening.
     let dead = post(d.http_addr(), "/generate", &sglang_body(1, 101, 4));
     assert_eq!(dead.status, 500);
+    // A disaggregated SGLang worker refuses a request without a room: it cannot serve alone.
+    for w in [&p, &d] {
+        let r = post(w.http_addr(), "/generate", &json!({"input_ids": [1, 2, 3]}));
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert!(r.text().contains("without bootstrap room"));
+    }
     p.shutdown();
     d.shutdown();
 }
@@ -154,9 +160,32 @@ fn vllm_expired_lease_fails_the_decode_leg() {
     assert!(p.held_blocks(0).expect("rank").iter().all(|b| !b.in_use), "expiry frees the blocks");
     let mut db = body.clone();
     db["kv_transfer_params"] = kv.clone();
+    // vLLM's decode side: finish_reason "error" becomes a 500 when not streaming…
     let r = post(d.http_addr(), "/v1/completions", &db);
     assert_eq!(r.status, 500, "{}", r.text());
-    assert!(r.json()["error"]["message"].as_str().expect("message").contains("KV transfer failed"));
+    assert_eq!(r.json()["error"]["message"], "Internal server error");
+    assert_eq!(d.pd_transfer_failures(), 1);
+    // …and, streaming, an error event after the 200 head (after the role preamble for chat).
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "max_tokens": 3});
+    let mut pchat = chat.clone();
+    pchat["kv_transfer_params"] = json!({"do_remote_decode": true});
+    pchat["stream"] = json!(false);
+    pchat["max_tokens"] = json!(1);
+    let pr = post(p.http_addr(), "/v1/chat/completions", &pchat);
+    assert_eq!(pr.status, 200, "{}", pr.text());
+    wait_until("the chat lease to expire", || p.leases(0).expect("rank") == 0);
+    let mut chat = chat;
+    chat["kv_transfer_params"] = pr.json()["kv_transfer_params"].clone();
+    let r = post(d.http_addr(), "/v1/chat/completions", &chat);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let events = r.sse();
+    assert_eq!(events.len(), 3, "{events:?}");
+    let role: Value = serde_json::from_str(&events[0]).expect("role chunk");
+    assert_eq!(role["choices"][0]["delta"]["role"], "assistant");
+    let err: Value = serde_json::from_str(&events[1]).expect("error event");
+    assert_eq!(err["error"]["code"], 500);
+    assert_eq!(events[2], "[DONE]");
+    assert_eq!(d.pd_transfer_failures(), 2);
     // A decode request for another prompt than the prefill's is refused.
     let kv2 = vllm_prefill(&p, &body);
     let mut other = json!({"prompt": (1..=30).collect::<Vec<u32>>(), "max_tokens": 5});
@@ -167,4 +196,84 @@ fn vllm_expired_lease_fails_the_decode_leg() {
     let _ = kv;
     p.shutdown();
     d.shutdown();
+}
+
+/// Runs one vLLM PD request (prefill leg, then decode leg) and returns the decode answer.
+fn vllm_pd(p: &SimWorker, d: &SimWorker, body: &Value) -> Value {
+    let mut db = body.clone();
+    db["kv_transfer_params"] = vllm_prefill(p, body);
+    let r = post(d.http_addr(), "/v1/completions", &db);
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
+#[test]
+fn vllm_decode_pulls_only_what_it_lacks_and_reports_it_as_cached() {
+    let p = worker(SimConfig::vllm(), Role::Prefill);
+    let d = worker(SimConfig::vllm(), Role::Decode);
+    let body = json!({"prompt": (1..=64).collect::<Vec<u32>>(), "max_tokens": 2});
+    let first = vllm_pd(&p, &d, &body);
+    let c1 = d.pd_counters(0).expect("rank");
+    assert_eq!((c1.decode_legs, c1.pulled_tokens), (1, 64), "nothing local: the whole prompt is pulled");
+    // vLLM counts the pulled tokens as computed: cached_tokens is the transfer (less the last
+    // prompt token, which the decode side recomputes).
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 63);
+    assert_eq!(p.pd_counters(0).expect("rank").prefill_legs, 1);
+    // The same prompt again: the decode worker holds its first 3 blocks (48 tokens; the 4th
+    // block holds the last prompt token, never a local hit), so it pulls only the rest.
+    let second = vllm_pd(&p, &d, &body);
+    let c2 = d.pd_counters(0).expect("rank");
+    assert_eq!((c2.decode_legs, c2.pulled_tokens - c1.pulled_tokens), (2, 16));
+    assert_eq!(second["usage"]["prompt_tokens_details"]["cached_tokens"], 63);
+    p.shutdown();
+    d.shutdown();
+}
+
+fn sglang_pd(p: &SimWorker, d: &SimWorker, body: &Value) -> Value {
+    let (pa, da) = (p.http_addr(), d.http_addr());
+    let (b1, b2) = (body.clone(), body.clone());
+    let pl = thread::spawn(move || post(pa, "/generate", &b1));
+    let dl = thread::spawn(move || post(da, "/generate", &b2));
+    let (pr, dr) = (pl.join().expect("prefill"), dl.join().expect("decode"));
+    assert_eq!(pr.status, 200, "{}", pr.text());
+    assert_eq!(dr.status, 200, "{}", dr.text());
+    dr.json()
+}
+
+#[test]
+fn sglang_decode_pulls_what_its_radix_cache_lacks_and_reports_the_prefill_hit() {
+    for radix in [false, true] {
+        let p = worker(SimConfig::sglang(), Role::Prefill);
+        let mut dcfg = SimConfig::sglang();
+        if let cortex_sim::EngineConfig::Sglang(o) = &mut dcfg.engine {
+            o.decode_radix_cache = radix;
+        }
+        let d = worker(dcfg, Role::Decode);
+        let port = p.bootstrap_addr().expect("bootstrap").port();
+        let mut body = sglang_body(port, 1, 2);
+        body["input_ids"] = json!((1..=64).collect::<Vec<u32>>());
+        let first = sglang_pd(&p, &d, &body);
+        assert_eq!(d.pd_counters(0).expect("rank").pulled_tokens, 64);
+        assert_eq!(first["meta_info"]["cached_tokens"], 0, "the prefill had nothing cached");
+        body["bootstrap_room"] = json!(2);
+        let second = sglang_pd(&p, &d, &body);
+        let pulled = d.pd_counters(0).expect("rank").pulled_tokens - 64;
+        // The prefill side now hits its cached pages (the last page is never a hit); the decode
+        // side reports that hit, raised to its own prefix match when it has a radix cache.
+        let prefill_hit = 48;
+        if radix {
+            assert!(pulled < 64, "the radix cache held a prefix: {pulled}");
+            assert!(
+                first["meta_info"]["cached_tokens"].as_u64() <= second["meta_info"]["cached_tokens"].as_u64()
+            );
+            assert!(second["meta_info"]["cached_tokens"].as_u64().expect("cached") >= prefill_hit);
+        } else {
+            assert_eq!(pulled, 64, "without a radix cache every page is transferred again");
+            assert_eq!(second["meta_info"]["cached_tokens"], prefill_hit);
+            assert!(d.held_blocks(0).expect("rank").is_empty());
+        }
+        assert_eq!(p.pd_counters(0).expect("rank").prefill_legs, 2);
+        p.shutdown();
+        d.shutdown();
+    }
 }
