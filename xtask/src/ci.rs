@@ -135,7 +135,7 @@ fn run_steps(root: &Path, steps: &mut Steps) -> Result<()> {
     steps.time("format", || step(root, &mut cargo_cmd(&["fmt", "--all", "--", "--check"])))?;
     // cargo-deny reads every crate of the lockfile, for every target platform, offline.
     steps.time("fetch", || step(root, &mut cargo_cmd(&["fetch", "--locked"])))?;
-    let log = root.join("target").join("ci").join("cargo-deny-install.log");
+    let log = crate::target_dir(root).join("ci").join("cargo-deny-install.log");
     let mut deny_install = if have_cargo_deny() { None } else { Some(start_cargo_deny_install(&log)?) };
 
     let driver = toolchain_bin()?.join("clippy-driver");
@@ -164,6 +164,12 @@ fn run_steps(root: &Path, steps: &mut Steps) -> Result<()> {
                 "warnings",
             ]),
         )
+    })?;
+    // The simulator's PD workers against the engines' own proxies, with the test build's binary.
+    steps.time("pd-check", || {
+        let sim = crate::target_dir(root).join("debug").join("cortex-sim");
+        let args = crate::pd_check::Args { python: "python3".to_owned(), engine: None, sim: Some(sim) };
+        crate::pd_check::run(root, &args)
     })?;
     steps.time("tidy", || check_tidy(root))?;
     steps.time("golden --check", || check_golden(root))?;

@@ -36,6 +36,13 @@ pub fn cargo_metadata(root: &std::path::Path) -> anyhow::Result<serde_json::Valu
     serde_json::from_slice(&out.stdout).context("parsing cargo metadata")
 }
 
+/// The target directory cargo builds into for the workspace at `root` (`$CARGO_TARGET_DIR` or
+/// `root/target`).
+#[must_use]
+pub fn target_dir(root: &std::path::Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
+}
+
 /// The workspace root (the parent of this crate's directory).
 #[must_use]
 pub fn workspace_root() -> PathBuf {

@@ -30,7 +30,9 @@ use serde_json::{Value, json};
 const SIM: &[&str] = &["run", "--quiet", "-p", "cortex-sim-bin", "--bin", "cortex-sim", "--"];
 
 /// What the venv gets from PyPI.
-const REQUIREMENTS: &[&str] = &["fastapi", "uvicorn", "httpx", "sglang-router==0.3.2"];
+/// What the venv gets from PyPI, pinned so that a fresh machine checks what this one did.
+const REQUIREMENTS: &[&str] =
+    &["fastapi==0.165.0", "uvicorn==0.54.0", "httpx==0.28.1", "sglang-router==0.3.2"];
 
 /// How long a process may take to show it is up.
 const STARTUP: Duration = Duration::from_secs(60);
@@ -47,6 +49,10 @@ pub struct Args {
     /// Only this engine (`vllm` or `sglang`); both by default.
     #[arg(long)]
     pub engine: Option<String>,
+    /// The simulator's executable, already built (CI passes the test build's); without it the
+    /// simulator is built and run with `cargo run`.
+    #[arg(long)]
+    pub sim: Option<PathBuf>,
 }
 
 /// A child process that is killed and reaped when dropped.
@@ -71,10 +77,6 @@ impl Drop for Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn target_dir(root: &Path) -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }
 
 /// Creates (once) the venv with [`REQUIREMENTS`]; returns its Python and how long installing took
@@ -125,10 +127,17 @@ fn addr_of(url: &str) -> Result<SocketAddr> {
 }
 
 /// Starts one prefill and one decode worker of `engine`; returns them once both are printed.
-fn start_sim(root: &Path, engine: &str, logs: &Path) -> Result<(Proc, Worker, Worker)> {
+fn start_sim(root: &Path, sim: Option<&Path>, engine: &str, logs: &Path) -> Result<(Proc, Worker, Worker)> {
     let log = logs.join(format!("sim-{engine}.log"));
-    let mut child = Command::new(crate::cargo())
-        .args(SIM)
+    let mut cmd = match sim {
+        Some(exe) => Command::new(exe),
+        None => {
+            let mut c = Command::new(crate::cargo());
+            c.args(SIM);
+            c
+        }
+    };
+    let mut child = cmd
         .args([
             "--engine",
             engine,
@@ -355,8 +364,8 @@ fn answer_text(case: &Case, a: &Answer) -> Result<String> {
 }
 
 /// Runs every case of `engine` through its foreign proxy.
-fn check_engine(root: &Path, py: &Path, engine: &str, logs: &Path) -> Result<usize> {
-    let (_sim, p, d) = start_sim(root, engine, logs)?;
+fn check_engine(root: &Path, sim: Option<&Path>, py: &Path, engine: &str, logs: &Path) -> Result<usize> {
+    let (_sim, p, d) = start_sim(root, sim, engine, logs)?;
     let port = free_port()?;
     let log = logs.join(format!("proxy-{engine}.log"));
     let mut cmd = Command::new(py);
@@ -412,7 +421,7 @@ fn crate_print(s: &str) {
 /// does not complete, an answer of the wrong shape, or counters that show a leg missing.
 pub fn run(root: &Path, args: &Args) -> Result<()> {
     let start = Instant::now();
-    let target = target_dir(root);
+    let target = crate::target_dir(root);
     let logs = target.join("pd-check");
     std::fs::create_dir_all(&logs).context("creating target/pd-check")?;
     let (py, installed) = venv(&args.python, &target.join("pd-check-venv"))?;
@@ -432,7 +441,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     let checked = Instant::now();
     let mut n = 0;
     for e in engines {
-        n += check_engine(root, &py, e, &logs)?;
+        n += check_engine(root, args.sim.as_deref(), &py, e, &logs)?;
     }
     crate_print(&format!(
         "pd-check: {n} requests passed through the engines' proxies in {:.1}s ({:.1}s in all)",

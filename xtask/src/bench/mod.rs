@@ -75,10 +75,6 @@ const BLOCKS: &[(&str, &[&str])] = &[
 
 const ALL_BLOCK: &str = "criterion-all";
 
-fn target_dir(root: &Path) -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
-}
-
 impl Args {
     fn rounds(&self) -> usize {
         self.rounds.unwrap_or(if self.quick { 3 } else { 7 }).max(1)
@@ -140,7 +136,7 @@ impl Args {
 /// A bench that fails is reported in its table and makes the command exit non-zero.
 #[allow(clippy::print_stdout, clippy::print_stderr)]
 pub fn run(root: &Path, args: &Args) -> Result<ExitCode> {
-    let out_dir = target_dir(root).join("bench");
+    let out_dir = crate::target_dir(root).join("bench");
     let log_dir = out_dir.join("logs");
     std::fs::create_dir_all(&log_dir).with_context(|| format!("creating {}", log_dir.display()))?;
     if let Some(path) = &args.overhead_json {
@@ -181,7 +177,7 @@ pub fn run(root: &Path, args: &Args) -> Result<ExitCode> {
         }
         runs.insert(t.id(), r);
     }
-    let estimates = criterion::collect(&target_dir(root).join("criterion"), started)?;
+    let estimates = criterion::collect(&crate::target_dir(root).join("criterion"), started)?;
 
     let overhead = if blocks.contains(&"overhead") {
         Some(run_overhead(root, args, &out_dir).map_err(|e| format!("{e:#}")))
