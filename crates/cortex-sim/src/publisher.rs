@@ -90,9 +90,19 @@ impl RankPub {
 }
 
 enum Cmd {
-    Publish { rank: u16, payload: Vec<u8> },
-    DropNext { rank: u16, n: u64 },
-    Restart { rank: u16 },
+    Publish {
+        rank: u16,
+        payload: Vec<u8>,
+    },
+    DropNext {
+        rank: u16,
+        n: u64,
+    },
+    Restart {
+        rank: u16,
+    },
+    /// Acknowledged once every command sent before it was applied.
+    Flush(mpsc::SyncSender<()>),
     Shutdown,
 }
 
@@ -289,6 +299,13 @@ impl Publisher {
         self.ranks.get(usize::from(rank)).map(|r| r.watch.subscribe())
     }
 
+    /// Blocks until every batch handed over before this call has been sent (or `timeout`).
+    pub(crate) fn flush(&self, timeout: Duration) -> Result<(), SimError> {
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.send(Cmd::Flush(tx));
+        rx.recv_timeout(timeout).map_err(|_| SimError::Timeout(timeout))
+    }
+
     /// Stops the thread and closes the sockets.
     pub(crate) fn shutdown(&self) {
         self.send(Cmd::Shutdown);
@@ -389,6 +406,9 @@ impl Thread {
                     ring.batches.pop_front();
                 }
                 self.state[r].last_seq.store(seq, Ordering::SeqCst);
+            }
+            Cmd::Flush(done) => {
+                let _ = done.send(());
             }
             Cmd::DropNext { rank, n } => {
                 if let Some(ring) = self.rings.get_mut(usize::from(rank)) {

@@ -198,6 +198,12 @@ impl SimWorker {
             })
             .collect();
         pd.set_ranks(&ranks);
+        // The start-up batches (SGLang's `AllBlocksCleared`, seq 0) are sent before `start`
+        // returns, as a real engine sends them before anyone can connect: a subscriber that
+        // connects afterwards sees them only through replay, never live at a moment it cannot know.
+        if let Some(p) = &publisher {
+            p.flush(Duration::from_secs(10))?;
+        }
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let shared = Arc::new(Shared {
             engine_id: format!("sim-{:016x}", fastrand::u64(..)),
