@@ -214,11 +214,6 @@ async fn sglang_capacity_is_discovered_shown_and_counted_by_the_watermark() {
     // The watermark at half the limit: one request in flight on a worker that runs two.
     opts.sched.watermark = Watermark { inflight_fraction: 0.5, ..opts.sched.watermark };
     let h = start(opts).await;
-    let dbg = h.debug_workers().await;
-    assert_eq!(
-        worker_entry(&dbg, "w0")["max_running_requests"],
-        json!({"value": 2, "source": "server_info"})
-    );
     let (p, q) = (completion(&prompt("p")), prompt("q"));
     h.fakes[0].prime(Route::Completions, 0, &p);
     h.fakes[0].prime(Route::Completions, 0, &completion(&q));
@@ -247,6 +242,11 @@ async fn sglang_capacity_is_discovered_shown_and_counted_by_the_watermark() {
     );
     h.fakes[0].release();
     held.await.unwrap();
+    let dbg = h.debug_workers().await;
+    assert_eq!(
+        worker_entry(&dbg, "w0")["max_running_requests"],
+        json!({"value": 2, "source": "server_info"})
+    );
     // A per-rank report in /v1/loads replaces the discovered value.
     h.fakes[0].report_max_running(3);
     let deadline = tokio::time::Instant::now() + fake::WAIT;
