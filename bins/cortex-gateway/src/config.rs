@@ -843,14 +843,17 @@ mod tests {
         assert_eq!(s.workers[1].max_running_requests, Some(256));
     }
 
+    /// A valid file of one vLLM model `m`, then `extra`; paths relative to the repository root.
+    fn minimal(extra: &str) -> String {
+        format!(
+            "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\n{extra}"
+        )
+    }
+
     #[test]
     fn bad_values_name_their_key() {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let yaml = |extra: &str| {
-            format!(
-                "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\n{extra}"
-            )
-        };
+        let yaml = minimal;
         let ok = Config::parse(&yaml("")).unwrap().into_settings(&base);
         assert!(ok.is_ok(), "{:?}", ok.err());
         for (extra, key) in [
@@ -877,11 +880,7 @@ mod tests {
     #[test]
     fn pd_roles_and_pool_policies_are_refused_until_pd_exists() {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let yaml = |extra: &str| {
-            format!(
-                "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\n{extra}"
-            )
-        };
+        let yaml = minimal;
         for (extra, key) in [
             (
                 "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: prefill}\n",

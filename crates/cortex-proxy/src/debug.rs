@@ -70,8 +70,11 @@ pub(crate) fn route(e: &Explanation, registry: &Registry) -> Value {
         Ok(p) => (Some(p.prompt_tokens), p.seq.len(), Value::Null),
         Err(err) => (None, 0, Value::String(err.to_string())),
     };
+    // The plan's candidates, in the fully sorted ranking's order (the plan orders only the first
+    // `cortex_sched::RANKED`, which are the same).
+    let pinned = |c: &&Candidate| e.pinned.is_none_or(|p| c.holder.rank == p);
     let candidates: Vec<Value> = match &e.plan {
-        Ok(p) => p.candidates.iter().map(|c| candidate(c, registry)).collect(),
+        Ok(_) => r.admissible().filter(pinned).map(|c| candidate(c, registry)).collect(),
         Err(_) => Vec::new(),
     };
     let not_pinned = r.admissible().filter(|c| e.pinned.is_some_and(|p| c.holder.rank != p));

@@ -148,22 +148,15 @@ async fn a_pinned_rank_is_booked_reported_and_checked(engine: Engine) {
     body["stream"] = json!(true);
     h.fakes[0].hold();
     let sent = Bytes::from(body.to_string());
-    let req = h.request("POST", "/v1/completions", &headers, sent.clone());
-    let client = h.client.clone();
-    let in_flight = tokio::spawn(async move {
-        let resp = client.request(req).await.unwrap();
-        let (parts, body) = resp.into_parts();
-        (parts, body.collect().await.unwrap().to_bytes())
-    });
+    let in_flight = h.spawn_send(h.request("POST", "/v1/completions", &headers, sent.clone()));
     h.wait("the pinned request reached the worker", || h.fakes[0].served().len() == 1).await;
     let id = h.id("w0");
     let booked: Vec<u32> = h.booked().iter().filter(|b| b.0 == id).map(|b| b.2).collect();
     assert_eq!(booked, vec![0, 1], "booked on the pinned rank only");
     h.fakes[0].release();
-    let (parts, streamed) = in_flight.await.unwrap();
-    assert_eq!(parts.status, StatusCode::OK);
-    assert_eq!(parts.headers["x-cortex-assigned-rank"], "1");
-    assert!(streamed.ends_with(b"data: [DONE]\n\n"));
+    let r = in_flight.await.unwrap();
+    assert_eq!((r.status, r.header("x-cortex-assigned-rank")), (StatusCode::OK, "1"));
+    assert!(r.body.ends_with(b"data: [DONE]\n\n"));
     let seen = &h.fakes[0].served()[0];
     assert_eq!(seen.rank, 1, "served on the pinned rank");
     match engine {
@@ -221,18 +214,8 @@ async fn sglang_capacity_is_discovered_shown_and_counted_by_the_watermark() {
     assert_eq!((dry["mode"].as_str(), first(&dry)), (Some("exact_kv_events"), ("w0".to_owned(), 0)), "{dry}");
     // One request in flight on w0 reaches half of its two: affinity is given up for the next.
     h.fakes[0].hold();
-    let held = {
-        let req = h.request(
-            "POST",
-            "/v1/completions",
-            &[],
-            Bytes::from(json!({"model": MODEL, "prompt": q, "max_tokens": 2, "stream": true}).to_string()),
-        );
-        let client = h.client.clone();
-        tokio::spawn(async move {
-            client.request(req).await.unwrap().into_body().collect().await.unwrap().to_bytes()
-        })
-    };
+    let stream = json!({"model": MODEL, "prompt": q, "max_tokens": 2, "stream": true});
+    let held = h.spawn_send(h.request("POST", "/v1/completions", &[], Bytes::from(stream.to_string())));
     h.wait("the held request is on w0", || h.fakes[0].served().len() == 1).await;
     let dry = h.dry("/v1/completions", &[], &p).await;
     assert_eq!(
@@ -318,25 +301,15 @@ async fn admission_answers_429_when_the_queue_is_full_and_503_after_the_queue_ti
         };
         let h = start(opts).await;
         h.fakes[0].hold();
-        let held = {
-            let req = h.request(
-                "POST",
-                "/v1/completions",
-                &[],
-                Bytes::from(json!({"model": MODEL, "prompt": "a", "stream": true}).to_string()),
-            );
-            let client = h.client.clone();
-            tokio::spawn(async move {
-                client.request(req).await.unwrap().into_body().collect().await.unwrap().to_bytes()
-            })
-        };
+        let stream = json!({"model": MODEL, "prompt": "a", "stream": true});
+        let held = h.spawn_send(h.request("POST", "/v1/completions", &[], Bytes::from(stream.to_string())));
         h.wait("the first request holds the only slot", || h.fakes[0].served().len() == 1).await;
         let r = h.post("/v1/completions", &[], &completion("b")).await;
         assert_eq!(r.status, status, "{}", r.text());
         assert_eq!(r.json()["error"]["code"], code);
         assert_eq!(r.header("retry-after"), "1");
         h.fakes[0].release();
-        assert!(held.await.unwrap().ends_with(b"data: [DONE]\n\n"));
+        assert!(held.await.unwrap().body.ends_with(b"data: [DONE]\n\n"));
         // The slot is free again.
         assert_eq!(h.post("/v1/completions", &[], &completion("c")).await.status, StatusCode::OK);
         h.shutdown().await;

@@ -693,6 +693,17 @@ impl Harness {
         Reply { status: parts.status, headers: parts.headers, body }
     }
 
+    /// Sends a request from a task of its own (one that will be held in flight): its reply.
+    pub(crate) fn spawn_send(&self, req: Request<Full<Bytes>>) -> tokio::task::JoinHandle<Reply> {
+        let client = self.client.clone();
+        tokio::spawn(async move {
+            let resp = client.request(req).await.unwrap();
+            let (parts, body) = resp.into_parts();
+            let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
+            Reply { status: parts.status, headers: parts.headers, body }
+        })
+    }
+
     pub(crate) async fn post(&self, path: &str, headers: &[(&str, &str)], v: &Value) -> Reply {
         self.send(self.request("POST", path, headers, Bytes::from(v.to_string()))).await
     }
