@@ -19,7 +19,7 @@ use cortex_hash::text::{ChatTemplate, TextTokenizer, TokenizerConfig};
 use cortex_hash::vllm::{ExtraKeyForm, HashAlgo, NoneHashSeed};
 use cortex_ingest::{IngestConfig, StaleRouting};
 use cortex_proxy::config::{AlignmentConfig, Limits, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy};
-use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
+use cortex_proxy::registry::{PD_NOT_AVAILABLE, parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
@@ -281,9 +281,13 @@ pub struct WorkerFile {
     pub engine: EngineFile,
     /// A configured model's name.
     pub model: String,
-    /// `regular` (default), `prefill` or `decode`.
+    /// `regular` (the default and, until PD orchestration exists, the only role accepted).
     #[serde(default)]
     pub role: Option<String>,
+    /// The engine's limit on running requests per DP rank (vLLM `--max-num-seqs`); overrides what
+    /// the engine reports.
+    #[serde(default)]
+    pub max_running_requests: Option<u32>,
     /// Event endpoints for engines that do not advertise them.
     #[serde(default)]
     pub events: Option<EventsFile>,
@@ -352,9 +356,9 @@ pub struct RetryFile {
 pub struct SchedulerFile {
     /// Policy of regular workers (SGLang names; default `cache_aware`).
     pub policy: Option<String>,
-    /// Policy of the prefill pool.
+    /// Policy of the prefill pool: refused until PD orchestration exists.
     pub prefill_policy: Option<String>,
-    /// Policy of the decode pool.
+    /// Policy of the decode pool: refused until PD orchestration exists.
     pub decode_policy: Option<String>,
     /// α (per matched token).
     pub alpha: Option<f64>,
@@ -602,6 +606,10 @@ impl Config {
                 role: parse_role(w.role.as_deref())
                     .map_err(anyhow::Error::msg)
                     .with_context(|| format!("workers[{i}].role"))?,
+                max_running_requests: match w.max_running_requests {
+                    Some(0) => bail!("workers[{i}].max_running_requests must be at least 1"),
+                    n => n,
+                },
                 events: w.events.map(|e| EventsOverride {
                     publish_port_base: e.publish_port_base,
                     replay_port_base: e.replay_port_base,
@@ -661,11 +669,12 @@ fn policy(s: Option<&str>, default: PolicyConfig, key: &str) -> Result<PolicyCon
 
 fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
     let d = SchedConfig::default();
-    let pools = PoolPolicies {
-        regular: policy(s.policy.as_deref(), d.pools.regular, "policy")?,
-        prefill: policy(s.prefill_policy.as_deref(), d.pools.prefill, "prefill_policy")?,
-        decode: policy(s.decode_policy.as_deref(), d.pools.decode, "decode_policy")?,
-    };
+    for (key, set) in [("prefill_policy", &s.prefill_policy), ("decode_policy", &s.decode_policy)] {
+        if set.is_some() {
+            bail!("scheduler.{key}: {PD_NOT_AVAILABLE} (only `policy`, for regular workers, is used)");
+        }
+    }
+    let pools = PoolPolicies { regular: policy(s.policy.as_deref(), d.pools.regular, "policy")?, ..d.pools };
     let cfg = SchedConfig {
         weights: Weights {
             alpha_per_token: s.alpha.unwrap_or(d.weights.alpha_per_token),
@@ -693,7 +702,6 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
         seed: d.seed,
     };
     cfg.validate().map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
-    let dh = HealthPolicy::default();
     let dc = Cooldowns::default();
     let health = HealthPolicy {
         cooldowns: Cooldowns {
@@ -710,7 +718,6 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
                 ..BreakerConfig::default()
             }),
         },
-        ..dh
     };
     health.validate().map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
     Ok((cfg, health))
@@ -833,17 +840,20 @@ mod tests {
         assert_eq!(s.workers.len(), 2);
         assert_eq!(s.workers[1].events.as_ref().map(|e| e.publish_port_base), Some(5557));
         assert!(!s.workers[0].unlabeled_stores_unknown);
-        assert_eq!(s.sched.pools.decode, PolicyConfig::PowerOfTwo);
+        assert_eq!(s.workers[1].max_running_requests, Some(256));
+    }
+
+    /// A valid file of one vLLM model `m`, then `extra`; paths relative to the repository root.
+    fn minimal(extra: &str) -> String {
+        format!(
+            "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\n{extra}"
+        )
     }
 
     #[test]
     fn bad_values_name_their_key() {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let yaml = |extra: &str| {
-            format!(
-                "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\n{extra}"
-            )
-        };
+        let yaml = minimal;
         let ok = Config::parse(&yaml("")).unwrap().into_settings(&base);
         assert!(ok.is_ok(), "{:?}", ok.err());
         for (extra, key) in [
@@ -856,10 +866,41 @@ mod tests {
                 "workers:\n  - {name: w, url: 'http://h:1', engine: sglang, model: m, unlabeled_stores: maybe}\n",
                 "workers[0].unlabeled_stores",
             ),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, max_running_requests: 0}\n",
+                "workers[0].max_running_requests",
+            ),
         ] {
             let err =
                 format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
             assert!(err.contains(key), "{extra}: {err}");
         }
+    }
+
+    #[test]
+    fn pd_roles_and_pool_policies_are_refused_until_pd_exists() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let yaml = minimal;
+        for (extra, key) in [
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: prefill}\n",
+                "workers[0].role",
+            ),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: decode}\n",
+                "workers[0].role",
+            ),
+            ("scheduler: {prefill_policy: cache_aware}\n", "scheduler.prefill_policy"),
+            ("scheduler: {decode_policy: power_of_two}\n", "scheduler.decode_policy"),
+        ] {
+            let err =
+                format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
+            assert!(
+                err.contains(key) && err.contains("PD orchestration is not available yet"),
+                "{extra}: {err}"
+            );
+        }
+        let ok = yaml("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: regular}\n");
+        assert!(Config::parse(&ok).unwrap().into_settings(&base).is_ok());
     }
 }

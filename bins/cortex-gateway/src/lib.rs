@@ -17,9 +17,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use cortex_hash::Engine;
 use cortex_hash::kv::HolderId;
-use cortex_ingest::{DECODE_ERROR_KINDS, HolderSource, Ingest, Reason, Unlabeled, Wire};
+use cortex_ingest::{DECODE_ERROR_KINDS, Ingest, Reason};
 use cortex_proxy::{Admin, Gateway, GatewayParts, RegistryEvent};
 use cortex_radix::Ledger;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -89,7 +88,7 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
         let listener =
             TcpListener::bind(admin_listen).await.with_context(|| format!("binding admin {admin_listen}"))?;
         admin_addr = Some(listener.local_addr()?);
-        let admin = Admin::new(Arc::clone(&gateway), &token);
+        let admin = Admin::new(Arc::clone(gateway.control()), settings.proxy.limits.clone(), &token);
         let (tx, rx) = oneshot::channel::<()>();
         stop.push(tx);
         let limits = settings.proxy.limits.clone();
@@ -108,7 +107,7 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
         }));
     }
     for w in settings.workers {
-        gateway.add_worker(w).map_err(|e| anyhow::anyhow!("{e}"))?;
+        gateway.control().join(w).map_err(|e| anyhow::anyhow!("{e}"))?;
     }
     Ok(Running { addr, admin_addr, gateway, ingest, stop, tasks })
 }
@@ -117,7 +116,7 @@ impl Running {
     /// A holder's ledger readiness (for tests and diagnostics).
     #[must_use]
     pub fn ledger_state(&self, holder: cortex_hash::kv::HolderId) -> Option<cortex_radix::Readiness> {
-        self.gateway.ledger().readiness(holder)
+        self.gateway.control().ledger().readiness(holder)
     }
 
     /// Graceful shutdown: stop accepting, let in-flight streams finish up to the configured
@@ -145,10 +144,10 @@ impl Running {
 fn event_metrics(ingest: Arc<Ingest>) -> cortex_proxy::ScrapeHook {
     use cortex_proxy::telemetry as t;
     let last: std::sync::Mutex<HashMap<(HolderId, &'static str), u64>> = std::sync::Mutex::default();
-    Box::new(move |gw| {
+    Box::new(move |registry| {
         let mut last = last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         for st in ingest.statuses() {
-            let Some(name) = gw.worker_name(st.holder.worker) else { continue };
+            let Some(name) = registry.name(st.holder.worker) else { continue };
             let rank = st.holder.rank.0.to_string();
             let mut advance = |key: &'static str, now: u64, counter: metrics::Counter| {
                 let before = last.insert((st.holder, key), now).unwrap_or(0);
@@ -179,26 +178,9 @@ async fn forward_events(mut events: mpsc::UnboundedReceiver<RegistryEvent>, inge
         match ev {
             RegistryEvent::Follow(sources) => {
                 for s in sources {
-                    let src = HolderSource {
-                        holder: s.holder,
-                        wire: match s.engine {
-                            Engine::Sglang => Wire::Sglang,
-                            _ => Wire::Vllm,
-                        },
-                        model: s.model,
-                        unlabeled: if s.unlabeled_stores_unknown {
-                            Unlabeled::Unknown
-                        } else {
-                            Unlabeled::Plain
-                        },
-                        publish: s.endpoints.publish,
-                        replay: s.endpoints.replay,
-                        topic: s.endpoints.topic,
-                        capacity_blocks: s.capacity_blocks,
-                        content_deterministic: s.content_deterministic,
-                    };
-                    if let Err(e) = ingest.add_holder(src) {
-                        tracing::error!(holder = %s.holder, error = %e, "cannot follow holder");
+                    let holder = s.holder;
+                    if let Err(e) = ingest.add_holder(s) {
+                        tracing::error!(%holder, error = %e, "cannot follow holder");
                     }
                 }
             }

@@ -99,7 +99,7 @@ fn run(cli: Cli) -> Result<()> {
         if cli.demo {
             // Let discovery find the workers before telling the user to send traffic.
             let deadline = tokio::time::Instant::now() + demo::DISCOVERY_WAIT;
-            while running.gateway.cluster().load().workers().len() < sims.len()
+            while running.gateway.control().cluster().load().workers().len() < sims.len()
                 && tokio::time::Instant::now() < deadline
             {
                 tokio::time::sleep(Duration::from_millis(50)).await;

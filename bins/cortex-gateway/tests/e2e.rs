@@ -145,7 +145,7 @@ async fn misaligned_workers_get_no_exact_routing() {
     other_block.block_size = 32;
     let h = harness("vllm", vec![same, other_template, other_block], &[]).await;
     let verdict = |name: &str| {
-        let w = h.gw.gateway.registry().by_name(name).unwrap();
+        let w = h.gw.gateway.control().registry().by_name(name).unwrap();
         w.status().alignment
     };
     h.wait("discovery of every worker", || {
@@ -355,10 +355,10 @@ async fn a_worker_hashing_differently_is_caught_by_the_published_hashes() {
     h.wait("the worker flagged misaligned", || matches!(h.verdict("w0"), Verdict::Misaligned(_))).await;
     let Verdict::Misaligned(why) = h.verdict("w0") else { unreachable!() };
     assert!(why.contains("engine hashes"), "{why}");
-    h.gw.gateway.sync_ledger_states();
+    h.gw.gateway.control().sync_ledger_states();
     // The ledger holds the next prompt for the worker, yet the repeat gets no credit.
     let holder = h.holder("w0");
-    let blocks = || h.gw.gateway.ledger().dump(holder).map_or(0, |d| d.blocks.len());
+    let blocks = || h.gw.gateway.control().ledger().dump(holder).map_or(0, |d| d.blocks.len());
     let before = blocks();
     let body = chat(&long_prompt("after"), false);
     assert_eq!(h.post("/v1/chat/completions", &body).await.status, StatusCode::OK);
@@ -419,7 +419,7 @@ async fn admin_api_adds_lists_and_removes_workers() {
     let (status, _) = call("DELETE", "/admin/workers/extra", Some("s3cret"), None).await;
     assert_eq!(status, StatusCode::OK);
     h.wait("the removed worker left the pool", || h.live_workers() == 1).await;
-    assert!(h.gw.gateway.registry().by_name("extra").is_none());
+    assert!(h.gw.gateway.control().registry().by_name("extra").is_none());
     h.shutdown().await;
     extra.shutdown();
 }
@@ -432,11 +432,11 @@ async fn a_failing_worker_leaves_the_pool_and_comes_back_with_its_ledger_replaye
     let holder_name = first.header("x-cortex-assigned-worker").to_owned();
     h.wait_hit(&body, |w, hit| w == holder_name && hit > 0).await;
     let holder = h.holder(&holder_name);
-    assert!(h.gw.gateway.ledger().dump(holder).is_some_and(|d| !d.blocks.is_empty()));
+    assert!(h.gw.gateway.control().ledger().dump(holder).is_some_and(|d| !d.blocks.is_empty()));
     // Its health probe fails: out of the pool first, then its ledger entries are pruned.
     h.worker(&holder_name).set_healthy(false);
     h.wait("the worker left the pool", || h.live_workers() == 1).await;
-    h.wait("its ledger entries were pruned", || h.gw.gateway.ledger().dump(holder).is_none()).await;
+    h.wait("its ledger entries were pruned", || h.gw.gateway.control().ledger().dump(holder).is_none()).await;
     let r = h.post("/v1/chat/completions", &body).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_ne!(r.header("x-cortex-assigned-worker"), holder_name);
@@ -536,15 +536,16 @@ async fn proxy_only_mode_routes_by_load_without_tokens_or_ledger() {
         realized += cached_tokens(&r);
     }
     assert!(realized > 0, "a worker served the prompt twice and reported its cached tokens");
-    // No tokenization, no hashing: the dry run shows the prompt was never tokenized.
+    // No tokenization, no hashing: the dry run shows the prompt was never tokenized (its prompt
+    // tokens are the estimate a booking reserves, as for the real request).
     let dry = h.post("/debug/route", &body).await.json();
     assert_eq!(dry["tokenization"], "proxy-only mode", "{dry}");
-    assert_eq!(dry["prompt_tokens"], 0, "{dry}");
+    assert_eq!(dry["tokenized"], false, "{dry}");
     assert_eq!(dry["blocks"], 0, "{dry}");
     assert_eq!(dry["mode"], "load_aware", "{dry}");
     // No event plane: nobody subscribed to the workers' events, the ledger has no holder.
     let dbg = h.debug_workers().await;
-    assert_eq!(dbg["mode"], "ProxyOnly");
+    assert_eq!(dbg["mode"], "proxy_only");
     for (i, name) in ["w0", "w1"].into_iter().enumerate() {
         assert!(!h.sims[i].subscribed(0), "{name}'s events are not followed");
         assert_eq!(h.gw.ledger_state(h.holder(name)), None, "{name}");

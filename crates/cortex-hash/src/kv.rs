@@ -1,6 +1,7 @@
 //! The shared vocabulary of the event plane: who holds a block ([`HolderId`]), how an engine names
-//! it ([`EngineHash`]), where it lives ([`Medium`]) and the normalized KV event both engines'
-//! decoders produce ([`EventBatch`], [`KvEvent`]).
+//! it ([`EngineHash`]), where it lives ([`Medium`]), the normalized KV event both engines'
+//! decoders produce ([`EventBatch`], [`KvEvent`]), and where a holder's events come from
+//! ([`HolderSource`]).
 //!
 //! Key decision: these types live in the lowest crate because the event decoders
 //! (`cortex-events-*`), the ledger (`cortex-radix`), the ingest runtime and the simulator all
@@ -11,7 +12,7 @@
 
 use std::fmt;
 
-use crate::{BlockHash, Namespace, SeqHash};
+use crate::{BlockHash, Engine, Namespace, SeqHash};
 
 /// A worker (one engine server) as the gateway's registry knows it. Typed, never a URL string.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Debug)]
@@ -208,6 +209,62 @@ pub struct EventBatch {
     pub dp_rank: Option<DpRank>,
     /// The events, in order.
     pub events: Vec<KvEvent>,
+}
+
+/// Which engine's wire format a holder publishes (the decoder to use). Exhaustive, unlike
+/// [`Engine`]: the event plane must know every format it is handed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Wire {
+    /// vLLM, any release from 0.9 to 0.33.
+    Vllm,
+    /// SGLang 0.5.x.
+    Sglang,
+}
+
+impl From<Engine> for Wire {
+    fn from(e: Engine) -> Wire {
+        match e {
+            Engine::Vllm => Wire::Vllm,
+            Engine::Sglang => Wire::Sglang,
+        }
+    }
+}
+
+/// How to read a store that does not say whether the request was plain (vLLM: no `extra_keys`
+/// before 0.17; SGLang: no `lora_name`, which unregistered LoRA adapters and extra keys do not
+/// publish).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unlabeled {
+    /// As a plain base-model store: this worker gets no such traffic.
+    Plain,
+    /// As unknown: never counted.
+    Unknown,
+}
+
+/// Where one holder's KV events come from and how to read them: what the gateway learns about a
+/// holder at discovery and the event plane needs to follow it. One type for both sides (the
+/// proxy builds it, the ingest runtime consumes it as it is), so the two cannot drift.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HolderSource {
+    /// The (worker, DP rank) whose cache these events describe.
+    pub holder: HolderId,
+    /// The engine's wire format.
+    pub wire: Wire,
+    /// Served model name (part of every block's namespace).
+    pub model: String,
+    /// How to read unlabeled stores.
+    pub unlabeled: Unlabeled,
+    /// The PUB endpoint, `tcp://host:port` (already offset by the rank).
+    pub publish: String,
+    /// The replay ROUTER endpoint, if the engine has one (already offset by the rank).
+    pub replay: Option<String>,
+    /// The topic to subscribe to (`""` for everything).
+    pub topic: String,
+    /// The engine's KV capacity in blocks (bounds the ledger's memory for this holder).
+    pub capacity_blocks: u32,
+    /// Whether equal content gives equal engine hashes across workers (SGLang; vLLM >= 0.29 with
+    /// the default seed): lets the ledger graft orphans from other holders.
+    pub content_deterministic: bool,
 }
 
 #[cfg(test)]

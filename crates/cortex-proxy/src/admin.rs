@@ -2,12 +2,14 @@
 //!
 //! ```text
 //! GET    /admin/workers          the registry (same shape as /debug/workers)
-//! POST   /admin/workers          {"name", "url", "engine": "vllm"|"sglang", "model", "role"?}
+//! POST   /admin/workers          {"name", "url", "engine": "vllm"|"sglang", "model",
+//!                                 "role"?, "unlabeled_stores"?, "max_running_requests"?}
 //! DELETE /admin/workers/{name}
 //! ```
 //!
-//! Key decision: a separate listener (never the public one) and a constant-time token check, so
-//! that exposing the data plane never exposes control of the cluster.
+//! Key decisions: a separate listener (never the public one) and a constant-time token check, so
+//! that exposing the data plane never exposes control of the cluster. The API talks only to
+//! [`Control`], the owner of membership.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -17,14 +19,17 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
+use crate::config::Limits;
+use crate::control::Control;
 use crate::error::{Body, ProxyError};
-use crate::gateway::{Gateway, json_response};
+use crate::gateway::{json_response, read_body};
 use crate::registry::{WorkerConfig, parse_role, parse_unlabeled_stores};
 
 /// The admin service.
 #[derive(Clone)]
 pub struct Admin {
-    gateway: Arc<Gateway>,
+    control: Arc<Control>,
+    limits: Arc<Limits>,
     token: Arc<str>,
 }
 
@@ -35,10 +40,11 @@ impl std::fmt::Debug for Admin {
 }
 
 impl Admin {
-    /// An admin API for `gateway` accepting `Authorization: Bearer <token>`.
+    /// An admin API over `control` accepting `Authorization: Bearer <token>`, reading bodies
+    /// under `limits`.
     #[must_use]
-    pub fn new(gateway: Arc<Gateway>, token: &str) -> Self {
-        Admin { gateway, token: token.into() }
+    pub fn new(control: Arc<Control>, limits: Limits, token: &str) -> Self {
+        Admin { control, limits: Arc::new(limits), token: token.into() }
     }
 
     /// The hyper service.
@@ -69,24 +75,24 @@ impl Admin {
         let path = req.uri().path().to_owned();
         match (req.method().clone(), path.as_str()) {
             (Method::GET, "/admin/workers") => {
-                Ok(json_response(StatusCode::OK, &self.gateway.debug_workers()))
+                Ok(json_response(StatusCode::OK, &crate::debug::workers(&self.control)))
             }
             (Method::POST, "/admin/workers") => {
-                let body = self.gateway.read_body(req.into_body()).await?;
+                let body = read_body(req.into_body(), &self.limits).await?;
                 let v: Value =
                     serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
                 let cfg = worker_config(&v)?;
-                let id = self.gateway.add_worker(cfg)?;
+                let id = self.control.join(cfg)?;
                 Ok(json_response(StatusCode::CREATED, &json!({"id": id.0})))
             }
             (Method::DELETE, p) if p.starts_with("/admin/workers/") => {
                 let name = &p["/admin/workers/".len()..];
                 let w = self
-                    .gateway
+                    .control
                     .registry()
                     .by_name(name)
                     .ok_or_else(|| ProxyError::NotFound { method: "DELETE".into(), path: p.to_owned() })?;
-                self.gateway.remove_worker(w.id);
+                self.control.leave(w.id);
                 Ok(json_response(StatusCode::OK, &json!({"removed": name})))
             }
             (m, _) => Err(ProxyError::NotFound { method: m.to_string(), path }),
@@ -116,12 +122,21 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
         .map_err(|e| ProxyError::InvalidRequest(format!("`role` {e}")))?;
     let unlabeled_stores_unknown = parse_unlabeled_stores(v.get("unlabeled_stores").and_then(Value::as_str))
         .map_err(|e| ProxyError::InvalidRequest(format!("`unlabeled_stores` {e}")))?;
+    let max_running_requests = match v.get("max_running_requests") {
+        None | Some(Value::Null) => None,
+        Some(n) => {
+            Some(n.as_u64().and_then(|n| u32::try_from(n).ok()).filter(|&n| n > 0).ok_or_else(|| {
+                ProxyError::InvalidRequest("`max_running_requests` must be a positive integer".into())
+            })?)
+        }
+    };
     Ok(WorkerConfig {
         name: s("name")?,
         url: s("url")?,
         engine,
         model: s("model")?,
         role,
+        max_running_requests,
         events: None,
         unlabeled_stores_unknown,
     })
@@ -151,6 +166,24 @@ mod tests {
         assert!(worker_config(&u).unwrap().unlabeled_stores_unknown);
         let bad = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "unlabeled_stores": "x"});
         assert!(worker_config(&bad).unwrap_err().to_string().contains("unlabeled_stores"));
+        let base = json!({"name": "a", "url": "u", "engine": "vllm", "model": "m"});
+        assert_eq!(worker_config(&base).unwrap().max_running_requests, None);
+        let mut capped = base.clone();
+        capped["max_running_requests"] = json!(64);
+        assert_eq!(worker_config(&capped).unwrap().max_running_requests, Some(64));
+        for bad in [json!(0), json!(-1), json!("64"), json!(1.5)] {
+            capped["max_running_requests"] = bad;
+            assert!(worker_config(&capped).unwrap_err().to_string().contains("max_running_requests"));
+        }
+    }
+
+    #[test]
+    fn pd_roles_are_refused_until_pd_exists() {
+        for role in ["prefill", "decode"] {
+            let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": role});
+            let e = worker_config(&v).unwrap_err().to_string();
+            assert!(e.contains("PD orchestration is not available yet"), "{e}");
+        }
     }
 
     #[test]

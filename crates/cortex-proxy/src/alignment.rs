@@ -11,16 +11,26 @@
 //!   identity) — a different template, block size, salt or hash algorithm shows up here even when
 //!   the worker reports no usage.
 //!
-//! Key decision: no signal means no verdict. A check is recorded only when the worker said
+//! Key decisions: no signal means no verdict. A check is recorded only when the worker said
 //! something (usage present, or blocks found); a window of recent checks with too many failures
-//! marks the worker misaligned, and enough successes restore it.
+//! marks the worker misaligned, and enough successes restore it. [`AlignmentTracker`] is the
+//! windows alone (pure bookkeeping); [`Verifier`] runs the checks for the forwarder and says
+//! when a verdict changed, so that the owner of the scheduler's view ([`crate::control`]) turns
+//! exact routing off or on at once.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use cortex_hash::kv::WorkerId;
+use cortex_hash::kv::{EngineHash, HolderId, WorkerId};
+use cortex_hash::{SeqHash, Token};
+use cortex_radix::{DumpState, HolderFilter, Ledger, OverlapScores, QueryOptions, Readiness};
+use tokio::sync::Notify;
 
 use crate::config::AlignmentConfig;
+use crate::models::ModelRoute;
+use crate::registry::Registry;
+use crate::telemetry as t;
+use crate::upstream::{Completion, OnComplete};
 
 /// The continuous verdict on one worker.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -135,6 +145,139 @@ pub fn hit_check(predicted: u32, realized: u32) -> Check {
         Check::Ok
     } else {
         Check::Failed(format!("predicted {predicted} cached tokens, worker reported {realized}"))
+    }
+}
+
+/// What a served request predicted, for the checks when its response ends.
+#[derive(Debug)]
+pub struct Prediction {
+    /// The holder that served it.
+    pub holder: HolderId,
+    /// Cached tokens predicted, capped as the engine counts them.
+    pub predicted_hit: u32,
+    /// Whether the decision rested on the ledger (`exact_kv_events`): only then is a hit checked.
+    pub exact: bool,
+    /// The model route (its recipe predicts the engine hash).
+    pub model: Arc<ModelRoute>,
+    /// The request's cache salt.
+    pub cache_salt: Option<String>,
+    /// The first block: its identity and tokens, when the prompt has one.
+    pub first_block: Option<(SeqHash, Vec<Token>)>,
+}
+
+/// Runs the continuous checks and keeps their verdicts. Shared by the forwarder (which records)
+/// and the control plane (which reads verdicts, forgets workers and waits for changes).
+#[derive(Debug)]
+pub struct Verifier {
+    tracker: AlignmentTracker,
+    cfg: AlignmentConfig,
+    ledger: Arc<Ledger>,
+    registry: Arc<Registry>,
+    changed: Notify,
+}
+
+impl Verifier {
+    /// A verifier with `cfg`, reading `ledger` and naming workers from `registry`.
+    #[must_use]
+    pub fn new(cfg: AlignmentConfig, ledger: Arc<Ledger>, registry: Arc<Registry>) -> Self {
+        Verifier { tracker: AlignmentTracker::new(cfg), cfg, ledger, registry, changed: Notify::new() }
+    }
+
+    /// The continuous verdict of a worker.
+    #[must_use]
+    pub fn verdict(&self, worker: WorkerId) -> Verdict {
+        self.tracker.verdict(worker)
+    }
+
+    /// Forgets a worker's checks (it left, or rejoins with a verdict to earn).
+    pub fn forget(&self, worker: WorkerId) {
+        self.tracker.forget(worker);
+    }
+
+    /// Resolves once after some verdict changed (a notification is kept if nobody waits).
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// Whether a request served by `worker` should get the block check: every request while the
+    /// worker's window fills, then one in 16 (the check costs a timer and a ledger lookup).
+    #[must_use]
+    pub fn samples_block(&self, worker: WorkerId) -> bool {
+        self.tracker.samples(worker) < self.cfg.window || fastrand::u8(..16) == 0
+    }
+
+    /// What to check when the response to `p` ends: the realized hit against the prediction,
+    /// and (after `settle`) that the worker now holds the request's first block under Cortex's
+    /// identity and the predicted engine hash.
+    pub fn on_complete(self: &Arc<Self>, p: Prediction) -> OnComplete {
+        let v = Arc::clone(self);
+        Box::new(move |c: Completion| {
+            if let Some(realized) = c.cached_tokens {
+                metrics::counter!(t::PREDICTED_HIT_TOKENS).increment(u64::from(p.predicted_hit));
+                metrics::counter!(t::REALIZED_HIT_TOKENS).increment(u64::from(realized));
+                if p.exact && p.predicted_hit > 0 {
+                    v.record(p.holder.worker, hit_check(p.predicted_hit, realized));
+                }
+            }
+            if let Some((seq, page)) = p.first_block {
+                tokio::spawn(async move {
+                    tokio::time::sleep(v.cfg.settle).await;
+                    // The worker's hash of the first page, as the engine's recipe computes it.
+                    let engine = p
+                        .model
+                        .predict_engine_hashes(&page, p.cache_salt.as_deref())
+                        .and_then(|h| h.first().copied());
+                    v.block_check(p.holder, seq, engine);
+                });
+            }
+        })
+    }
+
+    /// After a worker served a request it holds the request's first block (both engines store
+    /// prompt blocks): the ledger must show it under Cortex's identity (else the worker's tokens
+    /// or block size differ from the gateway's), and under the engine hash the recipe predicts
+    /// (else its hash algorithm, seed, salt or LoRA namespacing differ). Checked only while the
+    /// holder is READY; a block evicted that fast reads as a failure the tolerance absorbs.
+    fn block_check(&self, holder: HolderId, seq: SeqHash, engine: Option<EngineHash>) {
+        if self.ledger.readiness(holder) != Some(Readiness::Ready) {
+            return;
+        }
+        let mut out = OverlapScores::with_capacity(4);
+        let opts = QueryOptions { holders: HolderFilter::All, ..QueryOptions::default() };
+        self.ledger.query(&[seq], opts, &mut out);
+        let held = out.get(holder).is_some_and(|o| o.any_tier_blocks > 0);
+        let check = match (held, engine.map(|e| self.ledger.block(holder, e))) {
+            (false, _) => Check::Failed(
+                "the worker published no block matching the gateway's tokens for a request it served".into(),
+            ),
+            (true, None) => Check::Ok,
+            (true, Some(Some(b))) if b.state == DumpState::Countable(seq) => Check::Ok,
+            (true, Some(Some(_))) => {
+                Check::Failed("the predicted engine hash names another block on the worker".into())
+            }
+            (true, Some(None)) => Check::Failed(
+                "the worker published other engine hashes than its recipe predicts (hash algorithm, seed, salt or LoRA)"
+                    .into(),
+            ),
+        };
+        self.record(holder.worker, check);
+    }
+
+    /// Records a check of `worker`; a changed verdict is logged and announced.
+    pub fn record(&self, worker: WorkerId, check: Check) {
+        let ok = matches!(check, Check::Ok);
+        let name = self.registry.name(worker).unwrap_or_default();
+        metrics::counter!(t::ALIGNMENT_CHECKS, "worker" => name.clone(), "result" => if ok { "ok" } else { "failed" })
+            .increment(1);
+        if let Some(v) = self.tracker.record(worker, check) {
+            match &v {
+                Verdict::Misaligned(why) => {
+                    tracing::warn!(worker = %name, reason = %why, "worker misaligned: exact routing off");
+                }
+                other => tracing::info!(worker = %name, verdict = other.as_str(), "alignment verdict"),
+            }
+            self.changed.notify_one();
+        }
     }
 }
 

@@ -1,185 +1,197 @@
-//! `/debug/route` (a dry run that explains a decision) and `/debug/workers` (the registry, each
-//! worker's profile verdict, ledger state and counts).
+//! The JSON of `/debug/route` (a dry run, explained) and `/debug/workers` (each worker's
+//! configuration, discovery, profile verdict, capacity, ledger state and load; also
+//! `GET /admin/workers`).
 //!
-//! Key decision: the dry run goes through exactly the request path's planning (tokenize, hash,
-//! query, decide) and stops before booking, so what it shows is what a real request would get.
+//! Key decision: these are views only. The dry run is [`Planner::explain`](crate::planner::Planner::explain),
+//! the same pipeline as the request path; this module renders it. Every value is JSON (numbers,
+//! booleans, snake-case names), never a Rust `Debug` string, so scripts can read it.
 
-use std::sync::Arc;
-
-use cortex_hash::kv::DpRank;
-use cortex_hash::profile::Alignment;
-use cortex_sched::{CacheView, Ranking, Request as SchedRequest, Role, Untrusted};
-use http::{Request, Response, StatusCode};
-use hyper::body::Incoming;
+use cortex_hash::kv::{DpRank, HolderId};
+use cortex_hash::profile::{Alignment, Bigram, WorkerFacts};
+use cortex_sched::{Candidate, Exclusion, Health};
 use serde_json::{Value, json};
 
+use crate::alignment::Verdict;
 use crate::config::Mode;
-use crate::error::{Body, ProxyError};
-use crate::gateway::{Gateway, json_response};
-use crate::request::{self, Route};
+use crate::control::Control;
+use crate::error::ProxyError;
+use crate::planner::Explanation;
+use crate::registry::Registry;
+use crate::request::Route;
 
-impl Gateway {
-    /// `POST /debug/route`: the body of a chat, completion or `/generate` request; answers the
-    /// ranked candidates with their score breakdown and the excluded holders with why.
-    pub(crate) async fn debug_route(
-        self: &Arc<Self>,
-        req: Request<Incoming>,
-    ) -> Result<Response<Body>, ProxyError> {
-        let query = req.uri().query().unwrap_or_default().to_owned();
-        let body = self.read_body(req.into_body()).await?;
-        let v: Value = serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
-        let route =
-            if query.contains("route=generate") || v.get("text").is_some() || v.get("input_ids").is_some() {
-                Route::Generate
-            } else if v.get("messages").is_some() {
-                Route::ChatCompletions
-            } else {
-                Route::Completions
+/// The route a debug or `/tokenize` body is parsed as: `?route=generate`, or SGLang's `text` /
+/// `input_ids`, then `messages` (chat), else a completion.
+///
+/// # Errors
+/// [`ProxyError::MalformedJson`] when the body is not JSON.
+pub(crate) fn route_of(query: &str, body: &[u8]) -> Result<Route, ProxyError> {
+    let v: Value = serde_json::from_slice(body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
+    Ok(if query.contains("route=generate") || v.get("text").is_some() || v.get("input_ids").is_some() {
+        Route::Generate
+    } else if v.get("messages").is_some() {
+        Route::ChatCompletions
+    } else {
+        Route::Completions
+    })
+}
+
+fn exclusion(e: Exclusion) -> Value {
+    match e {
+        Exclusion::CoolingDown(class) => json!({"reason": e.as_str(), "class": class.as_str()}),
+        Exclusion::BoundedLoad { cap } => json!({"reason": e.as_str(), "cap": cap}),
+        _ => json!({"reason": e.as_str()}),
+    }
+}
+
+fn candidate(c: &Candidate, registry: &Registry) -> Value {
+    json!({
+        "worker": registry.name(c.holder.worker).unwrap_or_else(|| c.holder.worker.to_string()),
+        "rank": c.holder.rank.0,
+        "matched_tokens": c.matched_tokens,
+        "affinity_tokens": c.affinity_tokens,
+        "prefill_tokens": c.prefill_tokens,
+        "active_requests": c.active_requests,
+        "booked_requests": c.booked_requests,
+        "queue_latency_ms": c.queue_latency_ms,
+        "load_reported": c.load_reported,
+        "kv_usage": c.kv_usage,
+        "ledger": c.ledger.as_str(),
+        "score": {"affinity": c.score.affinity, "load": c.score.load, "queue": c.score.queue, "total": c.score.total},
+        "excluded": c.excluded.map(exclusion),
+    })
+}
+
+/// `POST /debug/route`: what the request would get. `candidates` are the admissible holders in
+/// rank order (the first is the one a real request books; with a pinned rank, only that rank's);
+/// `excluded` the holders that may not take it, with why.
+pub(crate) fn route(e: &Explanation, registry: &Registry) -> Value {
+    let r = &e.ranking;
+    let (prompt_tokens, blocks, decided) = match &e.plan {
+        Ok(p) => (Some(p.prompt_tokens), p.seq.len(), Value::Null),
+        Err(err) => (None, 0, Value::String(err.to_string())),
+    };
+    // The plan's candidates, in the fully sorted ranking's order (the plan orders only the first
+    // `cortex_sched::RANKED`, which are the same).
+    let pinned = |c: &&Candidate| e.pinned.is_none_or(|p| c.holder.rank == p);
+    let candidates: Vec<Value> = match &e.plan {
+        Ok(_) => r.admissible().filter(pinned).map(|c| candidate(c, registry)).collect(),
+        Err(_) => Vec::new(),
+    };
+    let not_pinned = r.admissible().filter(|c| e.pinned.is_some_and(|p| c.holder.rank != p));
+    let excluded: Vec<Value> = r
+        .excluded()
+        .map(|c| candidate(c, registry))
+        .chain(not_pinned.map(|c| {
+            let mut v = candidate(c, registry);
+            v["excluded"] = json!({"reason": "not_the_pinned_rank"});
+            v
+        }))
+        .collect();
+    json!({
+        "model": e.model.base_model(),
+        "lora": e.model.lora(),
+        "prompt_tokens": prompt_tokens,
+        "tokenized": e.untrusted.is_none(),
+        "tokenization": e.untrusted.as_ref().map(|(_, why)| why),
+        "blocks": blocks,
+        "pinned_rank": e.pinned.map(|p| p.0),
+        "decided": decided,
+        "mode": r.mode().as_str(),
+        "reason": r.reason().map(|x| x.as_str()),
+        "policy": r.policy().as_str(),
+        "cache_hit_tokens": e.plan.as_ref().ok().and_then(|p| p.candidates.first()).map_or(0, |c| c.matched_tokens),
+        "candidates": candidates,
+        "excluded": excluded,
+    })
+}
+
+fn facts(f: &WorkerFacts) -> Value {
+    json!({
+        "engine": f.engine.map(|e| e.as_str()),
+        "model": f.model,
+        "block_size": f.block_size,
+        "hash_algo": f.hash_algo.map(|a| a.as_str()),
+        "bigram": f.bigram.map(|b| b == Bigram::On),
+        "tokens_agree": f.tokens_agree,
+    })
+}
+
+const fn health(h: Health) -> &'static str {
+    match h {
+        Health::Healthy => "healthy",
+        Health::Unhealthy => "unhealthy",
+        Health::Draining => "draining",
+    }
+}
+
+/// `GET /debug/workers` (and `GET /admin/workers`).
+pub(crate) fn workers(c: &Control) -> Value {
+    let snap = c.cluster().load();
+    let now = c.clock().now();
+    let ledger = c.ledger();
+    let mut workers: Vec<Value> = c
+        .registry()
+        .snapshot()
+        .values()
+        .map(|w| {
+            let s = w.status();
+            let entry = snap.worker(w.id);
+            let alignment = match &s.alignment {
+                Alignment::Confirmed => json!({"verdict": "confirmed"}),
+                Alignment::Unconfirmed(f) => json!({"verdict": "unconfirmed", "fields": f}),
+                Alignment::Mismatch(m) => json!({"verdict": "mismatch",
+                    "mismatches": m.iter().map(ToString::to_string).collect::<Vec<_>>()}),
             };
-        let facts = Arc::new(request::parse(route, &body)?);
-        let model = Arc::clone(self.models.get(facts.model.as_deref()).ok_or_else(|| {
-            ProxyError::UnknownModel(facts.model.clone().unwrap_or_else(|| "(none given)".into()))
-        })?);
-        let (m, f) = (Arc::clone(&model), Arc::clone(&facts));
-        let tokens = if self.cfg.mode == Mode::ProxyOnly {
-            Err(("proxy-only mode".to_owned(), Untrusted::ExactRoutingOff))
-        } else {
-            tokio::task::spawn_blocking(move || m.tokens(&f.prompt))
-                .await
-                .map_err(|e| (e.to_string(), Untrusted::TokenizerFailed))
-                .and_then(|r| r.map_err(|e| (e.to_string(), crate::gateway::untrusted_for(&e))))
-        };
-        let mut seq = Vec::new();
-        let untrusted = match &tokens {
-            Ok(t) => model
-                .seq_hashes(t, facts.cache_salt.as_deref(), &mut seq)
-                .err()
-                .map(|_| Untrusted::ExactRoutingOff),
-            Err((_, u)) => Some(*u),
-        };
-        let mut overlap = cortex_radix::OverlapScores::with_capacity(16);
-        let cache = match untrusted {
-            Some(u) => CacheView::Untrusted(u),
-            None => {
-                self.ledger.query(&seq, cortex_radix::QueryOptions::default(), &mut overlap);
-                CacheView::Overlap { scores: &overlap, block_tokens: model.block_size() }
-            }
-        };
-        let prompt_tokens = tokens.as_ref().map_or(0, Vec::len);
-        let snap = self.cluster.load();
-        let mut ranking = Ranking::with_capacity(16);
-        let req = SchedRequest {
-            model: model.base_model(),
-            role: Role::Regular,
-            now: self.clock.now(),
-            prompt_tokens: u32::try_from(prompt_tokens).unwrap_or(u32::MAX),
-            cache,
-            routing_key: None,
-            prefix: &seq,
-        };
-        let decided = self.sched.decide(&snap, &req, &mut ranking);
-        ranking.sort_all();
-        let name = |id| self.registry.get(id).map_or_else(|| format!("w{}", id.0), |w| w.config.name.clone());
-        let cand = |c: &cortex_sched::Candidate| {
-            json!({
-                "worker": name(c.holder.worker),
-                "rank": c.holder.rank.0,
-                "matched_tokens": c.matched_tokens,
-                "affinity_tokens": c.affinity_tokens,
-                "prefill_tokens": c.prefill_tokens,
-                "active_requests": c.active_requests,
-                "booked_requests": c.booked_requests,
-                "queue_latency_ms": c.queue_latency_ms,
-                "ledger": c.ledger.as_str(),
-                "score": format!("{:?}", c.score),
-                "excluded": c.excluded.map(|e| format!("{e:?}")),
-            })
-        };
-        let body = json!({
-            "model": model.base_model(),
-            "lora": model.lora(),
-            "prompt_tokens": prompt_tokens,
-            "blocks": seq.len(),
-            "tokenization": tokens.as_ref().err().map(|(why, _)| why),
-            "decided": decided.as_ref().err().map(ToString::to_string),
-            "mode": ranking.mode().as_str(),
-            "reason": ranking.reason().map(|r| r.as_str()),
-            "policy": format!("{:?}", ranking.policy()),
-            "cache_hit_tokens": ranking.cache_hit_tokens(),
-            "candidates": ranking.admissible().map(cand).collect::<Vec<_>>(),
-            "excluded": ranking.excluded().map(cand).collect::<Vec<_>>(),
-        });
-        Ok(json_response(StatusCode::OK, &body))
-    }
-
-    /// `GET /debug/workers`.
-    pub(crate) fn debug_workers(&self) -> Value {
-        let snap = self.cluster.load();
-        let now = self.clock.now();
-        let mut workers: Vec<Value> = self
-            .registry
-            .snapshot()
-            .values()
-            .map(|w| {
-                let s = w.status();
-                let entry = snap.worker(w.id);
-                let alignment = match &s.alignment {
-                    Alignment::Confirmed => json!({"verdict": "confirmed"}),
-                    Alignment::Unconfirmed(f) => json!({"verdict": "unconfirmed", "fields": f}),
-                    Alignment::Mismatch(m) => json!({"verdict": "mismatch",
-                        "mismatches": m.iter().map(ToString::to_string).collect::<Vec<_>>()}),
-                };
-                let verdict = self.alignment.verdict(w.id);
-                let ranks: Vec<Value> = (0..w.dp_size())
-                    .map(|r| {
-                        let rank = DpRank(r);
-                        let holder = cortex_hash::kv::HolderId::new(w.id, rank);
-                        let load = entry.and_then(|e| e.state().rank_load(rank, now));
-                        json!({
-                            "rank": r,
-                            "ledger": self.holder_state(w.id, rank).as_str(),
-                            "events": s.sources.iter().find(|e| e.rank == rank).map(|e| json!({"publish": e.publish, "replay": e.replay, "topic": e.topic})),
-                            "ledger_blocks": self.ledger.dump(holder).map(|d| d.blocks.len()),
-                            "booked_requests": load.map(|l| l.booked_requests),
-                            "engine": load.and_then(|l| l.engine).map(|(e, age)| json!({"running": e.running, "waiting": e.waiting, "kv_usage": e.kv_usage, "age_ms": age.as_millis()})),
-                        })
+            let ranks: Vec<Value> = (0..w.dp_size())
+                .map(|r| {
+                    let rank = DpRank(r);
+                    let holder = HolderId::new(w.id, rank);
+                    let load = entry.and_then(|e| e.state().rank_load(rank, now));
+                    json!({
+                        "rank": r,
+                        "ledger": c.holder_state(w.id, rank).as_str(),
+                        "events": s.sources.iter().find(|e| e.rank == rank).map(|e| json!({"publish": e.publish, "replay": e.replay, "topic": e.topic})),
+                        "ledger_blocks": ledger.dump(holder).map(|d| d.blocks.len()),
+                        "booked_requests": load.map(|l| l.booked_requests),
+                        "engine": load.and_then(|l| l.engine).map(|(e, age)| json!({"running": e.running, "waiting": e.waiting, "waiting_prefill_tokens": e.waiting_prefill_tokens, "kv_usage": e.kv_usage, "age_ms": age.as_millis()})),
                     })
-                    .collect();
-                json!({
-                    "id": w.id.0,
-                    "name": w.config.name,
-                    "url": w.config.url,
-                    "engine": w.config.engine.as_str(),
-                    "model": w.config.model,
-                    "role": w.config.role.as_str(),
-                    "phase": s.phase.as_str(),
-                    "health": entry.map(|e| format!("{:?}", e.health())),
-                    "profile": alignment,
-                    "continuous_verdict": match &verdict {
-                        crate::alignment::Verdict::Misaligned(why) => json!({"verdict": "misaligned", "reason": why}),
-                        v => json!({"verdict": v.as_str()}),
-                    },
-                    "facts": format!("{:?}", s.facts),
-                    "capacity_blocks": s.capacity_blocks,
-                    "last_error": s.last_error,
-                    "cooldown": entry.and_then(|e| e.state().cooldown(now)).map(|(c, _)| c.as_str()),
-                    "ranks": ranks,
                 })
+                .collect();
+            json!({
+                "id": w.id.0,
+                "name": w.config.name,
+                "url": w.config.url,
+                "engine": w.config.engine.as_str(),
+                "model": w.config.model,
+                "role": w.config.role.as_str(),
+                "phase": s.phase.as_str(),
+                "health": entry.map(|e| health(e.health())),
+                "profile": alignment,
+                "continuous_verdict": match c.verdict(w.id) {
+                    Verdict::Misaligned(why) => json!({"verdict": "misaligned", "reason": why}),
+                    v => json!({"verdict": v.as_str()}),
+                },
+                "facts": facts(&s.facts),
+                "capacity_blocks": s.capacity_blocks,
+                "max_running_requests": {"value": s.max_running.value, "source": s.max_running.source.as_str()},
+                "last_error": s.last_error,
+                "cooldown": entry.and_then(|e| e.state().cooldown(now)).map(|(class, _)| class.as_str()),
+                "ranks": ranks,
             })
-            .collect();
-        workers.sort_by_key(|w| w["id"].as_u64());
-        let ledger = self.ledger.stats();
-        let profiles: Vec<Value> = self
-            .models
-            .names()
-            .filter_map(|n| self.models.get(Some(n)).map(|m| (n, m)))
-            .map(|(n, m)| json!({"name": n, "fingerprint": m.spec().profile.fingerprint(), "block_size": m.block_size()}))
-            .collect();
-        json!({
-            "mode": format!("{:?}", self.cfg.mode),
-            "models": profiles,
-            "workers": workers,
-            "ledger": {"live_bytes": ledger.live_bytes, "blocks": ledger.blocks, "countable_blocks": ledger.countable_blocks, "orphans": ledger.orphans, "holders": ledger.holders},
         })
-    }
+        .collect();
+    workers.sort_by_key(|w| w["id"].as_u64());
+    let stats = ledger.stats();
+    let models = c.models();
+    let profiles: Vec<Value> = models
+        .names()
+        .filter_map(|n| models.get(Some(n)).map(|m| (n, m)))
+        .map(|(n, m)| json!({"name": n, "fingerprint": m.spec().profile.fingerprint(), "block_size": m.block_size()}))
+        .collect();
+    json!({
+        "mode": match c.mode() { Mode::Route => "route", Mode::ProxyOnly => "proxy_only" },
+        "models": profiles,
+        "workers": workers,
+        "ledger": {"live_bytes": stats.live_bytes, "blocks": stats.blocks, "countable_blocks": stats.countable_blocks, "orphans": stats.orphans, "holders": stats.holders},
+    })
 }

@@ -62,8 +62,13 @@ pub enum ProxyError {
         path: String,
     },
     /// The route exists but not with this method.
-    #[error("method {0} not allowed here")]
-    MethodNotAllowed(String),
+    #[error("method {method} not allowed here: {allowed}")]
+    MethodNotAllowed {
+        /// The request's method.
+        method: String,
+        /// What the route takes instead.
+        allowed: &'static str,
+    },
     /// Missing or wrong bearer token (admin API).
     #[error("unauthorized")]
     Unauthorized,
@@ -106,7 +111,7 @@ impl ProxyError {
             | ProxyError::InvalidRequest(_)
             | ProxyError::UnknownModel(_)
             | ProxyError::NotFound { .. }
-            | ProxyError::MethodNotAllowed(_)
+            | ProxyError::MethodNotAllowed { .. }
             | ProxyError::Unauthorized => Blame::Client,
             ProxyError::Overloaded
             | ProxyError::QueueTimeout(_)
@@ -141,7 +146,7 @@ impl ProxyError {
                 StatusCode::BAD_REQUEST
             }
             ProxyError::UnknownModel(_) | ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
-            ProxyError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
             ProxyError::Overloaded => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::QueueTimeout(_) | ProxyError::NoWorker(_) | ProxyError::ShuttingDown => {
@@ -182,7 +187,7 @@ impl ProxyError {
             ProxyError::InvalidRequest(_) => "invalid_request",
             ProxyError::UnknownModel(_) => "model_not_found",
             ProxyError::NotFound { .. } => "not_found",
-            ProxyError::MethodNotAllowed(_) => "method_not_allowed",
+            ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::Unauthorized => "unauthorized",
             ProxyError::Overloaded => "gateway_overloaded",
             ProxyError::QueueTimeout(_) => "queue_timeout",

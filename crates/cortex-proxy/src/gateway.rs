@@ -1,32 +1,25 @@
-//! The gateway: shared state and the request path, phase by phase (see
-//! `docs/request-lifecycle.md`).
+//! The gateway: the public API's routes over the planner, the forwarder and the control plane,
+//! and the request path phase by phase (see `docs/request-lifecycle.md`).
 //!
 //! ```text
-//! admit ─► read body ─► parse facts ─► tokenize (blocking pool, segment reuse) ─► hash ─► ledger query
-//!   ─► decide (ranking) ─► book ─► forward ─┬─ 2xx: relay the stream (first token, completion, usage)
-//!                                           ├─ the request's own error: pass it through
-//!                                           └─ the worker's failure: classify, cool down, next candidate
+//! admit ─► read body ─► parse facts ─► plan (Planner: tokenize, hash, ledger, decide)
+//!   ─► forward (Forwarder: book, attempt, retry before the first byte, relay)
 //! ```
 //!
-//! Key decisions: one `Arc<Gateway>` built once by the binary holds everything (no global state);
-//! every handler returns `Result<_, ProxyError>` and [`Gateway::serve`] is the single place where
-//! errors become responses; retries happen only before the response head is returned (the first
-//! byte the client sees), and each retry takes the next candidate of the same ranking.
+//! Key decisions: one `Arc<Gateway>` built once by the binary; it owns only what the routes use
+//! (admission, body limits, and the three parts), and the parts own the rest. Every handler
+//! returns `Result<_, ProxyError>` and [`Gateway::serve`] is the single place where errors become
+//! responses.
 
-use std::cell::RefCell;
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::Duration;
 
 use bytes::Bytes;
-use cortex_hash::SeqHash;
-use cortex_hash::kv::{HolderId, WorkerId};
-use cortex_radix::{HolderFilter, Ledger, OverlapScores, QueryOptions};
-use cortex_sched::{
-    CacheView, Candidate, Cluster, FallbackReason, HealthPolicy, MatchMode, MonotonicClock, Ranking,
-    Request as SchedRequest, Role, SchedConfig, Scheduler, Snapshot, Untrusted,
-};
+use cortex_hash::kv::{DpRank, HolderId};
+use cortex_radix::Ledger;
+use cortex_sched::{Cluster, HealthPolicy, Role, SchedConfig, Scheduler};
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -34,14 +27,18 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use serde_json::json;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
-use crate::alignment::{AlignmentTracker, Check, Verdict, hit_check};
-use crate::config::{Mode, ProxyConfig};
+use crate::alignment::Verifier;
+use crate::config::{Limits, Mode, ProxyConfig};
+use crate::control::{Control, ControlParts};
 use crate::error::{Body, ProxyError, full};
-use crate::models::{ModelRoute, ModelTable, TokenizeError};
+use crate::forwarder::{Forwarder, Outgoing};
+use crate::models::ModelTable;
+use crate::planner::{Ask, Planner};
+use crate::probes::Probes;
 use crate::registry::{Registry, RegistryEvent};
-use crate::request::{self, Prompt, RequestFacts, Route};
-use crate::telemetry as t;
-use crate::upstream::{self, Answer, Completion, RelayBody, UpstreamClient};
+use crate::request::{self, Route};
+use crate::scrape::{Scrape, ScrapeHook};
+use crate::{debug, upstream};
 
 /// Everything the binary hands over to build a gateway.
 pub struct GatewayParts {
@@ -60,14 +57,27 @@ pub struct GatewayParts {
 }
 
 /// Bounded admission: `max_concurrent` slots and a queue of `max_queue` waiters.
-struct Admission {
+#[derive(Debug)]
+pub(crate) struct Admission {
     slots: Arc<Semaphore>,
+    max_concurrent: usize,
     waiting: AtomicUsize,
     max_queue: usize,
-    timeout: std::time::Duration,
+    timeout: Duration,
 }
 
 impl Admission {
+    fn new(limits: &Limits) -> Self {
+        let max_concurrent = limits.max_concurrent.max(1);
+        Admission {
+            slots: Arc::new(Semaphore::new(max_concurrent)),
+            max_concurrent,
+            waiting: AtomicUsize::new(0),
+            max_queue: limits.max_queue,
+            timeout: limits.queue_timeout,
+        }
+    }
+
     async fn acquire(&self) -> Result<OwnedSemaphorePermit, ProxyError> {
         if let Ok(p) = Arc::clone(&self.slots).try_acquire_owned() {
             return Ok(p);
@@ -85,52 +95,36 @@ impl Admission {
             Err(_) => Err(ProxyError::QueueTimeout(self.timeout)),
         }
     }
-}
 
-/// The gateway. Build with [`Gateway::new`]; serve with [`crate::server`].
-pub struct Gateway {
-    pub(crate) cfg: ProxyConfig,
-    pub(crate) models: ModelTable,
-    pub(crate) ledger: Arc<Ledger>,
-    pub(crate) cluster: Arc<Cluster>,
-    pub(crate) sched: Scheduler,
-    pub(crate) registry: Registry,
-    pub(crate) alignment: AlignmentTracker,
-    pub(crate) client: UpstreamClient,
-    pub(crate) clock: MonotonicClock,
-    admission: Admission,
-    pub(crate) events: mpsc::UnboundedSender<RegistryEvent>,
-    prometheus: Option<PrometheusHandle>,
-    shutting_down: AtomicBool,
-    pub(crate) tasks: Mutex<std::collections::HashMap<WorkerId, tokio::task::AbortHandle>>,
-    scrape_hooks: Mutex<Vec<ScrapeHook>>,
-}
-
-/// Called on every `/metrics` scrape, before rendering, to refresh metrics that mirror a
-/// component this crate does not own (the binary registers the event plane's).
-pub type ScrapeHook = Box<dyn Fn(&Gateway) + Send + Sync>;
-
-impl std::fmt::Debug for Gateway {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gateway").field("mode", &self.cfg.mode).finish_non_exhaustive()
+    /// Requests holding a slot now.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.max_concurrent.saturating_sub(self.slots.available_permits())
     }
 }
 
-/// What the decision produced for one request.
-struct Plan {
-    candidates: Vec<Candidate>,
-    mode: MatchMode,
-    reason: Option<FallbackReason>,
-    prompt_tokens: u32,
-    seq: Vec<SeqHash>,
-    /// The tokens of the prompt's first block (for the alignment checks), when it has one.
-    first_page: Vec<cortex_hash::Token>,
-    snapshot: Arc<Snapshot>,
+/// How often the `manual` policy's idle assignments are swept (SGLang: every 60 s).
+pub const STICKY_SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+/// How often every holder's ledger state is mirrored into the scheduler (and at once after an
+/// alignment verdict changed).
+const LEDGER_SYNC_EVERY: Duration = Duration::from_millis(50);
+
+/// The gateway. Build with [`Gateway::new`]; serve with [`crate::server`].
+pub struct Gateway {
+    limits: Limits,
+    shutdown_grace: Duration,
+    admission: Admission,
+    planner: Planner,
+    forwarder: Forwarder,
+    control: Arc<Control>,
+    scrape: Scrape,
+    shutting_down: AtomicBool,
 }
 
-thread_local! {
-    /// Per-thread buffers for the overlap query and the ranking: a decision allocates nothing.
-    static BUFFERS: RefCell<(OverlapScores, Ranking)> = RefCell::new((OverlapScores::with_capacity(64), Ranking::with_capacity(64)));
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway").field("mode", &self.control.mode()).finish_non_exhaustive()
+    }
 }
 
 impl Gateway {
@@ -141,87 +135,121 @@ impl Gateway {
     pub fn new(
         parts: GatewayParts,
     ) -> Result<(Arc<Gateway>, mpsc::UnboundedReceiver<RegistryEvent>), ProxyError> {
+        let cfg = parts.config;
         let sched = Scheduler::new(parts.sched).map_err(|e| ProxyError::Internal(e.to_string()))?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let limits = &parts.config.limits;
-        let gw = Gateway {
-            admission: Admission {
-                slots: Arc::new(Semaphore::new(limits.max_concurrent.max(1))),
-                waiting: AtomicUsize::new(0),
-                max_queue: limits.max_queue,
-                timeout: limits.queue_timeout,
-            },
-            client: upstream::client(parts.config.probes.timeout),
-            alignment: AlignmentTracker::new(parts.config.alignment),
-            cfg: parts.config,
-            models: parts.models,
-            ledger: parts.ledger,
-            cluster: Arc::new(Cluster::new(parts.health)),
+        let models = Arc::new(parts.models);
+        let registry = Arc::new(Registry::new());
+        let cluster = Arc::new(Cluster::new(parts.health));
+        let clock = cortex_sched::MonotonicClock::new();
+        let client = upstream::client(cfg.probes.timeout);
+        let verifier =
+            Arc::new(Verifier::new(cfg.alignment, Arc::clone(&parts.ledger), Arc::clone(&registry)));
+        let planner = Planner::new(
+            cfg.mode,
+            Arc::clone(&models),
+            Arc::clone(&parts.ledger),
+            Arc::clone(&cluster),
             sched,
-            registry: Registry::new(),
-            clock: MonotonicClock::new(),
-            events: tx,
-            prometheus: parts.prometheus,
+            clock,
+        );
+        let forwarder = Forwarder::new(
+            client.clone(),
+            Arc::clone(&registry),
+            cfg.retry,
+            cfg.limits.upstream_head_timeout,
+            cfg.limits.upstream_idle_timeout,
+            clock,
+            Arc::clone(&verifier),
+        );
+        let (control, events) = Control::new(ControlParts {
+            mode: cfg.mode,
+            probes: cfg.probes,
+            prefill_tokens_per_sec: cfg.prefill_tokens_per_sec,
+            models,
+            registry,
+            cluster,
+            ledger: parts.ledger,
+            verifier,
+            http: Probes::new(client, cfg.probes.timeout),
+            clock,
+        });
+        let gw = Gateway {
+            admission: Admission::new(&cfg.limits),
+            limits: cfg.limits,
+            shutdown_grace: cfg.shutdown_grace,
+            planner,
+            forwarder,
+            control: Arc::new(control),
+            scrape: Scrape::new(parts.prometheus),
             shutting_down: AtomicBool::new(false),
-            tasks: Mutex::new(std::collections::HashMap::new()),
-            scrape_hooks: Mutex::new(Vec::new()),
         };
-        Ok((Arc::new(gw), rx))
+        Ok((Arc::new(gw), events))
     }
 
-    /// The cluster view (for tests and the binary).
+    /// The control plane: worker membership, their state, the ledger and the cluster view.
     #[must_use]
-    pub fn cluster(&self) -> &Arc<Cluster> {
-        &self.cluster
+    pub fn control(&self) -> &Arc<Control> {
+        &self.control
     }
 
-    /// The worker registry.
+    /// The planner (for dry runs and tests).
     #[must_use]
-    pub fn registry(&self) -> &Registry {
-        &self.registry
+    pub fn planner(&self) -> &Planner {
+        &self.planner
     }
 
-    /// The ledger.
+    /// Request limits and timeouts.
     #[must_use]
-    pub fn ledger(&self) -> &Arc<Ledger> {
-        &self.ledger
+    pub fn limits(&self) -> &Limits {
+        &self.limits
     }
 
-    /// The served models.
+    /// Time allowed for graceful shutdown before streams are cut.
     #[must_use]
-    pub fn models(&self) -> &ModelTable {
-        &self.models
-    }
-
-    /// The continuous alignment verdict of a worker.
-    #[must_use]
-    pub fn verdict(&self, worker: WorkerId) -> Verdict {
-        self.alignment.verdict(worker)
-    }
-
-    /// Workers in the live pool (healthy: discovered, probed, not failing).
-    #[must_use]
-    pub fn live_workers(&self) -> usize {
-        self.cluster.load().workers().iter().filter(|w| w.health() == cortex_sched::Health::Healthy).count()
-    }
-
-    /// A registered worker's configured name (the `worker` label of every metric).
-    #[must_use]
-    pub fn worker_name(&self, worker: WorkerId) -> Option<String> {
-        self.registry.get(worker).map(|w| w.config.name.clone())
+    pub fn shutdown_grace(&self) -> Duration {
+        self.shutdown_grace
     }
 
     /// Registers `hook` to run on every `/metrics` scrape (see [`ScrapeHook`]).
     pub fn on_scrape(&self, hook: ScrapeHook) {
-        self.scrape_hooks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(hook);
+        self.scrape.add(hook);
+    }
+
+    /// Starts the maintenance loop: every holder's ledger state mirrored into the scheduler
+    /// (every 50 ms, and at once when an alignment verdict changed), and the `manual` policy's
+    /// idle assignments swept every [`STICKY_SWEEP_EVERY`].
+    pub fn start_background(self: &Arc<Self>) {
+        let gw = Arc::downgrade(self);
+        let control = Arc::clone(&self.control);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(LEDGER_SYNC_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            let mut swept = tokio::time::Instant::now();
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    () = control.verdict_changed() => {}
+                }
+                let Some(gw) = gw.upgrade() else { return };
+                if gw.is_shutting_down() {
+                    return;
+                }
+                gw.control.sync_ledger_states();
+                if swept.elapsed() >= STICKY_SWEEP_EVERY {
+                    swept = tokio::time::Instant::now();
+                    let n = gw.planner.sweep_sticky(gw.control.clock().now());
+                    if n > 0 {
+                        tracing::debug!(forgotten = n, "idle manual assignments swept");
+                    }
+                }
+            }
+        });
     }
 
     /// Stops admitting requests (graceful shutdown); in-flight ones finish.
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
-        for (_, task) in self.tasks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).drain() {
-            task.abort();
-        }
+        self.control.shutdown();
     }
 
     /// True once [`Gateway::begin_shutdown`] ran.
@@ -239,7 +267,7 @@ impl Gateway {
         let resp = match self.dispatch(req, &rid).await {
             Ok(r) => r,
             Err(e) => {
-                metrics::counter!(t::ERRORS, "code" => e.code()).increment(1);
+                metrics::counter!(crate::telemetry::ERRORS, "code" => e.code()).increment(1);
                 if e.status().is_server_error() {
                     tracing::warn!(request_id = %rid, error = %e, "request failed");
                 }
@@ -249,69 +277,39 @@ impl Gateway {
         Ok(resp)
     }
 
-    async fn dispatch(
-        self: &Arc<Self>,
-        req: Request<Incoming>,
-        rid: &str,
-    ) -> Result<Response<Body>, ProxyError> {
-        let path = req.uri().path().to_owned();
+    async fn dispatch(&self, req: Request<Incoming>, rid: &str) -> Result<Response<Body>, ProxyError> {
         let method = req.method().clone();
-        match (method.clone(), path.as_str()) {
-            (Method::POST, "/v1/chat/completions") => self.route(Route::ChatCompletions, req, rid).await,
-            (Method::POST, "/v1/completions") => self.route(Route::Completions, req, rid).await,
-            (Method::POST, "/generate") => self.route(Route::Generate, req, rid).await,
-            (Method::POST, "/tokenize") => self.tokenize(req).await,
-            (Method::POST, "/debug/route") => self.debug_route(req).await,
-            (Method::GET, "/debug/workers") => Ok(json_response(StatusCode::OK, &self.debug_workers())),
-            (Method::GET, "/v1/models") => Ok(json_response(StatusCode::OK, &self.list_models())),
-            (Method::GET, "/health/live") => Ok(json_response(StatusCode::OK, &json!({"status": "live"}))),
-            (Method::GET, "/health/ready") => Ok(self.ready()),
-            (Method::GET, "/metrics") => Ok(self.metrics()),
-            (
-                _,
-                "/v1/chat/completions"
-                | "/v1/completions"
-                | "/generate"
-                | "/tokenize"
-                | "/debug/route"
-                | "/debug/workers"
-                | "/v1/models"
-                | "/health/live"
-                | "/health/ready"
-                | "/metrics",
-            ) => Err(ProxyError::MethodNotAllowed(method.to_string())),
-            _ => Err(ProxyError::NotFound { method: method.to_string(), path }),
-        }
-    }
-
-    /// Reads a body under the size and time limits.
-    pub(crate) async fn read_body(&self, body: Incoming) -> Result<Bytes, ProxyError> {
-        let limits = &self.cfg.limits;
-        let limited = http_body_util::Limited::new(body, limits.max_body_bytes);
-        match tokio::time::timeout(limits.body_read_timeout, limited.collect()).await {
-            Err(_) => Err(ProxyError::BodyTimeout(limits.body_read_timeout)),
-            Ok(Ok(c)) => Ok(c.to_bytes()),
-            Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
-                Err(ProxyError::BodyTooLarge { limit: limits.max_body_bytes })
+        let path = req.uri().path();
+        match (&method, path) {
+            (&Method::POST, "/v1/chat/completions") => self.route(Route::ChatCompletions, req, rid).await,
+            (&Method::POST, "/v1/completions") => self.route(Route::Completions, req, rid).await,
+            (&Method::POST, "/generate") => self.route(Route::Generate, req, rid).await,
+            (&Method::POST, "/tokenize") => self.tokenize(req).await,
+            (&Method::POST, "/debug/route") => self.debug_route(req).await,
+            (&Method::GET, "/debug/workers") => {
+                Ok(json_response(StatusCode::OK, &debug::workers(&self.control)))
             }
-            Ok(Err(e)) => Err(ProxyError::BodyRead(e.to_string())),
+            (&Method::GET, "/v1/models") => Ok(json_response(StatusCode::OK, &self.list_models())),
+            (&Method::GET, "/health/live") => Ok(json_response(StatusCode::OK, &json!({"status": "live"}))),
+            (&Method::GET, "/health/ready") => Ok(self.ready()),
+            (&Method::GET, "/metrics") => Ok(self.metrics()),
+            (_, "/debug/route") => Err(ProxyError::MethodNotAllowed {
+                method: method.to_string(),
+                allowed: "/debug/route takes a POST whose body is a chat, completion or /generate request",
+            }),
+            (_, "/v1/chat/completions" | "/v1/completions" | "/generate" | "/tokenize") => {
+                Err(ProxyError::MethodNotAllowed { method: method.to_string(), allowed: "use POST" })
+            }
+            (_, "/debug/workers" | "/v1/models" | "/health/live" | "/health/ready" | "/metrics") => {
+                Err(ProxyError::MethodNotAllowed { method: method.to_string(), allowed: "use GET" })
+            }
+            _ => Err(ProxyError::NotFound { method: method.to_string(), path: path.to_owned() }),
         }
     }
 
-    fn model_for(&self, facts: &RequestFacts) -> Result<&Arc<ModelRoute>, ProxyError> {
-        // SGLang names its adapter in `lora_path`; OpenAI routes name it as the model.
-        if let Some(l) = facts.lora.as_deref()
-            && let Some(m) = self.models.get(Some(l))
-        {
-            return Ok(m);
-        }
-        self.models.get(facts.model.as_deref()).ok_or_else(|| {
-            ProxyError::UnknownModel(facts.model.clone().unwrap_or_else(|| "(none given)".to_owned()))
-        })
-    }
-
+    /// The request path: admit, read, parse, plan, forward.
     async fn route(
-        self: &Arc<Self>,
+        &self,
         route: Route,
         req: Request<Incoming>,
         rid: &str,
@@ -321,316 +319,39 @@ impl Gateway {
         }
         let permit = self.admission.acquire().await?;
         let (parts, body) = req.into_parts();
-        let body = self.read_body(body).await?;
-        let facts = Arc::new(request::parse(route, &body)?);
-        let model = Arc::clone(self.model_for(&facts)?);
-        let routing_key = parts.headers.get("x-cortex-routing-key").map(|v| v.as_bytes().to_vec());
-        let plan = self.plan(&model, &facts, routing_key.as_deref()).await?;
-        self.forward(route, &model, &facts, &parts.headers, body, plan, permit, rid).await
+        let body = read_body(body, &self.limits).await?;
+        let ask = Ask::new(request::parse(route, &body)?, &parts.headers)?;
+        let plan = self.planner.plan(&ask, Role::Regular).await?;
+        let out = Outgoing { route, facts: &ask.facts, headers: &parts.headers, body, rid };
+        self.forwarder.forward(out, plan, permit).await
     }
 
-    /// Tokenizes, hashes, queries the ledger and decides.
-    async fn plan(
-        &self,
-        model: &Arc<ModelRoute>,
-        facts: &Arc<RequestFacts>,
-        routing_key: Option<&[u8]>,
-    ) -> Result<Plan, ProxyError> {
-        let mut untrusted = None;
-        let mut tokens = Vec::new();
-        if self.cfg.mode == Mode::ProxyOnly {
-            untrusted = Some(Untrusted::ExactRoutingOff);
-        } else {
-            let started = Instant::now();
-            let result = if tokenize_inline(&facts.prompt) {
-                Ok(model.tokens(&facts.prompt))
-            } else {
-                let (m, f) = (Arc::clone(model), Arc::clone(facts));
-                tokio::task::spawn_blocking(move || m.tokens(&f.prompt)).await
-            };
-            metrics::histogram!(t::TOKENIZE_SECONDS).record(started.elapsed().as_secs_f64());
-            match result {
-                Ok(Ok(t)) => tokens = t,
-                Ok(Err(e)) => {
-                    tracing::debug!(error = %e, "no tokens for this request; routing by load");
-                    untrusted = Some(untrusted_for(&e));
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "tokenizer task failed; routing by load");
-                    untrusted = Some(Untrusted::TokenizerFailed);
-                }
-            }
-        }
-        let started = Instant::now();
-        let mut seq = Vec::new();
-        if untrusted.is_none() {
-            let h = Instant::now();
-            if let Err(e) = model.seq_hashes(&tokens, facts.cache_salt.as_deref(), &mut seq) {
-                tracing::debug!(error = %e, "no exact identity for this request");
-                untrusted = Some(Untrusted::ExactRoutingOff);
-            }
-            metrics::histogram!(t::HASH_SECONDS).record(h.elapsed().as_secs_f64());
-        }
-        let prompt_tokens = if tokens.is_empty() { estimate_tokens(&facts.prompt) } else { tokens.len() };
-        let prompt_tokens = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
-        let snapshot = self.cluster.load();
-        let now = self.clock.now();
-        let block_tokens = model.block_size();
-        let decided = BUFFERS.with(|b| {
-            let (overlap, ranking) = &mut *b.borrow_mut();
-            let cache = match untrusted {
-                Some(u) => CacheView::Untrusted(u),
-                None => {
-                    self.ledger.query(&seq, QueryOptions::default(), overlap);
-                    CacheView::Overlap { scores: overlap, block_tokens }
-                }
-            };
-            let req = SchedRequest {
-                model: model.base_model(),
-                role: Role::Regular,
-                now,
-                prompt_tokens,
-                cache,
-                routing_key,
-                prefix: &seq,
-            };
-            self.sched.decide(&snapshot, &req, ranking).map(|()| {
-                (ranking.admissible().copied().collect::<Vec<_>>(), ranking.mode(), ranking.reason())
-            })
-        });
-        metrics::histogram!(t::ROUTING_SECONDS).record(started.elapsed().as_secs_f64());
-        let (candidates, mode, reason) =
-            decided.map_err(|_| ProxyError::NoWorker(model.base_model().to_owned()))?;
-        let first_page = if seq.is_empty() { Vec::new() } else { tokens[..block_tokens as usize].to_vec() };
-        Ok(Plan { candidates, mode, reason, prompt_tokens, seq, first_page, snapshot })
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn forward(
-        self: &Arc<Self>,
-        route: Route,
-        model: &Arc<ModelRoute>,
-        facts: &Arc<RequestFacts>,
-        client_headers: &HeaderMap,
-        body: Bytes,
-        plan: Plan,
-        permit: OwnedSemaphorePermit,
-        rid: &str,
-    ) -> Result<Response<Body>, ProxyError> {
-        let started = Instant::now();
-        let retry = self.cfg.retry;
-        let mut attempts = 0u32;
-        let mut last: Option<upstream::Failure> = None;
-        for cand in &plan.candidates {
-            if attempts >= retry.max_attempts.max(1) || (attempts > 0 && started.elapsed() >= retry.budget) {
-                break;
-            }
-            let now = self.clock.now();
-            if !plan.snapshot.admissible(cand.holder, now) {
-                continue;
-            }
-            let Some(worker) = self.registry.get(cand.holder.worker) else { continue };
-            let Some(booking) = plan.snapshot.book(cand, now) else { continue };
-            if attempts > 0 {
-                metrics::counter!(t::RETRIES).increment(1);
-            }
-            attempts += 1;
-            let mut headers = upstream::end_to_end(client_headers);
-            upstream::set_header(&mut headers, "x-request-id", rid);
-            let multi_rank = worker.dp_size() > 1;
-            let out_body = match worker.config.engine {
-                cortex_hash::Engine::Sglang if multi_rank && facts.client_rank.is_none() => {
-                    request::splice_routed_dp_rank(&body, cand.holder.rank.0)
-                }
-                cortex_hash::Engine::Vllm if multi_rank && !headers.contains_key("x-data-parallel-rank") => {
-                    upstream::set_header(
-                        &mut headers,
-                        "x-data-parallel-rank",
-                        &cand.holder.rank.0.to_string(),
-                    );
-                    body.clone()
-                }
-                _ => body.clone(),
-            };
-            headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
-            let uri = upstream::worker_uri(&worker.base, route.path())?;
-            match upstream::send(&self.client, uri, headers, out_body, self.cfg.limits.upstream_head_timeout)
-                .await
-            {
-                Ok(Answer::Stream(resp)) => {
-                    let mode = effective_mode(plan.mode, cand);
-                    metrics::counter!(t::REQUESTS, "route" => route.as_str(), "mode" => mode.as_str())
-                        .increment(1);
-                    if let Some(r) = plan.reason {
-                        metrics::counter!(t::FALLBACKS, "reason" => r.as_str()).increment(1);
-                    }
-                    let (up, incoming) = resp.into_parts();
-                    let mut headers = upstream::end_to_end(&up.headers);
-                    self.cortex_headers(&mut headers, cand, mode, &worker.config.name, rid);
-                    let sse = facts.stream
-                        || up
-                            .headers
-                            .get(http::header::CONTENT_TYPE)
-                            .and_then(|v| v.to_str().ok())
-                            .is_some_and(|v| v.starts_with("text/event-stream"));
-                    let on_complete = self.completion_check(model, facts, cand, mode, &plan);
-                    let relay = RelayBody::new(
-                        incoming,
-                        booking,
-                        self.clock,
-                        sse,
-                        self.cfg.limits.upstream_idle_timeout,
-                        on_complete,
-                    )
-                    .holding(permit);
-                    let mut resp = Response::new(relay.boxed_unsync());
-                    *resp.status_mut() = up.status;
-                    *resp.headers_mut() = headers;
-                    return Ok(resp);
-                }
-                Ok(Answer::Reject { status, headers: up_headers, body, class }) => {
-                    match class {
-                        Some(c) => booking.fail(c, self.clock.now()),
-                        None => booking.succeed(self.clock.now()),
-                    }
-                    let mode = effective_mode(plan.mode, cand);
-                    let mut headers = up_headers;
-                    self.cortex_headers(&mut headers, cand, mode, &worker.config.name, rid);
-                    let mut resp = Response::new(full(body));
-                    *resp.status_mut() = status;
-                    *resp.headers_mut() = headers;
-                    return Ok(resp);
-                }
-                Err(f) => {
-                    tracing::info!(worker = %worker.config.name, class = f.class.as_str(), message = %f.message, "attempt failed");
-                    metrics::counter!(t::UPSTREAM_ERRORS, "class" => f.class.as_str(), "stage" => "head")
-                        .increment(1);
-                    booking.fail(f.class, self.clock.now());
-                    last = Some(f);
-                }
-            }
-        }
-        match last {
-            Some(f) => Err(ProxyError::Upstream { class: f.class, attempts, message: f.message }),
-            None => Err(ProxyError::NoWorker(model.base_model().to_owned())),
-        }
-    }
-
-    fn cortex_headers(&self, h: &mut HeaderMap, cand: &Candidate, mode: MatchMode, worker: &str, rid: &str) {
-        upstream::set_header(h, "x-cortex-cache-hit-tokens", &cand.matched_tokens.to_string());
-        upstream::set_header(h, "x-cortex-assigned-worker", worker);
-        upstream::set_header(h, "x-cortex-assigned-rank", &cand.holder.rank.0.to_string());
-        upstream::set_header(h, "x-cortex-match-mode", mode.as_str());
-        upstream::set_header(h, "x-request-id", rid);
-    }
-
-    /// What to check when the response ends: the realized hit against the prediction, and that
-    /// the worker now holds the request's blocks under Cortex's identity.
-    fn completion_check(
-        self: &Arc<Self>,
-        model: &Arc<ModelRoute>,
-        facts: &Arc<RequestFacts>,
-        cand: &Candidate,
-        mode: MatchMode,
-        plan: &Plan,
-    ) -> upstream::OnComplete {
-        let gw = Arc::clone(self);
-        let holder = cand.holder;
-        let predicted = cand.matched_tokens.min(model.max_cached_tokens(plan.prompt_tokens as usize));
-        let exact = mode == MatchMode::ExactKvEvents;
-        // The block check costs a timer and a ledger lookup: every request while the worker's
-        // window fills, then one in 16.
-        let sample =
-            self.alignment.samples(holder.worker) < self.cfg.alignment.window || fastrand::u8(..16) == 0;
-        let first = (sample && !plan.seq.is_empty()).then(|| {
-            let salt = facts.cache_salt.clone();
-            (plan.seq[0], plan.first_page.clone(), Arc::clone(model), salt)
-        });
-        Box::new(move |c: Completion| {
-            if let Some(realized) = c.cached_tokens {
-                metrics::counter!(t::PREDICTED_HIT_TOKENS).increment(u64::from(predicted));
-                metrics::counter!(t::REALIZED_HIT_TOKENS).increment(u64::from(realized));
-                if exact && predicted > 0 {
-                    gw.record_check(holder.worker, hit_check(predicted, realized));
-                }
-            }
-            if let Some((seq, page, model, salt)) = first {
-                let gw2 = Arc::clone(&gw);
-                tokio::spawn(async move {
-                    tokio::time::sleep(gw2.cfg.alignment.settle).await;
-                    // The worker's hash of the first page, as the engine's recipe computes it.
-                    let engine =
-                        model.predict_engine_hashes(&page, salt.as_deref()).and_then(|h| h.first().copied());
-                    gw2.block_check(holder, seq, engine);
-                });
-            }
-        })
-    }
-
-    /// After a worker served a request it holds the request's first block (both engines store
-    /// prompt blocks): the ledger must show it under Cortex's identity (else the worker's tokens
-    /// or block size differ from the gateway's), and under the engine hash the recipe predicts
-    /// (else its hash algorithm, seed, salt or LoRA namespacing differ). Checked only while the
-    /// holder is READY; a block evicted that fast reads as a failure the tolerance absorbs.
-    fn block_check(&self, holder: HolderId, seq: SeqHash, engine: Option<cortex_hash::kv::EngineHash>) {
-        if self.ledger.readiness(holder) != Some(cortex_radix::Readiness::Ready) {
-            return;
-        }
-        let mut out = OverlapScores::with_capacity(4);
-        let opts = QueryOptions { holders: HolderFilter::All, ..QueryOptions::default() };
-        self.ledger.query(&[seq], opts, &mut out);
-        let held = out.get(holder).is_some_and(|o| o.any_tier_blocks > 0);
-        let check = match (held, engine.map(|e| self.ledger.block(holder, e))) {
-            (false, _) => Check::Failed(
-                "the worker published no block matching the gateway's tokens for a request it served".into(),
-            ),
-            (true, None) => Check::Ok,
-            (true, Some(Some(b))) if b.state == cortex_radix::DumpState::Countable(seq) => Check::Ok,
-            (true, Some(Some(_))) => {
-                Check::Failed("the predicted engine hash names another block on the worker".into())
-            }
-            (true, Some(None)) => Check::Failed(
-                "the worker published other engine hashes than its recipe predicts (hash algorithm, seed, salt or LoRA)"
-                    .into(),
-            ),
-        };
-        self.record_check(holder.worker, check);
-    }
-
-    pub(crate) fn record_check(&self, worker: WorkerId, check: Check) {
-        let ok = matches!(check, Check::Ok);
-        let name = self.registry.get(worker).map(|w| w.config.name.clone()).unwrap_or_default();
-        metrics::counter!(t::ALIGNMENT_CHECKS, "worker" => name.clone(), "result" => if ok { "ok" } else { "failed" })
-            .increment(1);
-        if let Some(v) = self.alignment.record(worker, check) {
-            match &v {
-                Verdict::Misaligned(why) => {
-                    tracing::warn!(worker = %name, reason = %why, "worker misaligned: exact routing off");
-                }
-                other => tracing::info!(worker = %name, verdict = other.as_str(), "alignment verdict"),
-            }
-            self.sync_ledger_states();
-        }
-    }
-
+    /// `POST /tokenize`: the token ids the worker will compute for a chat or completion body.
     async fn tokenize(&self, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
-        let body = self.read_body(req.into_body()).await?;
-        let v: serde_json::Value =
-            serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
-        let route = if v.get("messages").is_some() { Route::ChatCompletions } else { Route::Completions };
+        let body = read_body(req.into_body(), &self.limits).await?;
+        let route = debug::route_of("", &body)?;
         let facts = Arc::new(request::parse(route, &body)?);
-        let model = Arc::clone(self.model_for(&facts)?);
-        let f = Arc::clone(&facts);
-        let tokens = tokio::task::spawn_blocking(move || model.tokens(&f.prompt))
-            .await
-            .map_err(|e| ProxyError::Internal(e.to_string()))?
-            .map_err(|e| ProxyError::InvalidRequest(e.to_string()))?;
+        let tokens = self.planner.tokenize(&facts).await?;
         Ok(json_response(StatusCode::OK, &json!({"count": tokens.len(), "tokens": tokens})))
+    }
+
+    /// `POST /debug/route`: the dry run of the body (and headers) of a chat, completion or
+    /// `/generate` request; answers the ranked candidates with their score breakdown and the
+    /// excluded holders with why.
+    async fn debug_route(&self, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
+        let query = req.uri().query().unwrap_or_default().to_owned();
+        let (parts, body) = req.into_parts();
+        let body = read_body(body, &self.limits).await?;
+        let route = debug::route_of(&query, &body)?;
+        let ask = Ask::new(request::parse(route, &body)?, &parts.headers)?;
+        let explained = self.planner.explain(&ask, Role::Regular).await?;
+        Ok(json_response(StatusCode::OK, &debug::route(&explained, self.control.registry())))
     }
 
     fn list_models(&self) -> serde_json::Value {
         let data: Vec<serde_json::Value> = self
-            .models
+            .control
+            .models()
             .names()
             .map(|name| json!({"id": name, "object": "model", "created": 0, "owned_by": "cortex"}))
             .collect();
@@ -638,123 +359,45 @@ impl Gateway {
     }
 
     fn ready(&self) -> Response<Body> {
-        let live = self.live_workers();
-        let ready_holders = self
-            .registry
+        let c = &self.control;
+        let live = c.live_workers();
+        let ready_holders = c
+            .registry()
             .snapshot()
             .values()
-            .flat_map(|w| (0..w.dp_size()).map(move |r| HolderId::new(w.id, cortex_hash::kv::DpRank(r))))
-            .filter(|h| self.ledger.readiness(*h) == Some(cortex_radix::Readiness::Ready))
+            .flat_map(|w| (0..w.dp_size()).map(move |r| HolderId::new(w.id, DpRank(r))))
+            .filter(|h| c.ledger().readiness(*h) == Some(cortex_radix::Readiness::Ready))
             .count();
+        let ok = live > 0 && !self.is_shutting_down();
         let body = json!({
-            "status": if live > 0 && !self.is_shutting_down() { "ready" } else { "not_ready" },
+            "status": if ok { "ready" } else { "not_ready" },
             "live_workers": live,
             "ready_holders": ready_holders,
-            "routing": if self.cfg.mode == Mode::ProxyOnly { "proxy_only" }
+            "routing": if c.mode() == Mode::ProxyOnly { "proxy_only" }
                        else if ready_holders > 0 { "exact_kv_events" } else { "degraded" },
         });
-        let status = if live > 0 && !self.is_shutting_down() {
-            StatusCode::OK
-        } else {
-            StatusCode::SERVICE_UNAVAILABLE
-        };
-        json_response(status, &body)
+        json_response(if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, &body)
     }
 
     fn metrics(&self) -> Response<Body> {
-        self.refresh_gauges();
-        let text = self.prometheus.as_ref().map(PrometheusHandle::render).unwrap_or_default();
+        let text = self.scrape.render(&self.control, self.admission.in_flight());
         let mut resp = Response::new(full(text));
         resp.headers_mut()
             .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/plain; version=0.0.4"));
         resp
     }
+}
 
-    fn refresh_gauges(&self) {
-        let stats = self.ledger.stats();
-        metrics::gauge!(t::LEDGER_BYTES).set(stats.live_bytes as f64);
-        metrics::gauge!(t::LEDGER_BLOCKS).set(stats.blocks as f64);
-        metrics::gauge!(t::LEDGER_ORPHANS).set(stats.orphans as f64);
-        metrics::counter!(t::LEDGER_EVICTIONS, "reason" => "capacity").absolute(stats.evictions_capacity);
-        metrics::counter!(t::LEDGER_EVICTIONS, "reason" => "budget").absolute(stats.evictions_budget);
-        let free = self.admission.slots.available_permits();
-        metrics::gauge!(t::INFLIGHT).set(self.cfg.limits.max_concurrent.max(1).saturating_sub(free) as f64);
-        for hook in self.scrape_hooks.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter() {
-            hook(self);
+/// Reads a body under the size and time limits.
+pub(crate) async fn read_body(body: Incoming, limits: &Limits) -> Result<Bytes, ProxyError> {
+    let limited = http_body_util::Limited::new(body, limits.max_body_bytes);
+    match tokio::time::timeout(limits.body_read_timeout, limited.collect()).await {
+        Err(_) => Err(ProxyError::BodyTimeout(limits.body_read_timeout)),
+        Ok(Ok(c)) => Ok(c.to_bytes()),
+        Ok(Err(e)) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => {
+            Err(ProxyError::BodyTooLarge { limit: limits.max_body_bytes })
         }
-        let snap = self.cluster.load();
-        let now = self.clock.now();
-        for w in self.registry.snapshot().values() {
-            let name = w.config.name.clone();
-            let entry = snap.worker(w.id);
-            metrics::gauge!(t::WORKER_LIVE, "worker" => name.clone()).set(
-                if entry.is_some_and(|e| e.health() == cortex_sched::Health::Healthy) { 1.0 } else { 0.0 },
-            );
-            let aligned = matches!(w.status().alignment, cortex_hash::profile::Alignment::Confirmed)
-                && !matches!(self.alignment.verdict(w.id), Verdict::Misaligned(_));
-            metrics::gauge!(t::ALIGNED, "worker" => name.clone()).set(if aligned { 1.0 } else { 0.0 });
-            for r in 0..w.dp_size() {
-                let rank = cortex_hash::kv::DpRank(r);
-                let labels = [("worker", name.clone()), ("rank", r.to_string())];
-                if let Some(e) = entry
-                    && let Some(l) = e.state().rank_load(rank, now)
-                {
-                    metrics::gauge!(t::WORKER_INFLIGHT, &labels).set(f64::from(l.booked_requests));
-                    if let Some((engine, _age)) = l.engine {
-                        metrics::gauge!(t::WORKER_RUNNING, &labels).set(f64::from(engine.running));
-                        metrics::gauge!(t::WORKER_WAITING, &labels).set(f64::from(engine.waiting));
-                        metrics::gauge!(t::WORKER_KV_USAGE, &labels).set(f64::from(engine.kv_usage));
-                    }
-                }
-                let state = self.holder_state(w.id, rank);
-                for s in ["ready", "syncing", "stale", "disabled"] {
-                    metrics::gauge!(t::LEDGER_STATE, "worker" => name.clone(), "rank" => r.to_string(), "state" => s)
-                        .set(if state.as_str() == s { 1.0 } else { 0.0 });
-                }
-            }
-        }
-    }
-}
-
-/// Why a request without tokens is routed by load: an extra key the profile does not reproduce
-/// turns exact routing off, a prompt Cortex cannot reproduce is a known limit, anything else is a
-/// tokenizer failure.
-pub(crate) fn untrusted_for(e: &TokenizeError) -> Untrusted {
-    match e {
-        TokenizeError::ExtraKeyNotReproduced(_) => Untrusted::ExactRoutingOff,
-        TokenizeError::Unreproducible(_) => Untrusted::UnreproduciblePrompt,
-        TokenizeError::Text(_) => Untrusted::TokenizerFailed,
-    }
-}
-
-/// The scheduler's mode, or `load_aware` when the chosen candidate (a retry) holds nothing.
-fn effective_mode(mode: MatchMode, cand: &Candidate) -> MatchMode {
-    if mode == MatchMode::ExactKvEvents && cand.matched_tokens == 0 { MatchMode::LoadAware } else { mode }
-}
-
-/// Plain-text prompts up to this many bytes (about 60 tokens) are tokenized on the I/O thread.
-/// Handing a prompt to the blocking pool costs two thread wake-ups: for a 40-token completion
-/// `cargo xtask bench --only overhead` measured about 50 µs more latency (p50) and 60 µs more
-/// CPU per request through the pool than tokenizing inline (about 50 µs). Longer prompts and
-/// chat prompts (template rendering) go to the pool, so no I/O thread blocks for long.
-const INLINE_TOKENIZE_BYTES: usize = 256;
-
-/// Whether [`ModelRoute::tokens`] for `p` is cheap enough to run on the I/O thread.
-fn tokenize_inline(p: &Prompt) -> bool {
-    match p {
-        Prompt::Tokens(_) | Prompt::Unreproducible(_) => true,
-        Prompt::Text(t) => t.len() <= INLINE_TOKENIZE_BYTES,
-        Prompt::Chat(_) => false,
-    }
-}
-
-/// A rough token count when tokenization failed: what a booking reserves.
-fn estimate_tokens(p: &Prompt) -> usize {
-    match p {
-        Prompt::Chat(ctx) => ctx.get("messages").map_or(0, |m| m.to_string().len() / 4),
-        Prompt::Text(t) => t.len() / 4,
-        Prompt::Tokens(t) => t.len(),
-        Prompt::Unreproducible(_) => 0,
+        Ok(Err(e)) => Err(ProxyError::BodyRead(e.to_string())),
     }
 }
 
@@ -772,18 +415,4 @@ pub(crate) fn json_response(status: StatusCode, v: &serde_json::Value) -> Respon
     *resp.status_mut() = status;
     resp.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
     resp
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_cheap_prompts_are_tokenized_inline() {
-        assert!(tokenize_inline(&Prompt::Tokens(vec![1; 100_000])));
-        assert!(tokenize_inline(&Prompt::Unreproducible("x")));
-        assert!(tokenize_inline(&Prompt::Text("a short completion prompt".into())));
-        assert!(!tokenize_inline(&Prompt::Text("x".repeat(INLINE_TOKENIZE_BYTES + 1))));
-        assert!(!tokenize_inline(&Prompt::Chat(serde_json::Map::new())));
-    }
 }

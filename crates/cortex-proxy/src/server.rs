@@ -91,8 +91,8 @@ pub async fn serve_with<H, Fut, S>(
 
 /// Serves the gateway's public API on `listener` until `shutdown` resolves.
 pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: impl Future<Output = ()>) {
-    let header_read_timeout = gateway.cfg.limits.header_read_timeout;
-    let grace = gateway.cfg.shutdown_grace;
+    let header_read_timeout = gateway.limits().header_read_timeout;
+    let grace = gateway.shutdown_grace();
     let gw = Arc::clone(&gateway);
     let handler = move |req: Request<Incoming>| Arc::clone(&gw).serve(req);
     let stop = async {

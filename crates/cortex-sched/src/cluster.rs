@@ -415,7 +415,7 @@ impl std::fmt::Debug for Cluster {
 }
 
 impl Cluster {
-    /// An empty cluster whose workers follow `policy` (cooldowns, breaker, EWMA weight).
+    /// An empty cluster whose workers follow `policy` (cooldowns, breaker).
     #[must_use]
     pub fn new(policy: HealthPolicy) -> Self {
         let members = Members { workers: BTreeMap::new(), version: 0 };

@@ -311,17 +311,11 @@ pub struct HealthPolicy {
     pub cooldowns: Cooldowns,
     /// The circuit breaker (`None`: disabled).
     pub breaker: Option<BreakerConfig>,
-    /// Weight of a new sample in the TTFT and inter-token-latency EWMAs, in (0, 1].
-    pub ewma_weight: f64,
 }
 
 impl Default for HealthPolicy {
     fn default() -> Self {
-        HealthPolicy {
-            cooldowns: Cooldowns::default(),
-            breaker: Some(BreakerConfig::default()),
-            ewma_weight: 0.2,
-        }
+        HealthPolicy { cooldowns: Cooldowns::default(), breaker: Some(BreakerConfig::default()) }
     }
 }
 
@@ -340,9 +334,6 @@ pub enum ConfigError {
     /// `prefix_hash.prefix_blocks` is 0.
     #[error("`prefix_hash.prefix_blocks` must be >= 1")]
     PrefixBlocks,
-    /// The EWMA weight is not in (0, 1].
-    #[error("`ewma_weight` must be in (0, 1]")]
-    EwmaWeight,
     /// A breaker threshold is 0.
     #[error("`breaker.{0}` must be >= 1")]
     Breaker(&'static str),
@@ -398,9 +389,6 @@ impl HealthPolicy {
     /// # Errors
     /// The first offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if !(self.ewma_weight.is_finite() && self.ewma_weight > 0.0 && self.ewma_weight <= 1.0) {
-            return Err(ConfigError::EwmaWeight);
-        }
         if let Some(b) = self.breaker {
             if b.failure_threshold == 0 {
                 return Err(ConfigError::Breaker("failure_threshold"));
@@ -443,8 +431,6 @@ mod tests {
         c.pools.decode = PolicyConfig::RoundRobin;
         c.watermark.inflight_fraction = f64::NAN;
         assert_eq!(c.validate(), Err(ConfigError::WatermarkFraction));
-        let h = HealthPolicy { ewma_weight: 0.0, ..HealthPolicy::default() };
-        assert_eq!(h.validate(), Err(ConfigError::EwmaWeight));
         let h = HealthPolicy {
             breaker: Some(BreakerConfig { failure_threshold: 0, ..BreakerConfig::default() }),
             ..HealthPolicy::default()

@@ -13,7 +13,7 @@
 //!   membership and health of the workers form an immutable [`Snapshot`] published with one atomic
 //!   pointer swap ([`Cluster::load`] is lock-free and allocation-free) and rebuilt only when
 //!   membership or health changes. Everything that changes per request — bookings, engine load
-//!   reports, ledger readiness, cooldowns, the circuit breaker, EWMA latencies — is atomics in a
+//!   reports, ledger readiness, cooldowns, the circuit breaker — is atomics in a
 //!   [`WorkerState`] the snapshot points to and that rebuilds inherit by worker id.
 //! - **Bookings are RAII** ([`Booking`]): the request and its prefill tokens are booked at
 //!   dispatch, prefill released at the first token, the request at completion or drop, so a
@@ -80,7 +80,7 @@
 //! assert_eq!((first.holder, first.matched_tokens), (holder, 1024));
 //!
 //! let mut booking = snap.book(first, now).unwrap(); // in flight: 1 request, 576 prefill tokens
-//! booking.first_token(Timestamp::from_millis(30)); // prefill tokens released, TTFT sampled
+//! booking.first_token(Timestamp::from_millis(30)); // prefill tokens released
 //! booking.succeed(Timestamp::from_millis(900)); // request released, breaker told
 //! ```
 //!

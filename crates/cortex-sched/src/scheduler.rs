@@ -163,6 +163,13 @@ impl<S: Scorer> Scheduler<S> {
         n
     }
 
+    /// `manual` assignments held now, over every pool (what [`Scheduler::sweep_sticky`] keeps
+    /// bounded).
+    #[must_use]
+    pub fn sticky_assignments(&self) -> usize {
+        self.pools.iter().map(|p| p.sticky.lock().unwrap_or_else(PoisonError::into_inner).len()).sum()
+    }
+
     fn random(&self) -> u64 {
         // Relaxed: a counter whose only job is to differ between calls.
         mix(self.rng.fetch_add(GOLDEN, Ordering::Relaxed).wrapping_add(GOLDEN))

@@ -205,9 +205,6 @@ fn breaker_parts(w: u64) -> (u64, u64, u64) {
     (w & 3, (w >> 2) & FAULTS_MAX, w >> 32)
 }
 
-/// No EWMA sample yet (a NaN bit pattern no arithmetic produces from finite samples).
-const EWMA_NONE: u64 = u64::MAX;
-
 /// One worker's fast state, shared by every snapshot that contains the worker id.
 ///
 /// Layout (`repr(C)`, cache-line aligned): what every decision reads — cooldown, breaker, then
@@ -228,8 +225,6 @@ pub struct WorkerState {
     /// The class of the last failure of any kind (0: none).
     last_failure: AtomicU8,
     breaker_opened_at: AtomicU64,
-    ewma_ttft_us: AtomicU64,
-    ewma_itl_us: AtomicU64,
     policy: HealthPolicy,
 }
 
@@ -243,8 +238,6 @@ impl WorkerState {
             last_failure: AtomicU8::new(0),
             breaker: AtomicU64::new(BREAKER_CLOSED),
             breaker_opened_at: AtomicU64::new(0),
-            ewma_ttft_us: AtomicU64::new(EWMA_NONE),
-            ewma_itl_us: AtomicU64::new(EWMA_NONE),
             policy,
         }
     }
@@ -413,43 +406,6 @@ impl WorkerState {
             }
         }
     }
-
-    fn ewma_update(cell: &AtomicU64, sample: Duration, weight: f64) {
-        let x = sample.as_secs_f64() * 1e6;
-        // Relaxed (both): a smoothed estimate; nothing is published through it.
-        let _ = cell.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
-            let next = if old == EWMA_NONE { x } else { f64::from_bits(old) * (1.0 - weight) + x * weight };
-            Some(next.to_bits())
-        });
-    }
-
-    fn ewma_read(cell: &AtomicU64) -> Option<Duration> {
-        // Relaxed: see `ewma_update`.
-        let bits = cell.load(Ordering::Relaxed);
-        (bits != EWMA_NONE).then(|| Duration::from_secs_f64(f64::from_bits(bits).max(0.0) / 1e6))
-    }
-
-    /// Adds a time-to-first-token sample to the EWMA.
-    pub fn record_ttft(&self, sample: Duration) {
-        Self::ewma_update(&self.ewma_ttft_us, sample, self.policy.ewma_weight);
-    }
-
-    /// Adds an inter-token-latency sample to the EWMA.
-    pub fn record_itl(&self, sample: Duration) {
-        Self::ewma_update(&self.ewma_itl_us, sample, self.policy.ewma_weight);
-    }
-
-    /// Smoothed time to first token.
-    #[must_use]
-    pub fn ewma_ttft(&self) -> Option<Duration> {
-        Self::ewma_read(&self.ewma_ttft_us)
-    }
-
-    /// Smoothed inter-token latency.
-    #[must_use]
-    pub fn ewma_itl(&self) -> Option<Duration> {
-        Self::ewma_read(&self.ewma_itl_us)
-    }
 }
 
 /// A request this gateway put on a holder. Dropping it releases whatever is still booked; the
@@ -462,7 +418,6 @@ pub struct Booking {
     prefill_tokens: u64,
     /// Nanoseconds of prefill per token on this holder (from its capacity).
     ns_per_token: u64,
-    started: Timestamp,
     first_token_seen: bool,
 }
 
@@ -485,7 +440,7 @@ impl Booking {
         let _ = r.prefill_busy_until.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |busy| {
             Some(busy.max(now.as_nanos()).saturating_add(work))
         });
-        Some(Booking { state, holder, prefill_tokens, ns_per_token, started: now, first_token_seen: false })
+        Some(Booking { state, holder, prefill_tokens, ns_per_token, first_token_seen: false })
     }
 
     /// The holder it is booked on.
@@ -525,13 +480,11 @@ impl Booking {
         }
     }
 
-    /// The first token arrived: releases the prefill tokens and records the TTFT sample. Later
-    /// calls do nothing.
+    /// The first token arrived: releases the prefill tokens. Later calls do nothing.
     pub fn first_token(&mut self, now: Timestamp) {
         if !self.first_token_seen {
             self.first_token_seen = true;
             self.release_prefill(Some(now));
-            self.state.record_ttft(now.saturating_since(self.started));
         }
     }
 
@@ -588,7 +541,6 @@ mod tests {
         b.first_token(ms(90)); // second call is a no-op
         let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
         assert_eq!((load.booked_requests, load.booked_prefill_tokens), (1, 0));
-        assert_eq!(s.ewma_ttft(), Some(Duration::from_millis(40)));
         drop(b);
         let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
         assert_eq!((load.booked_requests, load.booked_prefill_tokens), (0, 0));
@@ -628,7 +580,6 @@ mod tests {
         drop(b);
         let l = s.rank_load(DpRank(0), ms(0)).expect("rank");
         assert_eq!((l.booked_requests, l.booked_prefill_tokens), (0, 0));
-        assert_eq!(s.ewma_ttft(), None, "no first token, no TTFT sample");
     }
 
     #[test]
@@ -743,13 +694,5 @@ mod tests {
             let l = s.rank_load(DpRank(r), ms(0)).expect("rank");
             assert_eq!((l.booked_requests, l.booked_prefill_tokens), (0, 0), "rank {r}");
         }
-    }
-
-    #[test]
-    fn ewma_smooths() {
-        let s = state(HealthPolicy { ewma_weight: 0.5, ..HealthPolicy::default() });
-        s.record_itl(Duration::from_millis(10));
-        s.record_itl(Duration::from_millis(20));
-        assert_eq!(s.ewma_itl(), Some(Duration::from_millis(15)));
     }
 }

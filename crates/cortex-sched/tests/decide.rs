@@ -612,7 +612,9 @@ fn manual_sticks_until_idle_or_gone() {
     f.cluster.set_health(WorkerId(2), Health::Unhealthy);
     assert_eq!(pick(&mut f, ms(150_001)), h(0));
     assert_eq!(f.sched.sweep_sticky(ms(150_002)), 0);
+    assert_eq!(f.sched.sticky_assignments(), 1);
     assert_eq!(f.sched.sweep_sticky(ms(300_000)), 1);
+    assert_eq!(f.sched.sticky_assignments(), 0);
 }
 
 #[test]

@@ -167,17 +167,17 @@ probes: {{health_interval: 1s, load_interval: 250ms}}
     let names: Vec<String> = (0..sims.workers.len()).map(|i| format!("w{i}")).collect();
     let ready = || {
         names.iter().all(|n| {
-            let Some(w) = running.gateway.registry().by_name(n) else { return false };
+            let Some(w) = running.gateway.control().registry().by_name(n) else { return false };
             w.status().alignment.allows_exact_routing()
         }) && sims.workers.iter().all(|s| s.subscribed(0))
-            && running.gateway.live_workers() == names.len()
+            && running.gateway.control().live_workers() == names.len()
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     while !ready() {
         if Instant::now() > deadline {
             let states: Vec<String> = names
                 .iter()
-                .map(|n| match running.gateway.registry().by_name(n) {
+                .map(|n| match running.gateway.control().registry().by_name(n) {
                     None => format!("{n}: unknown"),
                     Some(w) => format!(
                         "{n}: alignment {:?}, ledger {:?}",

@@ -175,7 +175,7 @@ impl Harness {
     }
 
     pub(crate) fn live_workers(&self) -> usize {
-        self.gw.gateway.live_workers()
+        self.gw.gateway.control().live_workers()
     }
 
     pub(crate) async fn wait(&self, what: &str, done: impl FnMut() -> bool) {
@@ -272,13 +272,13 @@ impl Harness {
 
     /// The ledger holder of `name`'s rank 0.
     pub(crate) fn holder(&self, name: &str) -> cortex_hash::kv::HolderId {
-        let id = self.gw.gateway.registry().by_name(name).unwrap().id;
+        let id = self.gw.gateway.control().registry().by_name(name).unwrap().id;
         cortex_hash::kv::HolderId::new(id, cortex_hash::kv::DpRank(0))
     }
 
     /// The continuous alignment verdict of `name`.
     pub(crate) fn verdict(&self, name: &str) -> cortex_proxy::alignment::Verdict {
-        self.gw.gateway.verdict(self.gw.gateway.registry().by_name(name).unwrap().id)
+        self.gw.gateway.control().verdict(self.gw.gateway.control().registry().by_name(name).unwrap().id)
     }
 }
 

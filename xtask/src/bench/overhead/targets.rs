@@ -114,7 +114,7 @@ shutdown_grace: 1s
         let client = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            let snap = running.gateway.cluster().load();
+            let snap = running.gateway.control().cluster().load();
             let live = snap
                 .workers()
                 .iter()

@@ -1,0 +1,236 @@
+//! The forwarder: a planned request sent to the workers, one attempt per try, until one answers
+//! or the retry budget is spent; the answer relayed with Cortex's headers and the alignment
+//! checks armed.
+//!
+//! ```text
+//! for each candidate of the plan:  admissible now? ─► book ─► attempt ─┬─ 2xx: relay (RelayBody)
+//!                                                                     ├─ the request's own error: pass it on
+//!                                                                     └─ the worker's failure: cool down, next
+//! ```
+//!
+//! Key decisions:
+//! - An [`Attempt`] is one try on one holder: the body as received with the booked rank pinned the
+//!   engine's way (`routed_dp_rank` spliced into an SGLang body, `X-data-parallel-rank` for vLLM),
+//!   sent, classified. The loop around it owns the retry budget and the bookings; a disaggregated
+//!   request will be a second kind of attempt (a prefill and a decode leg) under the same loop.
+//! - Retries happen only before the response head is returned (the first byte the client sees),
+//!   each on the next candidate of the same ranking that is still admissible.
+//! - The rank in `x-cortex-assigned-rank`, the booking and the alignment checks are the
+//!   candidate's, which the planner restricted to a rank the client pinned.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use cortex_hash::Engine;
+use cortex_sched::{Candidate, MatchMode, MonotonicClock};
+use http::{HeaderMap, Response};
+use http_body_util::BodyExt;
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::alignment::{Prediction, Verifier};
+use crate::config::RetryPolicy;
+use crate::error::{Body, ProxyError, full};
+use crate::planner::{Plan, RANK_HEADER};
+use crate::registry::{Registry, WorkerRecord};
+use crate::request::{self, RequestFacts, Route};
+use crate::telemetry as t;
+use crate::upstream::{self, Answer, Failure, RelayBody, UpstreamClient};
+
+/// What the client sent, as the forwarder passes it on.
+#[derive(Debug)]
+pub struct Outgoing<'a> {
+    /// The endpoint (the same path on the worker).
+    pub route: Route,
+    /// The body's routing facts.
+    pub facts: &'a Arc<RequestFacts>,
+    /// The client's headers (end-to-end ones are forwarded).
+    pub headers: &'a HeaderMap,
+    /// The body, exactly as received.
+    pub body: Bytes,
+    /// The request id (`x-request-id`).
+    pub rid: &'a str,
+}
+
+/// Sends planned requests to workers. Shared by every request task.
+#[derive(Debug)]
+pub struct Forwarder {
+    client: UpstreamClient,
+    registry: Arc<Registry>,
+    retry: RetryPolicy,
+    head_timeout: Duration,
+    idle_timeout: Duration,
+    clock: MonotonicClock,
+    verifier: Arc<Verifier>,
+}
+
+/// One try of a request on one holder.
+struct Attempt<'a> {
+    worker: &'a WorkerRecord,
+    cand: &'a Candidate,
+}
+
+impl Forwarder {
+    /// A forwarder over `client`, reading workers from `registry`.
+    #[must_use]
+    pub fn new(
+        client: UpstreamClient,
+        registry: Arc<Registry>,
+        retry: RetryPolicy,
+        head_timeout: Duration,
+        idle_timeout: Duration,
+        clock: MonotonicClock,
+        verifier: Arc<Verifier>,
+    ) -> Self {
+        Forwarder { client, registry, retry, head_timeout, idle_timeout, clock, verifier }
+    }
+
+    /// Forwards `out` along `plan`, holding `permit` (the admission slot) until the response
+    /// body has been relayed.
+    ///
+    /// # Errors
+    /// [`ProxyError::Upstream`] when every attempt failed, [`ProxyError::NoWorker`] when no
+    /// candidate could be tried.
+    pub async fn forward(
+        &self,
+        out: Outgoing<'_>,
+        plan: Plan,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<Response<Body>, ProxyError> {
+        let started = Instant::now();
+        let mut attempts = 0u32;
+        let mut last: Option<Failure> = None;
+        for cand in &plan.candidates {
+            if attempts >= self.retry.max_attempts.max(1)
+                || (attempts > 0 && started.elapsed() >= self.retry.budget)
+            {
+                break;
+            }
+            let now = self.clock.now();
+            if !plan.snapshot.admissible(cand.holder, now) {
+                continue;
+            }
+            let Some(worker) = self.registry.get(cand.holder.worker) else { continue };
+            let Some(booking) = plan.snapshot.book(cand, now) else { continue };
+            if attempts > 0 {
+                metrics::counter!(t::RETRIES).increment(1);
+            }
+            attempts += 1;
+            let attempt = Attempt { worker: &worker, cand };
+            let mode = effective_mode(plan.mode, cand);
+            match attempt.send(self, &out).await {
+                Ok(Answer::Stream(resp)) => {
+                    metrics::counter!(t::REQUESTS, "route" => out.route.as_str(), "mode" => mode.as_str())
+                        .increment(1);
+                    if let Some(r) = plan.reason {
+                        metrics::counter!(t::FALLBACKS, "reason" => r.as_str()).increment(1);
+                    }
+                    let (up, incoming) = resp.into_parts();
+                    let mut headers = upstream::end_to_end(&up.headers);
+                    attempt.cortex_headers(&mut headers, mode, out.rid);
+                    let sse = out.facts.stream
+                        || up
+                            .headers
+                            .get(http::header::CONTENT_TYPE)
+                            .and_then(|v| v.to_str().ok())
+                            .is_some_and(|v| v.starts_with("text/event-stream"));
+                    let on_complete =
+                        self.verifier.on_complete(prediction(&plan, out.facts, cand, mode, &self.verifier));
+                    let relay =
+                        RelayBody::new(incoming, booking, self.clock, sse, self.idle_timeout, on_complete)
+                            .holding(permit);
+                    let mut resp = Response::new(relay.boxed_unsync());
+                    *resp.status_mut() = up.status;
+                    *resp.headers_mut() = headers;
+                    return Ok(resp);
+                }
+                Ok(Answer::Reject { status, headers: up_headers, body, class }) => {
+                    match class {
+                        Some(c) => booking.fail(c, self.clock.now()),
+                        None => booking.succeed(self.clock.now()),
+                    }
+                    let mut headers = up_headers;
+                    attempt.cortex_headers(&mut headers, mode, out.rid);
+                    let mut resp = Response::new(full(body));
+                    *resp.status_mut() = status;
+                    *resp.headers_mut() = headers;
+                    return Ok(resp);
+                }
+                Err(f) => {
+                    tracing::info!(worker = %worker.config.name, class = f.class.as_str(), message = %f.message, "attempt failed");
+                    metrics::counter!(t::UPSTREAM_ERRORS, "class" => f.class.as_str(), "stage" => "head")
+                        .increment(1);
+                    booking.fail(f.class, self.clock.now());
+                    last = Some(f);
+                }
+            }
+        }
+        match last {
+            Some(f) => Err(ProxyError::Upstream { class: f.class, attempts, message: f.message }),
+            None => Err(ProxyError::NoWorker(plan.model.base_model().to_owned())),
+        }
+    }
+}
+
+impl Attempt<'_> {
+    /// Sends the request to the holder and waits for the response head.
+    async fn send(&self, fw: &Forwarder, out: &Outgoing<'_>) -> Result<Answer, Failure> {
+        let mut headers = upstream::end_to_end(out.headers);
+        upstream::set_header(&mut headers, "x-request-id", out.rid);
+        let rank = self.cand.holder.rank.0;
+        let body = match self.worker.config.engine {
+            // Only a multi-rank worker is told a rank; a body that already pins it (the planner
+            // made the candidate that rank) is left byte for byte.
+            Engine::Sglang if self.worker.dp_size() > 1 && out.facts.client_rank.is_none() => {
+                request::splice_routed_dp_rank(&out.body, rank)
+            }
+            Engine::Vllm if self.worker.dp_size() > 1 => {
+                upstream::set_header(&mut headers, RANK_HEADER, &rank.to_string());
+                out.body.clone()
+            }
+            _ => out.body.clone(),
+        };
+        headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+        let uri = upstream::worker_uri(&self.worker.base, out.route.path()).map_err(|e| Failure {
+            class: cortex_sched::FailureClass::ServerError,
+            message: e.to_string(),
+        })?;
+        upstream::send(&fw.client, uri, headers, body, fw.head_timeout).await
+    }
+
+    /// The `x-cortex-*` headers of the answer.
+    fn cortex_headers(&self, h: &mut HeaderMap, mode: MatchMode, rid: &str) {
+        upstream::set_header(h, "x-cortex-cache-hit-tokens", &self.cand.matched_tokens.to_string());
+        upstream::set_header(h, "x-cortex-assigned-worker", &self.worker.config.name);
+        upstream::set_header(h, "x-cortex-assigned-rank", &self.cand.holder.rank.0.to_string());
+        upstream::set_header(h, "x-cortex-match-mode", mode.as_str());
+        upstream::set_header(h, "x-request-id", rid);
+    }
+}
+
+/// What the alignment checks compare the response with.
+fn prediction(
+    plan: &Plan,
+    facts: &RequestFacts,
+    cand: &Candidate,
+    mode: MatchMode,
+    verifier: &Verifier,
+) -> Prediction {
+    let holder = cand.holder;
+    let first_block = (!plan.seq.is_empty() && verifier.samples_block(holder.worker))
+        .then(|| (plan.seq[0], plan.first_page.clone()));
+    Prediction {
+        holder,
+        predicted_hit: cand.matched_tokens.min(plan.model.max_cached_tokens(plan.prompt_tokens as usize)),
+        exact: mode == MatchMode::ExactKvEvents,
+        model: Arc::clone(&plan.model),
+        cache_salt: facts.cache_salt.clone(),
+        first_block,
+    }
+}
+
+/// The scheduler's mode, or `load_aware` when the chosen candidate (a retry, or a pinned rank)
+/// holds nothing.
+fn effective_mode(mode: MatchMode, cand: &Candidate) -> MatchMode {
+    if mode == MatchMode::ExactKvEvents && cand.matched_tokens == 0 { MatchMode::LoadAware } else { mode }
+}

@@ -1,0 +1,195 @@
+//! Asking a worker over HTTP: discovery, the alignment probe, health probes and load polls. The
+//! answers are parsed by [`crate::discovery`]; [`crate::control`] decides what they mean.
+//!
+//! Key decisions:
+//! - Every fact that decides block identity is read from the worker itself (SGLang
+//!   `/server_info`; vLLM `/kv_event_sources`, `vllm:cache_config_info` and `/v1/models`), and a
+//!   fixed conversation is tokenized by both sides: exact ids through `/tokenize`, else the prompt
+//!   length of a one-token chat completion.
+//! - SGLang's `/health` runs a generation; the cheap `/ready` is probed instead.
+//! - Every call has the probe timeout and reads at most 8 MiB.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use cortex_hash::Engine;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use serde_json::{Value, json};
+
+use crate::discovery::{self, Discovery, RankReport};
+use crate::models::ModelRoute;
+use crate::registry::WorkerRecord;
+use crate::request::Prompt;
+use crate::upstream::{self, UpstreamClient};
+
+/// The fixed conversation both sides tokenize at registration.
+fn probe_conversation() -> Value {
+    json!([
+        {"role": "system", "content": "You are the alignment probe of the Cortex gateway."},
+        {"role": "user", "content": "Reply with one word: is 2 + 2 = 4? Zürich, 東京, emoji 🦙."}
+    ])
+}
+
+/// The HTTP side of probing workers.
+#[derive(Debug)]
+pub struct Probes {
+    client: UpstreamClient,
+    timeout: Duration,
+}
+
+impl Probes {
+    /// Probes through `client`, each call within `timeout`.
+    #[must_use]
+    pub fn new(client: UpstreamClient, timeout: Duration) -> Self {
+        Probes { client, timeout }
+    }
+
+    async fn call(
+        &self,
+        w: &WorkerRecord,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let uri = upstream::worker_uri(&w.base, path).map_err(|e| e.to_string())?;
+        let mut req = Request::new(Full::new(body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()))));
+        *req.method_mut() = method;
+        *req.uri_mut() = uri;
+        req.headers_mut()
+            .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+        let fut = async {
+            let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let body = http_body_util::Limited::new(resp.into_body(), 8 << 20)
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok::<_, String>((status, body))
+        };
+        let timeout = self.timeout;
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| format!("{path}: no answer within {timeout:?}"))?
+    }
+
+    async fn get(&self, w: &WorkerRecord, path: &str) -> Result<(StatusCode, Bytes), String> {
+        self.call(w, Method::GET, path, None).await
+    }
+
+    async fn get_ok(&self, w: &WorkerRecord, path: &str) -> Result<Bytes, String> {
+        let (status, body) = self.get(w, path).await?;
+        if !status.is_success() {
+            return Err(format!("{path} answered {status}"));
+        }
+        Ok(body)
+    }
+
+    async fn get_json(&self, w: &WorkerRecord, path: &str) -> Result<Value, String> {
+        let body = self.get_ok(w, path).await?;
+        serde_json::from_slice(&body).map_err(|e| format!("{path}: not JSON: {e}"))
+    }
+
+    /// Whether the worker answers its health route.
+    pub async fn healthy(&self, w: &WorkerRecord) -> bool {
+        let path = match w.config.engine {
+            Engine::Sglang => "/ready",
+            _ => "/health",
+        };
+        matches!(self.get(w, path).await, Ok((s, _)) if s.is_success())
+    }
+
+    /// The worker's load per rank (SGLang `/v1/loads`, vLLM `/metrics`); `None` when it did not
+    /// answer.
+    pub async fn loads(&self, w: &WorkerRecord) -> Option<Vec<RankReport>> {
+        match w.config.engine {
+            Engine::Sglang => self.get_json(w, "/v1/loads").await.ok().map(|v| discovery::sglang_loads(&v)),
+            _ => {
+                let body = self.get_ok(w, "/metrics").await.ok()?;
+                Some(discovery::vllm_metrics(&String::from_utf8_lossy(&body)).loads)
+            }
+        }
+    }
+
+    /// Everything discovery reads from the worker, the tokens probe included (with `model`, the
+    /// route of the worker's model).
+    ///
+    /// # Errors
+    /// What failed, for the worker's `last_error`.
+    pub async fn discover(
+        &self,
+        w: &WorkerRecord,
+        model: Option<&Arc<ModelRoute>>,
+    ) -> Result<Discovery, String> {
+        let mut d = match w.config.engine {
+            Engine::Sglang => {
+                discovery::sglang_server_info(&self.get_json(w, "/server_info").await?, &w.host)
+            }
+            _ => {
+                let metrics = self.get_ok(w, "/metrics").await?;
+                let metrics = discovery::vllm_metrics(&String::from_utf8_lossy(&metrics));
+                let sources = match self.get_json(w, "/kv_event_sources").await {
+                    Ok(v) => Some(v),
+                    Err(e) => {
+                        tracing::info!(worker = %w.config.name, error = %e, "no /kv_event_sources (vLLM < 0.31?)");
+                        None
+                    }
+                };
+                let served =
+                    self.get_json(w, "/v1/models").await.ok().and_then(|v| discovery::served_model(&v));
+                discovery::vllm_discovery(&metrics, sources.as_ref(), served, &w.host)
+            }
+        };
+        if let Some(o) = &w.config.events {
+            discovery::apply_events_override(&mut d, o, &w.host);
+        }
+        d.facts.tokens_agree = match model {
+            Some(m) => self.tokens_agree(w, m).await,
+            None => None,
+        };
+        Ok(d)
+    }
+
+    /// Tokenizes the probe conversation on both sides: exact ids through `/tokenize`, else the
+    /// prompt length of a one-token chat completion. `None` when neither answers.
+    async fn tokens_agree(&self, w: &WorkerRecord, model: &Arc<ModelRoute>) -> Option<bool> {
+        let model = Arc::clone(model);
+        let mut ctx = serde_json::Map::new();
+        ctx.insert("messages".into(), probe_conversation());
+        ctx.insert("add_generation_prompt".into(), Value::Bool(true));
+        let ours = tokio::task::spawn_blocking(move || model.tokens(&Prompt::Chat(ctx))).await.ok()?.ok()?;
+        let body =
+            json!({"model": w.config.model, "messages": probe_conversation(), "add_generation_prompt": true});
+        if let Ok((s, b)) = self.call(w, Method::POST, "/tokenize", Some(body)).await
+            && s.is_success()
+            && let Ok(v) = serde_json::from_slice::<Value>(&b)
+            && let Some(tokens) = v.get("tokens").and_then(Value::as_array)
+        {
+            let theirs: Vec<u64> = tokens.iter().filter_map(Value::as_u64).collect();
+            let agree =
+                theirs.len() == ours.len() && theirs.iter().zip(&ours).all(|(a, b)| *a == u64::from(*b));
+            return Some(agree);
+        }
+        let body = json!({"model": w.config.model, "messages": probe_conversation(), "max_tokens": 1, "stream": false});
+        let (s, b) = self.call(w, Method::POST, "/v1/chat/completions", Some(body)).await.ok()?;
+        if !s.is_success() {
+            return None;
+        }
+        let v: Value = serde_json::from_slice(&b).ok()?;
+        let n = v.get("usage")?.get("prompt_tokens")?.as_u64()?;
+        Some(n == ours.len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_is_a_conversation() {
+        let p = probe_conversation();
+        assert_eq!(p.as_array().map(Vec::len), Some(2));
+    }
+}

@@ -1,0 +1,518 @@
+//! The proxy where it is made: the request path against fake engines on loopback (`fake/`), and
+//! the accept loop's connection limits.
+//!
+//! - Planning: the dry run (`/debug/route`) chooses the holder the real request gets, for
+//!   requests with cache hits, an adapter named in `lora_path`, pinned ranks and routing keys,
+//!   and books nothing; a rank the client pins is the rank booked, reported and checked.
+//! - Capacity: SGLang's running-request limit from `/server_info` and `/v1/loads`, vLLM's from
+//!   the configuration, shown with its source, and acted on by the watermark.
+//! - The `manual` policy's idle assignments are swept.
+//! - The request path: admission, body limits, retries before the first byte, the request's own
+//!   errors passed through, SSE relayed untouched or ended with an error event, the header set.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails loudly
+
+mod fake;
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use bytes::Bytes;
+use cortex_hash::Engine;
+use cortex_hash::kv::WorkerId;
+use cortex_proxy::alignment::Verdict;
+use cortex_proxy::config::Limits;
+use cortex_proxy::error::Body;
+use cortex_proxy::gateway::STICKY_SWEEP_EVERY;
+use cortex_proxy::request::{self, Route};
+use cortex_proxy::{Ask, Gateway, GatewayParts};
+use cortex_radix::{Ledger, LedgerConfig};
+use cortex_sched::{
+    Assignment, Health, HealthPolicy, ManualConfig, PolicyConfig, PoolPolicies, Role, SchedConfig, Watermark,
+    WorkerSpec,
+};
+use fake::{ADAPTER, FakeConfig, MODEL, Options, prompt, start, worker_entry};
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+fn completion(p: &str) -> Value {
+    json!({"model": MODEL, "prompt": p, "max_tokens": 2})
+}
+
+fn sched(policy: PolicyConfig) -> SchedConfig {
+    let d = SchedConfig::default();
+    SchedConfig { pools: PoolPolicies { regular: policy, ..d.pools }, ..d }
+}
+
+/// A request to send: (path, headers, body, the (worker, rank) it must get).
+type Case = (&'static str, Vec<(&'static str, &'static str)>, Value, (&'static str, u16));
+
+/// The first candidate of a dry run: (worker, rank).
+fn first(dry: &Value) -> (String, u16) {
+    let c = &dry["candidates"][0];
+    (c["worker"].as_str().unwrap_or_default().to_owned(), c["rank"].as_u64().map_or(u16::MAX, |r| r as u16))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dry_run_chooses_what_the_request_gets_and_books_nothing() {
+    // cache_aware over w0 (two ranks) and w1 (one): each request has a single best holder.
+    let workers = vec![FakeConfig::new(Engine::Sglang).dp(2), FakeConfig::new(Engine::Sglang)];
+    let h = start(Options::new(Engine::Sglang, workers)).await;
+    let adapter =
+        json!({"text": prompt("adapter"), "lora_path": ADAPTER, "sampling_params": {"max_new_tokens": 2}});
+    h.fakes[1].prime(Route::Completions, 0, &completion(&prompt("hit")));
+    h.fakes[0].prime(Route::Generate, 1, &adapter);
+    h.fakes[1].prime(Route::Completions, 0, &completion(&prompt("pin0")));
+    h.fakes[0].prime(
+        Route::ChatCompletions,
+        0,
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": prompt("chat")}]}),
+    );
+    let mut pin0 = completion(&prompt("pin0"));
+    pin0["routed_dp_rank"] = json!(0);
+    // (path, headers, body, the holder it must get): all but the rank-1 pin have a cache hit.
+    let cases: Vec<Case> = vec![
+        ("/v1/completions", vec![], completion(&prompt("hit")), ("w1", 0)),
+        // SGLang names the adapter in `lora_path`: its blocks are in the adapter's namespace.
+        ("/generate", vec![], adapter.clone(), ("w0", 1)),
+        // Pinned to rank 0 in the body: the best rank-0 holder.
+        ("/v1/completions", vec![], pin0, ("w1", 0)),
+        // Pinned to rank 1 by header: only w0 has one.
+        ("/v1/completions", vec![("x-data-parallel-rank", "1")], completion(&prompt("pin1")), ("w0", 1)),
+        (
+            "/v1/chat/completions",
+            vec![],
+            json!({"model": MODEL, "messages": [{"role": "user", "content": prompt("chat")}]}),
+            ("w0", 0),
+        ),
+    ];
+    for (path, headers, body, want) in cases {
+        let dry = h.dry(path, &headers, &body).await;
+        assert_eq!(dry["decided"], Value::Null, "{dry}");
+        assert!(
+            h.booked().iter().all(|&(_, _, req, tok)| req == 0 && tok == 0),
+            "the dry run booked: {:?}",
+            h.booked()
+        );
+        let real = h.post(path, &headers, &body).await;
+        assert_eq!(real.status, StatusCode::OK, "{path}: {}", real.text());
+        assert_eq!(first(&dry), real.assigned(), "{path} {body}: the dry run chose another holder: {dry}");
+        assert_eq!(real.assigned(), (want.0.to_owned(), want.1), "{path} {body}");
+        let hit = real.header("x-cortex-assigned-rank") != "1" || path == "/generate";
+        assert_eq!(real.header("x-cortex-match-mode") == "exact_kv_events", hit, "{path} {body}");
+        assert_eq!(dry["cache_hit_tokens"].to_string(), real.header("x-cortex-cache-hit-tokens"), "{dry}");
+    }
+    h.shutdown().await;
+
+    // consistent_hashing: the routing key header decides, in the dry run as in the request.
+    let workers = vec![FakeConfig::new(Engine::Vllm); 3];
+    let mut opts = Options::new(Engine::Vllm, workers);
+    opts.sched = sched(PolicyConfig::ConsistentHashing);
+    let h = start(opts).await;
+    let mut holders = std::collections::HashSet::new();
+    for i in 0..12 {
+        let key = format!("user-{i}");
+        let headers = [("x-cortex-routing-key", key.as_str())];
+        let body = completion(&format!("question {i}"));
+        let dry = h.dry("/v1/completions", &headers, &body).await;
+        assert_eq!(dry["reason"], "policy", "a key was seen: {dry}");
+        let real = h.post("/v1/completions", &headers, &body).await;
+        assert_eq!(real.status, StatusCode::OK);
+        assert_eq!(first(&dry), real.assigned(), "key {key}: {dry}");
+        holders.insert(real.assigned());
+    }
+    assert!(holders.len() > 1, "twelve keys all hashed to one worker: the test would not tell keys apart");
+    h.shutdown().await;
+}
+
+async fn a_pinned_rank_is_booked_reported_and_checked(engine: Engine) {
+    let h = start(Options::new(engine, vec![FakeConfig::new(engine).dp(2)])).await;
+    let p = prompt("pinned");
+    // Rank 0 holds the prompt: the scheduler's own choice is rank 0.
+    h.fakes[0].prime(Route::Completions, 0, &completion(&p));
+    assert_eq!(first(&h.dry("/v1/completions", &[], &completion(&p)).await), ("w0".to_owned(), 0));
+    let (mut body, headers): (Value, Vec<(&str, &str)>) = match engine {
+        Engine::Sglang => {
+            let mut b = completion(&p);
+            b["routed_dp_rank"] = json!(1);
+            (b, vec![])
+        }
+        _ => (completion(&p), vec![("X-data-parallel-rank", "1")]),
+    };
+    // While the pinned request is in flight, rank 1 carries its booking.
+    body["stream"] = json!(true);
+    h.fakes[0].hold();
+    let sent = Bytes::from(body.to_string());
+    let in_flight = h.spawn_send(h.request("POST", "/v1/completions", &headers, sent.clone()));
+    h.wait("the pinned request reached the worker", || h.fakes[0].served().len() == 1).await;
+    let id = h.id("w0");
+    let booked: Vec<u32> = h.booked().iter().filter(|b| b.0 == id).map(|b| b.2).collect();
+    assert_eq!(booked, vec![0, 1], "booked on the pinned rank only");
+    h.fakes[0].release();
+    let r = in_flight.await.unwrap();
+    assert_eq!((r.status, r.header("x-cortex-assigned-rank")), (StatusCode::OK, "1"));
+    assert!(r.body.ends_with(b"data: [DONE]\n\n"));
+    let seen = &h.fakes[0].served()[0];
+    assert_eq!(seen.rank, 1, "served on the pinned rank");
+    match engine {
+        Engine::Sglang => assert_eq!(seen.body, sent, "a body that pins its rank is forwarded byte for byte"),
+        _ => assert_eq!(seen.headers["x-data-parallel-rank"], "1"),
+    }
+    // The alignment checks look at rank 1, which now holds the prompt: the verdict holds (checked
+    // against rank 0's prediction, every realized hit would fall short).
+    body["stream"] = json!(false);
+    for _ in 0..2 {
+        let r = h.post("/v1/completions", &headers, &body).await;
+        assert_eq!((r.status, r.header("x-cortex-assigned-rank")), (StatusCode::OK, "1"), "{}", r.text());
+    }
+    h.wait("a continuous verdict on w0", || h.gateway.control().verdict(id) != Verdict::Unknown).await;
+    assert_eq!(h.gateway.control().verdict(id), Verdict::Aligned);
+    // A rank no worker has is the client's mistake, said as such.
+    let mut wrong = completion(&p);
+    wrong["routed_dp_rank"] = json!(5);
+    let r = h.post("/v1/completions", &[], &wrong).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text());
+    assert!(r.text().contains("rank 5"), "{}", r.text());
+    // A body and a header that disagree, too.
+    let r = h
+        .post(
+            "/v1/completions",
+            &[("x-data-parallel-rank", "0")],
+            &json!({"model": MODEL, "prompt": "x", "routed_dp_rank": 1}),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text());
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_sglang_rank_is_booked_reported_and_checked() {
+    a_pinned_rank_is_booked_reported_and_checked(Engine::Sglang).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_vllm_rank_is_booked_reported_and_checked() {
+    a_pinned_rank_is_booked_reported_and_checked(Engine::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_capacity_is_discovered_shown_and_counted_by_the_watermark() {
+    let w = FakeConfig { server_info_max_running: Some(2), ..FakeConfig::new(Engine::Sglang) };
+    let mut opts = Options::new(Engine::Sglang, vec![w.clone(), w]);
+    // The watermark at half the limit: one request in flight on a worker that runs two.
+    opts.sched.watermark = Watermark { inflight_fraction: 0.5, ..opts.sched.watermark };
+    let h = start(opts).await;
+    let (p, q) = (completion(&prompt("p")), prompt("q"));
+    h.fakes[0].prime(Route::Completions, 0, &p);
+    h.fakes[0].prime(Route::Completions, 0, &completion(&q));
+    let dry = h.dry("/v1/completions", &[], &p).await;
+    assert_eq!((dry["mode"].as_str(), first(&dry)), (Some("exact_kv_events"), ("w0".to_owned(), 0)), "{dry}");
+    // One request in flight on w0 reaches half of its two: affinity is given up for the next.
+    h.fakes[0].hold();
+    let stream = json!({"model": MODEL, "prompt": q, "max_tokens": 2, "stream": true});
+    let held = h.spawn_send(h.request("POST", "/v1/completions", &[], Bytes::from(stream.to_string())));
+    h.wait("the held request is on w0", || h.fakes[0].served().len() == 1).await;
+    let dry = h.dry("/v1/completions", &[], &p).await;
+    assert_eq!(
+        (dry["mode"].as_str(), dry["reason"].as_str()),
+        (Some("load_aware"), Some("watermark")),
+        "{dry}"
+    );
+    h.fakes[0].release();
+    held.await.unwrap();
+    let dbg = h.debug_workers().await;
+    assert_eq!(
+        worker_entry(&dbg, "w0")["max_running_requests"],
+        json!({"value": 2, "source": "server_info"})
+    );
+    // A per-rank report in /v1/loads replaces the discovered value.
+    h.fakes[0].report_max_running(3);
+    let deadline = tokio::time::Instant::now() + fake::WAIT;
+    loop {
+        let dbg = h.debug_workers().await;
+        if worker_entry(&dbg, "w0")["max_running_requests"] == json!({"value": 3, "source": "v1_loads"}) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the /v1/loads report was not taken: {dbg}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let snap = h.gateway.control().cluster().load();
+    assert_eq!(snap.worker(h.id("w0")).unwrap().spec().capacity.max_running_requests, 3);
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_capacity_is_configured_or_the_default() {
+    let configured = FakeConfig { configured_max_running: Some(5), ..FakeConfig::new(Engine::Vllm) };
+    let h = start(Options::new(Engine::Vllm, vec![configured, FakeConfig::new(Engine::Vllm)])).await;
+    let dbg = h.debug_workers().await;
+    assert_eq!(worker_entry(&dbg, "w0")["max_running_requests"], json!({"value": 5, "source": "config"}));
+    assert_eq!(worker_entry(&dbg, "w1")["max_running_requests"], json!({"value": 256, "source": "default"}));
+    let snap = h.gateway.control().cluster().load();
+    assert_eq!(snap.worker(h.id("w0")).unwrap().spec().capacity.max_running_requests, 5);
+    h.shutdown().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn idle_manual_assignments_are_swept() {
+    let manual = ManualConfig { max_idle: Duration::ZERO, assignment: Assignment::MinLoad };
+    let (gw, _events) = Gateway::new(GatewayParts {
+        config: cortex_proxy::ProxyConfig::default(),
+        models: fake::models(Engine::Sglang),
+        ledger: Ledger::new(LedgerConfig::default()),
+        sched: sched(PolicyConfig::Manual(manual)),
+        health: HealthPolicy::default(),
+        prometheus: None,
+    })
+    .unwrap();
+    // The planner reads only the scheduler's view: one worker in it is enough to plan.
+    gw.control().cluster().upsert(WorkerSpec::new(WorkerId(7), MODEL, Engine::Sglang), Health::Healthy);
+    for key in ["session-1", "session-2"] {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-cortex-routing-key", key.parse().unwrap());
+        let facts = request::parse(Route::Generate, br#"{"model": "m", "text": "hello"}"#).unwrap();
+        gw.planner().plan(&Ask::new(facts, &headers).unwrap(), Role::Regular).await.unwrap();
+    }
+    assert_eq!(gw.planner().sticky_assignments(), 2);
+    gw.start_background();
+    // Virtual time (the test runs paused): a sweep interval passes, the maintenance loop ticking
+    // every 50 ms meanwhile.
+    tokio::time::sleep(STICKY_SWEEP_EVERY + Duration::from_secs(1)).await;
+    assert_eq!(gw.planner().sticky_assignments(), 0, "the idle assignments were not swept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admission_answers_429_when_the_queue_is_full_and_503_after_the_queue_timeout() {
+    for (max_queue, status, code) in [
+        (0, StatusCode::TOO_MANY_REQUESTS, "gateway_overloaded"),
+        (4, StatusCode::SERVICE_UNAVAILABLE, "queue_timeout"),
+    ] {
+        let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+        opts.proxy.limits = Limits {
+            max_concurrent: 1,
+            max_queue,
+            queue_timeout: Duration::from_millis(100),
+            ..Limits::default()
+        };
+        let h = start(opts).await;
+        h.fakes[0].hold();
+        let stream = json!({"model": MODEL, "prompt": "a", "stream": true});
+        let held = h.spawn_send(h.request("POST", "/v1/completions", &[], Bytes::from(stream.to_string())));
+        h.wait("the first request holds the only slot", || h.fakes[0].served().len() == 1).await;
+        let r = h.post("/v1/completions", &[], &completion("b")).await;
+        assert_eq!(r.status, status, "{}", r.text());
+        assert_eq!(r.json()["error"]["code"], code);
+        assert_eq!(r.header("retry-after"), "1");
+        h.fakes[0].release();
+        assert!(held.await.unwrap().body.ends_with(b"data: [DONE]\n\n"));
+        // The slot is free again.
+        assert_eq!(h.post("/v1/completions", &[], &completion("c")).await.status, StatusCode::OK);
+        h.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_the_limits_and_wrong_methods_get_client_errors() {
+    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+    opts.proxy.limits =
+        Limits { max_body_bytes: 1024, body_read_timeout: Duration::from_millis(200), ..Limits::default() };
+    let h = start(opts).await;
+    let r = h.post("/v1/completions", &[], &completion(&"x".repeat(2000))).await;
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].as_str()),
+        (StatusCode::PAYLOAD_TOO_LARGE, Some("request_too_large"))
+    );
+    let r = h.send(h.request("POST", "/v1/completions", &[], Bytes::from_static(b"{\"model\": "))).await;
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_json"))
+    );
+    let r = h.post("/v1/completions", &[], &json!({"model": "gpt-9", "prompt": "x"})).await;
+    assert_eq!(
+        (r.status, r.json()["error"]["code"].as_str()),
+        (StatusCode::NOT_FOUND, Some("model_not_found"))
+    );
+    let r = h.get("/v1/completions").await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    let r = h.get("/debug/route").await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    let msg = r.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
+    assert!(msg.contains("POST") && msg.contains("body"), "{msg}");
+    // A body that never arrives: 408 after the body timeout, and the worker never sees it.
+    let mut c = TcpStream::connect(h.addr).await.unwrap();
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"model\"").await.unwrap();
+    let mut resp = vec![0u8; 4096];
+    let n = tokio::time::timeout(fake::WAIT, c.read(&mut resp))
+        .await
+        .expect("no answer to a stalled body")
+        .unwrap();
+    let resp = String::from_utf8_lossy(&resp[..n]);
+    assert!(resp.starts_with("HTTP/1.1 408"), "{resp}");
+    assert!(h.fakes[0].served().is_empty());
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_before_the_first_byte_moves_the_request_and_the_requests_own_error_does_not() {
+    let h = start(Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang); 2])).await;
+    let p = completion(&prompt("retry"));
+    h.fakes[0].prime(Route::Completions, 0, &p);
+    // w0 holds the prompt and is tried first; its 503 sends the request to w1.
+    h.fakes[0].fail_next(&[503]);
+    let r = h.post("/v1/completions", &[], &p).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    assert_eq!(r.assigned().0, "w1");
+    assert_eq!(h.fakes[0].served().len(), 1);
+    let dbg = h.debug_workers().await;
+    assert_eq!(worker_entry(&dbg, "w0")["cooldown"], "server_error", "{dbg}");
+    h.shutdown().await;
+
+    // The request's own error (a 400) is passed through as the worker wrote it, from the worker
+    // that answered, and no other worker is tried.
+    let h = start(Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang); 2])).await;
+    h.fakes[0].prime(Route::Completions, 0, &p);
+    h.fakes[0].fail_next(&[400]);
+    let r = h.post("/v1/completions", &[], &p).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.text().contains("scripted 400"), "{}", r.text());
+    assert_eq!(r.assigned(), ("w0".to_owned(), 0));
+    assert!(h.fakes[1].served().is_empty());
+    h.shutdown().await;
+
+    // With one attempt allowed, the worker's failure is the answer, with what it said.
+    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang); 2]);
+    opts.proxy.retry.max_attempts = 1;
+    let h = start(opts).await;
+    h.fakes[0].prime(Route::Completions, 0, &p);
+    h.fakes[0].fail_next(&[503]);
+    let r = h.post("/v1/completions", &[], &p).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.text());
+    assert!(r.text().contains("scripted 503"), "{}", r.text());
+    assert!(h.fakes[1].served().is_empty());
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_are_relayed_untouched_and_a_broken_one_ends_with_an_error_event() {
+    let h = start(Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)])).await;
+    let body = json!({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2, "stream": true});
+    let r = h.post("/v1/completions", &[], &body).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header("content-type"), "text/event-stream");
+    let events: Vec<&str> = r.text().leak().split_inclusive("\n\n").collect();
+    assert_eq!(events.len(), 4, "two chunks, the usage, [DONE]: {events:?}");
+    assert!(events[0].starts_with("data: {") && events[0].contains("\"text\":\"o\""), "{events:?}");
+    assert!(events[2].contains("\"usage\""), "{events:?}");
+    assert_eq!(events[3], "data: [DONE]\n\n");
+    // The worker breaks after its first chunk reached the client: the client keeps it, and the
+    // stream ends with an error event instead of the rest.
+    h.fakes[0].hold();
+    h.fakes[0].break_stream_after(1);
+    let resp = h
+        .client
+        .request(h.request("POST", "/v1/completions", &[], Bytes::from(body.to_string())))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut rest = resp.into_body();
+    let first = rest.frame().await.unwrap().unwrap().into_data().unwrap();
+    assert!(first.starts_with(b"data: {\"object\""), "{first:?}");
+    h.fakes[0].release();
+    let text = String::from_utf8(rest.collect().await.unwrap().to_bytes().to_vec()).unwrap();
+    assert!(text.starts_with("data: {\"error\""), "{text}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_header_set_forwarded_and_answered() {
+    let h = start(Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)])).await;
+    let headers = [
+        ("x-request-id", "rid-42"),
+        ("authorization", "Bearer worker-key"),
+        ("proxy-authorization", "Basic gateway"),
+        ("te", "trailers"),
+        ("x-custom", "kept"),
+    ];
+    let r = h.post("/v1/completions", &headers, &completion("hello")).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let seen = &h.fakes[0].served()[0];
+    assert_eq!(seen.headers["x-request-id"], "rid-42");
+    assert_eq!(seen.headers["authorization"], "Bearer worker-key");
+    assert_eq!(seen.headers["x-custom"], "kept");
+    assert_eq!(seen.headers["content-type"], "application/json");
+    assert!(
+        !seen.headers.contains_key("proxy-authorization") && !seen.headers.contains_key("te"),
+        "{:?}",
+        seen.headers
+    );
+    for name in [
+        "x-cortex-cache-hit-tokens",
+        "x-cortex-assigned-worker",
+        "x-cortex-assigned-rank",
+        "x-cortex-match-mode",
+    ] {
+        assert!(!r.header(name).is_empty(), "{name} missing: {:?}", r.headers);
+    }
+    assert_eq!(r.header("x-request-id"), "rid-42");
+    assert_eq!(r.header("x-cortex-assigned-worker"), "w0");
+    // A request without an id gets one, the same upstream and back.
+    let r = h.post("/v1/completions", &[], &completion("hello again")).await;
+    let id = r.header("x-request-id").to_owned();
+    assert!(id.starts_with("cortex-"), "{id}");
+    assert_eq!(h.fakes[0].served()[1].headers["x-request-id"], id.as_str());
+    // Gateway errors carry the id too.
+    let r = h
+        .post("/v1/completions", &[("x-request-id", "rid-43")], &json!({"model": "nope", "prompt": "x"}))
+        .await;
+    assert_eq!((r.status, r.header("x-request-id")), (StatusCode::NOT_FOUND, "rid-43"));
+    h.shutdown().await;
+}
+
+async fn ok(_req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    Ok(Response::new(
+        http_body_util::Full::new(bytes::Bytes::from_static(b"ok")).map_err(|e| match e {}).boxed_unsync(),
+    ))
+}
+
+#[tokio::test]
+async fn a_connection_that_sends_nothing_is_closed_and_one_that_asks_is_served() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let header_read_timeout = Duration::from_millis(300);
+    let server = tokio::spawn(cortex_proxy::server::serve_with(
+        listener,
+        ok,
+        header_read_timeout,
+        Duration::from_secs(1),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+
+    // Silent: the gateway closes it (EOF) after the timeout, not never.
+    let mut silent = TcpStream::connect(addr).await.unwrap();
+    let mut buf = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(10), silent.read(&mut buf))
+        .await
+        .expect("the silent connection was not closed")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "the gateway answered a connection that sent nothing");
+
+    // A request on another connection is served.
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+    let mut resp = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut resp)).await.unwrap().unwrap();
+    let resp = String::from_utf8_lossy(&resp);
+    assert!(resp.starts_with("HTTP/1.1 200") && resp.ends_with("ok"), "{resp}");
+
+    let _ = stop.send(());
+    server.await.unwrap();
+}
