@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod ci;
+pub mod deploy_check;
 pub mod golden;
 pub mod pd_check;
 pub mod radix;
