@@ -986,6 +986,11 @@ mod tests {
         assert_eq!(s.workers[1].events.as_ref().map(|e| e.publish_port_base), Some(5557));
         assert!(!s.workers[0].unlabeled_stores_unknown);
         assert_eq!(s.sched.pools.decode, PolicyConfig::PowerOfTwo);
+        let k = s.kubernetes.unwrap();
+        assert_eq!(
+            (k.namespace.as_deref(), k.resync, k.groups.len()),
+            (Some("inference"), Duration::from_secs(300), 1)
+        );
     }
 
     #[test]
