@@ -103,51 +103,59 @@ impl Membership {
     pub fn apply(&mut self, change: Change) -> Applied {
         match change {
             Change::Join(d) => {
-                let name = d.name.clone();
-                if let Some(id) = self.joined.get(&name) {
-                    // A join of a worker this source already has is a rejoin (a new address):
-                    // the old one leaves first. The reconciler sends leaves itself; this only
-                    // keeps a missed one from leaving a duplicate behind.
-                    self.gateway.remove_worker(*id);
-                    self.joined.remove(&name);
-                }
-                let config = WorkerConfig {
-                    name: d.name,
-                    url: d.url,
-                    engine: self.template.engine,
-                    model: self.template.model.clone(),
-                    role: self.template.role,
-                    events: None,
-                    unlabeled_stores_unknown: self.template.unlabeled_stores_unknown,
-                };
-                let taken = self.gateway.registry().by_name(&name).is_some();
-                match self.gateway.add_worker(config) {
-                    Ok(id) => {
-                        tracing::info!(source = self.source, worker = %name, "discovered worker joins");
-                        metrics::counter!(DISCOVERY_CHANGES, "source" => self.source, "change" => "join")
-                            .increment(1);
-                        self.joined.insert(name, id);
-                        Applied::Joined(id)
-                    }
-                    Err(e) => {
-                        let reason = if taken { "name_taken" } else { "invalid" };
-                        tracing::warn!(source = self.source, worker = %name, error = %e, "discovered worker refused");
-                        metrics::counter!(DISCOVERY_REFUSED, "source" => self.source, "reason" => reason)
-                            .increment(1);
-                        Applied::Refused(e.to_string())
-                    }
+                // A join of a worker this source already has is a new address: the old one
+                // leaves first. The reconciler sends that leave itself; this only keeps a
+                // missed one from leaving a duplicate behind.
+                self.leave(&d.name);
+                self.join(d)
+            }
+            Change::Leave(name) => {
+                if self.leave(&name) {
+                    Applied::Left
+                } else {
+                    Applied::NotOurs
                 }
             }
-            Change::Leave(name) => match self.joined.remove(&name) {
-                Some(id) => {
-                    self.gateway.remove_worker(id);
-                    tracing::info!(source = self.source, worker = %name, "discovered worker leaves");
-                    metrics::counter!(DISCOVERY_CHANGES, "source" => self.source, "change" => "leave")
-                        .increment(1);
-                    Applied::Left
-                }
-                None => Applied::NotOurs,
-            },
         }
+    }
+
+    /// The one call of the gateway's join.
+    fn join(&mut self, d: Discovered) -> Applied {
+        let name = d.name.clone();
+        let config = WorkerConfig {
+            name: d.name,
+            url: d.url,
+            engine: self.template.engine,
+            model: self.template.model.clone(),
+            role: self.template.role,
+            events: None,
+            unlabeled_stores_unknown: self.template.unlabeled_stores_unknown,
+        };
+        let taken = self.gateway.registry().by_name(&name).is_some();
+        match self.gateway.add_worker(config) {
+            Ok(id) => {
+                tracing::info!(source = self.source, worker = %name, "discovered worker joins");
+                metrics::counter!(DISCOVERY_CHANGES, "source" => self.source, "change" => "join")
+                    .increment(1);
+                self.joined.insert(name, id);
+                Applied::Joined(id)
+            }
+            Err(e) => {
+                let reason = if taken { "name_taken" } else { "invalid" };
+                tracing::warn!(source = self.source, worker = %name, error = %e, "discovered worker refused");
+                metrics::counter!(DISCOVERY_REFUSED, "source" => self.source, "reason" => reason)
+                    .increment(1);
+                Applied::Refused(e.to_string())
+            }
+        }
+    }
+
+    /// The one call of the gateway's leave, for a worker this source added; false for any other.
+    fn leave(&mut self, name: &str) -> bool {
+        let Some(id) = self.joined.remove(name) else { return false };
+        self.gateway.remove_worker(id);
+        tracing::info!(source = self.source, worker = %name, "discovered worker leaves");
+        metrics::counter!(DISCOVERY_CHANGES, "source" => self.source, "change" => "leave").increment(1);
+        true
     }
 }
