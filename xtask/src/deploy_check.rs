@@ -20,7 +20,7 @@
 //! - Anything it cannot install or run fails the check loudly, with the tool's own output.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -98,42 +98,6 @@ fn say(s: &str) {
     println!("{s}");
 }
 
-fn output(cmd: &mut Command, what: &str) -> Result<String> {
-    let out = cmd.output().with_context(|| format!("{what}: cannot run"))?;
-    ensure!(
-        out.status.success(),
-        "{what} failed ({}):\n{}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-/// Creates (once) a venv in `dir` with `requirements`; returns its Python and how long creating
-/// it took (`None` when a venv with exactly these requirements was there).
-///
-/// # Errors
-/// The venv cannot be created or pip fails (its output in the message).
-pub fn venv(python: &str, dir: &Path, requirements: &[&str]) -> Result<(PathBuf, Option<Duration>)> {
-    let py = dir.join("bin").join("python");
-    let marker = dir.join("cortex-requirements.txt");
-    let wanted = requirements.join("\n");
-    if py.exists() && std::fs::read_to_string(&marker).is_ok_and(|m| m == wanted) {
-        return Ok((py, None));
-    }
-    let start = Instant::now();
-    output(Command::new(python).args(["-m", "venv", "--clear"]).arg(dir), &format!("`{python} -m venv`"))?;
-    output(
-        Command::new(&py)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-            .args(requirements),
-        &format!("pip install {}", requirements.join(" ")),
-    )?;
-    std::fs::write(&marker, wanted).context("writing the venv marker")?;
-    Ok((py, Some(start.elapsed())))
-}
-
 /// A `kubectl` that renders kustomizations: the one on the `PATH`, else Debian's
 /// `kubernetes-client`, installed (after an `apt-get update` if the package is unknown).
 fn kubectl() -> Result<(String, Option<Duration>)> {
@@ -144,7 +108,7 @@ fn kubectl() -> Result<(String, Option<Duration>)> {
     }
     let start = Instant::now();
     let install = || {
-        output(
+        crate::command_output(
             Command::new("apt-get")
                 .args(["install", "-y", "--no-install-recommends", "kubernetes-client"])
                 .env("DEBIAN_FRONTEND", "noninteractive"),
@@ -152,7 +116,7 @@ fn kubectl() -> Result<(String, Option<Duration>)> {
         )
     };
     if install().is_err() {
-        output(Command::new("apt-get").arg("update"), "apt-get update")?;
+        crate::command_output(Command::new("apt-get").arg("update"), "apt-get update")?;
         install()?;
     }
     ensure!(works(), "kubernetes-client is installed but `kubectl version --client` fails");
@@ -457,13 +421,14 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     let work = crate::target_dir(root).join("deploy-check");
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     let (kubectl, installed) = kubectl()?;
-    let version = output(Command::new(&kubectl).args(["version", "--client"]), "kubectl version")?;
+    let version =
+        crate::command_output(Command::new(&kubectl).args(["version", "--client"]), "kubectl version")?;
     say(&format!(
         "deploy-check: {} ({})",
         version.lines().next().unwrap_or("kubectl").trim(),
         installed.map_or("already installed".to_owned(), |t| format!("installed in {:.1}s", t.as_secs_f64()))
     ));
-    let (py, venv_took) = venv(&args.python, &work.join("venv"), REQUIREMENTS)?;
+    let (py, venv_took) = crate::python_venv(&args.python, &work.join("venv"), REQUIREMENTS)?;
     say(&format!(
         "deploy-check: venv with {} ({})",
         REQUIREMENTS.join(", "),
@@ -472,7 +437,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     let mut job = Vec::new();
     let mut facts = None;
     for dir in kustomizations(&deploy)? {
-        let rendered = output(
+        let rendered = crate::command_output(
             Command::new(&kubectl).arg("kustomize").arg(deploy.join(&dir)),
             &format!("kubectl kustomize deploy/{dir}"),
         )?;
