@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod ci;
+pub mod deploy_check;
 pub mod golden;
 pub mod pd_check;
 pub mod radix;
@@ -48,4 +49,55 @@ pub fn target_dir(root: &std::path::Path) -> PathBuf {
 pub fn workspace_root() -> PathBuf {
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     here.parent().map_or(here.clone(), std::path::Path::to_path_buf)
+}
+
+/// Runs `cmd` (named `what` in errors) and returns its standard output.
+///
+/// # Errors
+/// It cannot start, or it fails: the message has its status and both outputs.
+pub fn command_output(cmd: &mut std::process::Command, what: &str) -> anyhow::Result<String> {
+    use anyhow::{Context, ensure};
+    let out = cmd.output().with_context(|| format!("{what}: cannot run"))?;
+    ensure!(
+        out.status.success(),
+        "{what} failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Creates (once) a Python venv in `dir` with `requirements` (pinned), and returns its Python
+/// and how long creating it took (`None` when a venv with exactly these requirements is there:
+/// a marker file in it names them). Used by the checks that run engines' or schemas' Python.
+///
+/// # Errors
+/// The venv cannot be created or pip fails (its output in the message).
+pub fn python_venv(
+    python: &str,
+    dir: &std::path::Path,
+    requirements: &[&str],
+) -> anyhow::Result<(PathBuf, Option<std::time::Duration>)> {
+    use anyhow::Context;
+    use std::process::Command;
+    let py = dir.join("bin").join("python");
+    let marker = dir.join("cortex-requirements.txt");
+    let wanted = requirements.join("\n");
+    if py.exists() && std::fs::read_to_string(&marker).is_ok_and(|m| m == wanted) {
+        return Ok((py, None));
+    }
+    let start = std::time::Instant::now();
+    command_output(
+        Command::new(python).args(["-m", "venv", "--clear"]).arg(dir),
+        &format!("`{python} -m venv`"),
+    )?;
+    command_output(
+        Command::new(&py)
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args(requirements),
+        &format!("pip install {}", requirements.join(" ")),
+    )?;
+    std::fs::write(&marker, wanted).context("writing the venv marker")?;
+    Ok((py, Some(start.elapsed())))
 }

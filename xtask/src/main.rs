@@ -69,6 +69,8 @@ enum Cmd {
     Replay(xtask::replay::Args),
     /// The simulator's PD workers through vLLM's toy proxy and SGLang's mini_lb (needs python3).
     PdCheck(xtask::pd_check::Args),
+    /// The deployment files: kustomizations rendered, objects validated offline, the Dockerfile.
+    DeployCheck(xtask::deploy_check::Args),
 }
 
 #[allow(clippy::print_stdout, clippy::print_stderr)]
@@ -90,6 +92,7 @@ fn main() -> Result<ExitCode> {
         Cmd::Bench(args) => xtask::bench::run(&root, &args),
         Cmd::Replay(args) => xtask::replay::cli(&root, &args),
         Cmd::PdCheck(args) => xtask::pd_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
+        Cmd::DeployCheck(args) => xtask::deploy_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::Tidy => {
             let violations = tidy::run(&root)?;
             for v in &violations {

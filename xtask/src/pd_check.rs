@@ -79,38 +79,6 @@ impl Drop for Proc {
     }
 }
 
-/// Creates (once) the venv with [`REQUIREMENTS`]; returns its Python and how long installing took
-/// (`None` when it was already there).
-fn venv(python: &str, dir: &Path) -> Result<(PathBuf, Option<Duration>)> {
-    let py = dir.join("bin").join("python");
-    let marker = dir.join("cortex-pd-check.txt");
-    let wanted = REQUIREMENTS.join("\n");
-    if py.exists() && std::fs::read_to_string(&marker).is_ok_and(|m| m == wanted) {
-        return Ok((py, None));
-    }
-    let start = Instant::now();
-    let run = |cmd: &mut Command, what: &str| -> Result<()> {
-        let out = cmd.output().with_context(|| format!("{what}: cannot run"))?;
-        ensure!(
-            out.status.success(),
-            "{what} failed ({}):\n{}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Ok(())
-    };
-    run(Command::new(python).args(["-m", "venv", "--clear"]).arg(dir), &format!("`{python} -m venv`"))?;
-    run(
-        Command::new(&py)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-            .args(REQUIREMENTS),
-        &format!("pip install {}", REQUIREMENTS.join(" ")),
-    )?;
-    std::fs::write(&marker, wanted).context("writing the venv marker")?;
-    Ok((py, Some(start.elapsed())))
-}
-
 fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0").context("binding a free port")?.local_addr()?.port())
 }
@@ -424,7 +392,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
     let target = crate::target_dir(root);
     let logs = target.join("pd-check");
     std::fs::create_dir_all(&logs).context("creating target/pd-check")?;
-    let (py, installed) = venv(&args.python, &target.join("pd-check-venv"))?;
+    let (py, installed) = crate::python_venv(&args.python, &target.join("pd-check-venv"), REQUIREMENTS)?;
     match installed {
         Some(t) => crate_print(&format!(
             "pd-check: venv created and {} installed in {:.1}s",

@@ -24,9 +24,13 @@ use cortex_proxy::{EventsOverride, ModelTable, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
     BoundedLoad, BreakerConfig, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies,
-    SchedConfig, UnreadyHolders, Watermark, Weights,
+    Role, SchedConfig, UnreadyHolders, Watermark, Weights,
 };
 use serde::Deserialize;
+
+use crate::discovery::WorkerTemplate;
+use crate::discovery::kubernetes::{ApiAccess, KubernetesSettings, PodGroup};
+use crate::discovery::pods::{PodReading, PortSpec};
 
 /// A duration written as `250ms`, `30s`, `5m` or `1h`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,6 +141,9 @@ pub struct Config {
     /// Graceful-shutdown deadline.
     #[serde(default)]
     pub shutdown_grace: Option<Dur>,
+    /// Workers found by watching an orchestrator.
+    #[serde(default)]
+    pub discovery: DiscoveryFile,
 }
 
 /// `admin:`
@@ -474,6 +481,8 @@ pub struct Settings {
     pub ingest: IngestConfig,
     /// Ledger.
     pub ledger: LedgerConfig,
+    /// Kubernetes discovery, if configured.
+    pub kubernetes: Option<KubernetesSettings>,
 }
 
 impl std::fmt::Debug for Settings {
@@ -653,7 +662,22 @@ impl Config {
                 Some((a.listen, token))
             }
         };
-        Ok(Settings { listen: self.listen, admin, proxy, models, workers, sched, health, ingest, ledger })
+        let kubernetes = match self.discovery.kubernetes {
+            Some(k) => Some(kubernetes(k, &models)?),
+            None => None,
+        };
+        Ok(Settings {
+            listen: self.listen,
+            admin,
+            proxy,
+            models,
+            workers,
+            sched,
+            health,
+            ingest,
+            ledger,
+            kubernetes,
+        })
     }
 }
 
@@ -797,6 +821,130 @@ fn model_spec(m: ModelFile, base: &Path) -> Result<ModelSpec> {
     })
 }
 
+/// `discovery:`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoveryFile {
+    /// Pods of a Kubernetes namespace.
+    #[serde(default)]
+    pub kubernetes: Option<KubernetesFile>,
+}
+
+/// `discovery.kubernetes:`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesFile {
+    /// The namespace (default: the gateway's own, from its service account).
+    #[serde(default)]
+    pub namespace: Option<String>,
+    /// Full relist period.
+    #[serde(default)]
+    pub resync: Option<Dur>,
+    /// Regular workers: one entry per label selector.
+    #[serde(default)]
+    pub workers: Vec<PodSelectorFile>,
+    /// Prefill workers: refused until PD orchestration exists.
+    #[serde(default)]
+    pub prefill: Vec<PodSelectorFile>,
+    /// Decode workers: refused until PD orchestration exists.
+    #[serde(default)]
+    pub decode: Vec<PodSelectorFile>,
+}
+
+/// `discovery.kubernetes.workers[]` (and `prefill[]`, `decode[]`)
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodSelectorFile {
+    /// A Kubernetes label selector.
+    pub selector: String,
+    /// The engine's port: a number or a container port's name.
+    pub port: PortFile,
+    /// `vllm` or `sglang`.
+    pub engine: EngineFile,
+    /// A configured model's name.
+    pub model: String,
+    /// `plain` (default) or `unknown` (see `workers[].unlabeled_stores`).
+    #[serde(default)]
+    pub unlabeled_stores: Option<String>,
+}
+
+/// A port number or a container port's name.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PortFile {
+    /// `30000`
+    Number(u16),
+    /// `http`
+    Name(String),
+}
+
+/// How often a selector is relisted by default.
+const DEFAULT_RESYNC: Duration = Duration::from_secs(300);
+
+fn kubernetes(k: KubernetesFile, models: &ModelTable) -> Result<KubernetesSettings> {
+    if k.namespace.as_deref().is_some_and(str::is_empty) {
+        bail!("discovery.kubernetes.namespace must not be empty (leave it out for the gateway's own)");
+    }
+    let resync = k.resync.map_or(DEFAULT_RESYNC, |d| d.0);
+    if resync < Duration::from_secs(1) {
+        bail!("discovery.kubernetes.resync must be at least 1s");
+    }
+    let mut groups = Vec::new();
+    for (list, role, entries) in [
+        ("workers", Role::Regular, k.workers),
+        ("prefill", Role::Prefill, k.prefill),
+        ("decode", Role::Decode, k.decode),
+    ] {
+        if role != Role::Regular && !entries.is_empty() {
+            bail!("discovery.kubernetes.{list}: {PD_NOT_AVAILABLE}");
+        }
+        for (i, e) in entries.into_iter().enumerate() {
+            let key = format!("discovery.kubernetes.{list}[{i}]");
+            if e.selector.trim().is_empty() {
+                bail!(
+                    "{key}.selector must select something: an empty selector matches every pod of the namespace"
+                );
+            }
+            if models.get(Some(&e.model)).is_none() {
+                bail!("{key}.model `{}` is not a configured model", e.model);
+            }
+            let port = match e.port {
+                PortFile::Number(0) => bail!("{key}.port must not be 0"),
+                PortFile::Number(n) => PortSpec::Number(n),
+                PortFile::Name(n) => {
+                    // An IANA service name, as Kubernetes requires of a container port's name.
+                    let valid = !n.is_empty()
+                        && n.len() <= 15
+                        && n.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+                        && n.chars().any(|c| c.is_ascii_lowercase());
+                    if !valid {
+                        bail!("{key}.port `{n}` is neither a port number nor a container port name");
+                    }
+                    PortSpec::Named(n)
+                }
+            };
+            let unlabeled_stores_unknown = parse_unlabeled_stores(e.unlabeled_stores.as_deref())
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("{key}.unlabeled_stores"))?;
+            groups.push(PodGroup {
+                key,
+                selector: e.selector,
+                reading: PodReading { port, bootstrap_port: role == Role::Prefill },
+                template: WorkerTemplate {
+                    engine: e.engine.into(),
+                    model: e.model,
+                    role,
+                    unlabeled_stores_unknown,
+                },
+            });
+        }
+    }
+    if groups.is_empty() {
+        bail!("discovery.kubernetes.workers: at least one selector is required");
+    }
+    Ok(KubernetesSettings { api: ApiAccess::Infer, namespace: k.namespace, resync, groups })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -841,6 +989,51 @@ mod tests {
         assert_eq!(s.workers[1].events.as_ref().map(|e| e.publish_port_base), Some(5557));
         assert!(!s.workers[0].unlabeled_stores_unknown);
         assert_eq!(s.workers[1].max_running_requests, Some(256));
+        let k = s.kubernetes.unwrap();
+        assert_eq!(
+            (k.namespace.as_deref(), k.resync, k.groups.len()),
+            (Some("inference"), Duration::from_secs(300), 1)
+        );
+    }
+
+    #[test]
+    fn kubernetes_discovery_is_typed_and_pd_selectors_are_refused_for_now() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let yaml = |discovery: &str| {
+            format!(
+                "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: sglang\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\ndiscovery:\n  kubernetes:\n{discovery}"
+            )
+        };
+        let ok = "    namespace: llm\n    resync: 30s\n    workers:\n      - {selector: 'app=sglang', port: http, engine: sglang, model: m}\n      - {selector: 'app=other', port: 30000, engine: sglang, model: m, unlabeled_stores: unknown}\n";
+        let k = Config::parse(&yaml(ok)).unwrap().into_settings(&base).unwrap().kubernetes.unwrap();
+        assert_eq!(k.api, ApiAccess::Infer);
+        assert_eq!(k.namespace.as_deref(), Some("llm"));
+        assert_eq!(k.resync, Duration::from_secs(30));
+        assert_eq!(k.groups.len(), 2);
+        assert_eq!(k.groups[0].key, "discovery.kubernetes.workers[0]");
+        assert_eq!(k.groups[0].selector, "app=sglang");
+        assert_eq!(
+            k.groups[0].reading,
+            PodReading { port: PortSpec::Named("http".into()), bootstrap_port: false }
+        );
+        assert_eq!(k.groups[1].reading.port, PortSpec::Number(30000));
+        assert_eq!(k.groups[0].template.role, Role::Regular);
+        assert!(
+            !k.groups[0].template.unlabeled_stores_unknown && k.groups[1].template.unlabeled_stores_unknown
+        );
+        // Without the section there is no discovery; a misspelt key is refused by name.
+        let none = Config::parse(&yaml("").replace("discovery:\n  kubernetes:\n", "")).unwrap();
+        assert!(none.into_settings(&base).unwrap().kubernetes.is_none());
+        let err = Config::parse(&yaml("    selectors: []\n")).unwrap_err().to_string();
+        assert!(err.contains("unknown field `selectors`"), "{err}");
+        // Prefill and decode selectors name their key and the reason.
+        for key in ["prefill", "decode"] {
+            let pd =
+                format!("    {key}:\n      - {{selector: 'app=x', port: http, engine: sglang, model: m}}\n");
+            let err = format!("{:#}", Config::parse(&yaml(&pd)).unwrap().into_settings(&base).unwrap_err());
+            assert!(err.contains(&format!("discovery.kubernetes.{key}")), "{err}");
+            assert!(err.contains("PD orchestration is not available yet"), "{err}");
+        }
     }
 
     /// A valid file of one vLLM model `m`, then `extra`; paths relative to the repository root.
@@ -869,6 +1062,35 @@ mod tests {
             (
                 "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, max_running_requests: 0}\n",
                 "workers[0].max_running_requests",
+            ),
+            ("discovery: {kubernetes: {}}\n", "discovery.kubernetes.workers"),
+            (
+                "discovery: {kubernetes: {workers: [{selector: a=b, port: 80, engine: vllm, model: x}]}}\n",
+                "discovery.kubernetes.workers[0].model",
+            ),
+            (
+                "discovery: {kubernetes: {workers: [{selector: ' ', port: 80, engine: vllm, model: m}]}}\n",
+                "discovery.kubernetes.workers[0].selector",
+            ),
+            (
+                "discovery: {kubernetes: {workers: [{selector: a=b, port: 0, engine: vllm, model: m}]}}\n",
+                "discovery.kubernetes.workers[0].port",
+            ),
+            (
+                "discovery: {kubernetes: {workers: [{selector: a=b, port: HTTP_PORT, engine: vllm, model: m}]}}\n",
+                "discovery.kubernetes.workers[0].port",
+            ),
+            (
+                "discovery: {kubernetes: {workers: [{selector: a=b, port: 80, engine: vllm, model: m, unlabeled_stores: x}]}}\n",
+                "discovery.kubernetes.workers[0].unlabeled_stores",
+            ),
+            (
+                "discovery: {kubernetes: {resync: 0s, workers: [{selector: a=b, port: 80, engine: vllm, model: m}]}}\n",
+                "discovery.kubernetes.resync",
+            ),
+            (
+                "discovery: {kubernetes: {namespace: '', workers: [{selector: a=b, port: 80, engine: vllm, model: m}]}}\n",
+                "discovery.kubernetes.namespace",
             ),
         ] {
             let err =

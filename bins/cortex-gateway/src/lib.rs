@@ -11,6 +11,7 @@
 
 pub mod config;
 pub mod demo;
+pub mod discovery;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -108,6 +109,13 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
     }
     for w in settings.workers {
         gateway.control().join(w).map_err(|e| anyhow::anyhow!("{e}"))?;
+    }
+    // After the file's workers, so that a pod named like one of them is the one refused.
+    if let Some(k8s) = settings.kubernetes {
+        for (tx, task) in discovery::kubernetes::start(k8s, &gateway).await? {
+            stop.push(tx);
+            tasks.push(task);
+        }
     }
     Ok(Running { addr, admin_addr, gateway, ingest, stop, tasks })
 }

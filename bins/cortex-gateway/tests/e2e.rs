@@ -5,6 +5,7 @@
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // test helpers: a failed setup step should panic
 
 mod common;
+mod kubernetes;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

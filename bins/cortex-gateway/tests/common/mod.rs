@@ -92,7 +92,7 @@ pub(crate) async fn harness_with(
     prometheus: Option<PrometheusHandle>,
 ) -> Harness {
     let sims: Vec<SimWorker> = sims.into_iter().map(|c| SimWorker::start(c).unwrap()).collect();
-    let mut workers = String::new();
+    let mut workers = String::from(if sims.is_empty() { " []\n" } else { "\n" });
     for (i, s) in sims.iter().enumerate() {
         workers.push_str(&format!(
             "  - {{name: w{i}, url: '{}', engine: {engine}, model: {MODEL}}}\n",
@@ -115,8 +115,7 @@ models:
     tokenizer: '{}'
     tokenizer_config: '{}'
     block_size: 16
-workers:
-{workers}",
+workers:{workers}",
         qwen.join("tokenizer.json").display(),
         qwen.join("tokenizer_config.json").display(),
     );
@@ -128,7 +127,7 @@ workers:
     let gw = cortex_gateway::start(settings, prometheus).await.unwrap();
     let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let h = Harness { sims, gw, client };
-    h.wait("every worker live", || h.live_workers() == h.sims.len()).await;
+    h.wait("every worker live", || h.live_workers() >= h.sims.len()).await;
     h
 }
 
