@@ -18,8 +18,9 @@ use anyhow::{Context, Result};
 /// dependencies may add `cortex-sim` (tests and benches drive simulated engines).
 const ALLOWED: &[(&str, &[&str])] = &[
     ("cortex-hash", &[]),
-    ("cortex-events-vllm", &["cortex-hash"]),
-    ("cortex-events-sglang", &["cortex-hash"]),
+    ("cortex-events-core", &["cortex-hash"]),
+    ("cortex-events-vllm", &["cortex-hash", "cortex-events-core"]),
+    ("cortex-events-sglang", &["cortex-hash", "cortex-events-core"]),
     ("cortex-radix", &["cortex-hash"]),
     ("cortex-ingest", &["cortex-hash", "cortex-radix", "cortex-events-vllm", "cortex-events-sglang"]),
     ("cortex-sched", &["cortex-hash", "cortex-radix"]),
@@ -232,7 +233,12 @@ mod tests {
         let ws = vec![
             member("cortex-hash", &[]),
             member("cortex-radix", &[("cortex-hash", "normal"), ("cortex-events-vllm", "normal")]),
-            member("cortex-events-vllm", &[("cortex-hash", "normal"), ("tokio", "normal")]),
+            member("cortex-events-vllm", &[("cortex-events-core", "normal"), ("tokio", "normal")]),
+            member(
+                "cortex-events-sglang",
+                &[("cortex-events-core", "normal"), ("cortex-events-vllm", "normal")],
+            ),
+            member("cortex-events-core", &[("cortex-hash", "normal")]),
             member("cortex-sched", &[("cortex-radix", "normal"), ("cortex-sim", "dev")]),
             member("cortex-proxy", &[("cortex-ingest", "normal"), ("hyper", "normal")]),
             member("cortex-ingest", &[]),
@@ -242,6 +248,11 @@ mod tests {
         assert!(v.iter().any(|s| s.contains("cortex-radix may not depend on cortex-events-vllm")), "{v:?}");
         assert!(v.iter().any(|s| s.contains("cortex-events-vllm may not use tokio")), "{v:?}");
         assert!(v.iter().any(|s| s.contains("cortex-proxy may not depend on cortex-ingest")), "{v:?}");
-        assert_eq!(v.len(), 3, "{v:?}");
+        // The two event crates share cortex-events-core, never each other.
+        assert!(
+            v.iter().any(|s| s.contains("cortex-events-sglang may not depend on cortex-events-vllm")),
+            "{v:?}"
+        );
+        assert_eq!(v.len(), 4, "{v:?}");
     }
 }
