@@ -3,6 +3,8 @@
 //! Key decision: every bit of automation is Rust in this crate (no shell scripts, no Makefile);
 //! `cargo xtask <command>` is the interface, and `cargo xtask ci` is the one command CI runs.
 
+#![forbid(unsafe_code)]
+
 pub mod bench;
 pub mod ci;
 pub mod golden;

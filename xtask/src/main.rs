@@ -1,5 +1,7 @@
 //! `cargo xtask`: the command-line face of Cortex's automation (see `cargo xtask --help`).
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 
 use anyhow::Result;

@@ -6,7 +6,9 @@
 //!   its own whose command-line crates are optional dependencies behind the feature only that
 //!   binary requires, if no member turns the feature on and the library's code never names them;
 //! - member manifests carry no versions (all live in `[workspace.dependencies]`) and inherit the
-//!   workspace lints.
+//!   workspace lints;
+//! - a member whose sources hold no `unsafe` forbids it in every crate root (`#![forbid(unsafe_code)]`),
+//!   so that unsafe code never arrives unnoticed in a crate that had none.
 //!
 //! Key decision: the allowed edges are written out below as a table, once; ARCHITECTURE.md shows
 //! the same graph, and this check is what keeps the two honest.
@@ -73,6 +75,7 @@ pub fn run(root: &Path) -> Result<Vec<Violation>> {
     out.extend(check_direction(&members));
     for m in &members {
         out.extend(check_cli_sources(m)?);
+        out.extend(check_unsafe_forbidden(m)?);
     }
     Ok(out)
 }
@@ -90,6 +93,8 @@ pub struct Member {
     pub features: BTreeMap<String, Vec<String>>,
     /// Its binary targets: (source file, required features).
     pub bins: Vec<(PathBuf, Vec<String>)>,
+    /// The root source files of its library and binaries.
+    pub roots: Vec<PathBuf>,
 }
 
 /// One dependency of a member, as `cargo metadata` describes it.
@@ -150,6 +155,13 @@ fn members(root: &Path) -> Result<Vec<Member>> {
                         )
                     })
                     .collect(),
+                roots: p["targets"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|t| strings(&t["kind"]).iter().any(|k| k == "lib" || k == "bin"))
+                    .map(|t| PathBuf::from(t["src_path"].as_str().unwrap_or_default()))
+                    .collect(),
             })
         })
         .collect()
@@ -180,6 +192,31 @@ fn sources(dir: &Path) -> Result<Vec<PathBuf>> {
                 stack.push(path);
             } else if path.extension().is_some_and(|x| x == "rs") {
                 out.push(path);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A member without unsafe code forbids it in each crate root.
+fn check_unsafe_forbidden(m: &Member) -> Result<Vec<Violation>> {
+    let mut has_unsafe = false;
+    for path in sources(&m.dir)? {
+        let text = std::fs::read_to_string(&path)?;
+        has_unsafe |= text.lines().map(str::trim).any(|l| {
+            !l.starts_with("//")
+                && ["unsafe {", "unsafe fn", "unsafe impl", "unsafe extern"].iter().any(|u| l.contains(u))
+        });
+    }
+    let mut out = Vec::new();
+    if !has_unsafe {
+        for root in &m.roots {
+            if !std::fs::read_to_string(root)?.lines().any(|l| l.trim() == "#![forbid(unsafe_code)]") {
+                out.push(Violation(format!(
+                    "{}: {} has no unsafe code; its crate root should say `#![forbid(unsafe_code)]`",
+                    root.display(),
+                    m.name
+                )));
             }
         }
     }
@@ -365,6 +402,7 @@ mod tests {
             deps: deps.iter().map(|(d, k)| dep(d, k)).collect(),
             features: BTreeMap::new(),
             bins: Vec::new(),
+            roots: Vec::new(),
         }
     }
 
@@ -457,5 +495,27 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(v.len(), 1, "{v:?}");
         assert!(v[0].0.contains("lib.rs: names `anyhow`"), "{v:?}");
+    }
+
+    #[test]
+    fn a_crate_without_unsafe_code_must_forbid_it() {
+        let dir = std::env::temp_dir().join(format!("cortex-tidy-unsafe-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("src")).unwrap();
+        let mut m = member("cortex-pd", &[]);
+        m.dir = dir.clone();
+        m.roots.push(dir.join("src/lib.rs"));
+        let check = |lib: &str, module: &str| {
+            std::fs::write(dir.join("src/lib.rs"), lib).unwrap();
+            std::fs::write(dir.join("src/m.rs"), module).unwrap();
+            check_unsafe_forbidden(&m).unwrap().len()
+        };
+        let plain = "//! m\n// unsafe { in a comment }\npub fn f() {}\n";
+        let results = [
+            check("//! lib\nmod m;\n", plain),
+            check("//! lib\n\n#![forbid(unsafe_code)]\nmod m;\n", plain),
+            check("//! lib\nmod m;\n", "//! m\n// SAFETY: x\npub fn f() { unsafe { g() } }\n"),
+        ];
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(results, [1, 0, 0], "missing forbid flagged; forbid, or real unsafe code, accepted");
     }
 }

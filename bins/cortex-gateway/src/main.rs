@@ -9,6 +9,8 @@
 //! Installs the Prometheus recorder and the log subscriber, starts the gateway (see the library
 //! half of this package) and shuts it down gracefully on SIGINT or SIGTERM.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;

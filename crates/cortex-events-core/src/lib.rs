@@ -10,6 +10,8 @@
 //! This crate holds only what is the same for both, byte for byte, so that it is written once.
 //! Pure like them: no sockets, no async.
 
+#![forbid(unsafe_code)]
+
 pub mod error;
 pub mod event;
 pub mod msgpack;

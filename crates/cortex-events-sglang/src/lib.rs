@@ -50,6 +50,8 @@
 //! # Ok::<(), cortex_events_sglang::DecodeError>(())
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod encode;
 pub mod normalize;
 mod wire;

@@ -48,6 +48,8 @@
 //! # Ok::<(), cortex_events_vllm::DecodeError>(())
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod encode;
 pub mod normalize;
 mod wire;

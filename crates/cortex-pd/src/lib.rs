@@ -4,3 +4,5 @@
 //! once with `bootstrap_host/port/room`) and vLLM (prefill, then decode with
 //! `kv_transfer_params`) — with retries only before the first byte reaches the client and a
 //! fallback to a single worker. A thin async driver lives in the proxy.
+
+#![forbid(unsafe_code)]

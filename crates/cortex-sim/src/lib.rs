@@ -61,6 +61,8 @@
 //! `cli`, which only the binary requires; the workspace's other crates take the library without
 //! it.
 
+#![forbid(unsafe_code)]
+
 mod config;
 mod engine;
 mod error;
