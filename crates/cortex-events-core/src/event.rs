@@ -122,6 +122,25 @@ impl Fields {
         Ok(())
     }
 
+    /// [`Fields::read`] into a fresh `T`: `read(r, &mut value, i)` for each field, the value
+    /// returned once every field is read.
+    ///
+    /// # Errors
+    /// As [`Fields::read`].
+    #[inline]
+    pub fn read_into<'a, T: Default>(
+        &self,
+        r: &mut Reader<'a>,
+        event: &'static str,
+        names: &[&'static str],
+        required: usize,
+        mut read: impl FnMut(&mut Reader<'a>, &mut T, usize) -> Result<(), DecodeError>,
+    ) -> Result<T, DecodeError> {
+        let mut value = T::default();
+        self.read(r, event, names, required, |r, i| read(r, &mut value, i))?;
+        Ok(value)
+    }
+
     /// Skips every field (an event type without fields, such as `AllBlocksCleared`).
     ///
     /// # Errors

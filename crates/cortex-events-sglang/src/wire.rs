@@ -148,24 +148,31 @@ fn wire_event<'a>(r: &mut Reader<'a>) -> Result<WireEvent<'a>, DecodeError> {
     event::event(r, |r, tag, fields| {
         Ok(match tag {
             Tag::Stored => {
-                let mut s = WireBlockStored::default();
                 let positional = fields.positional();
-                fields.read(r, "BlockStored", &STORED_FIELDS, STORED_REQUIRED, |r, i| {
-                    // An array has six fields, then the metadata element, then nothing we know.
-                    match i {
-                        METADATA_POSITION if positional => s.cache_salt = metadata(r)?,
-                        _ if positional && i > METADATA_POSITION => r.skip()?,
-                        _ => stored_field(r, &mut s, i)?,
-                    }
-                    Ok(())
-                })?;
+                let s = fields.read_into(
+                    r,
+                    "BlockStored",
+                    &STORED_FIELDS,
+                    STORED_REQUIRED,
+                    |r, s: &mut WireBlockStored<'a>, i| {
+                        // An array has six fields, then the metadata element, then nothing we know.
+                        match i {
+                            METADATA_POSITION if positional => s.cache_salt = metadata(r)?,
+                            _ if positional && i > METADATA_POSITION => r.skip()?,
+                            _ => stored_field(r, s, i)?,
+                        }
+                        Ok(())
+                    },
+                )?;
                 WireEvent::BlockStored(s)
             }
-            Tag::Removed => {
-                let mut rm = WireBlockRemoved::default();
-                fields.read(r, "BlockRemoved", &REMOVED_FIELDS, 1, |r, i| removed_field(r, &mut rm, i))?;
-                WireEvent::BlockRemoved(rm)
-            }
+            Tag::Removed => WireEvent::BlockRemoved(fields.read_into(
+                r,
+                "BlockRemoved",
+                &REMOVED_FIELDS,
+                1,
+                removed_field,
+            )?),
             Tag::Cleared => {
                 fields.skip(r)?;
                 WireEvent::AllBlocksCleared

@@ -187,18 +187,20 @@ fn batch_map<'a>(r: &mut Reader<'a>) -> Result<WireBatch<'a>, DecodeError> {
 fn wire_event<'a>(r: &mut Reader<'a>) -> Result<WireEvent<'a>, DecodeError> {
     event::event(r, |r, tag, fields: Fields| {
         Ok(match tag {
-            Tag::Stored => {
-                let mut s = WireBlockStored::default();
-                fields.read(r, "BlockStored", &STORED_FIELDS, STORED_REQUIRED, |r, i| {
-                    stored_field(r, &mut s, i)
-                })?;
-                WireEvent::BlockStored(s)
-            }
-            Tag::Removed => {
-                let mut rm = WireBlockRemoved::default();
-                fields.read(r, "BlockRemoved", &REMOVED_FIELDS, 1, |r, i| removed_field(r, &mut rm, i))?;
-                WireEvent::BlockRemoved(rm)
-            }
+            Tag::Stored => WireEvent::BlockStored(fields.read_into(
+                r,
+                "BlockStored",
+                &STORED_FIELDS,
+                STORED_REQUIRED,
+                stored_field,
+            )?),
+            Tag::Removed => WireEvent::BlockRemoved(fields.read_into(
+                r,
+                "BlockRemoved",
+                &REMOVED_FIELDS,
+                1,
+                removed_field,
+            )?),
             Tag::Cleared => {
                 fields.skip(r)?;
                 WireEvent::AllBlocksCleared
