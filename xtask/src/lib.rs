@@ -5,11 +5,9 @@
 
 #![forbid(unsafe_code)]
 
-pub mod bench;
 pub mod ci;
 pub mod golden;
 pub mod radix;
-pub mod replay;
 pub mod tidy;
 
 use std::path::PathBuf;
@@ -42,4 +40,29 @@ pub fn cargo_metadata(root: &std::path::Path) -> anyhow::Result<serde_json::Valu
 pub fn workspace_root() -> PathBuf {
     let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     here.parent().map_or(here.clone(), std::path::Path::to_path_buf)
+}
+
+/// Runs `cortex-bench <command> <args>` built in release (`cargo run --release -p cortex-bench`):
+/// the benchmark drivers run the gateway and the simulators, which must be measured optimized,
+/// and keeping them out of this crate keeps `cargo xtask tidy` from compiling the product.
+///
+/// # Errors
+/// cargo cannot be started; the driver's own failure is its exit code.
+pub fn bench_driver(
+    root: &std::path::Path,
+    command: &str,
+    args: &[String],
+) -> anyhow::Result<std::process::ExitCode> {
+    use anyhow::Context;
+    let status = std::process::Command::new(cargo())
+        .args(["run", "--release", "--quiet", "-p", "cortex-bench", "--", command])
+        .args(args)
+        .current_dir(root)
+        .status()
+        .context("running cargo run --release -p cortex-bench")?;
+    Ok(match status.code() {
+        Some(0) => std::process::ExitCode::SUCCESS,
+        Some(c) => std::process::ExitCode::from(u8::try_from(c).unwrap_or(1)),
+        None => std::process::ExitCode::FAILURE,
+    })
 }

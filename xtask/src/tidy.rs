@@ -33,6 +33,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("cortex-proxy", &["cortex-hash", "cortex-radix", "cortex-sched", "cortex-pd"]),
     ("cortex-sim", &["cortex-hash", "cortex-events-vllm", "cortex-events-sglang"]),
     ("cortex-gateway", &["*"]),
+    ("cortex-bench", &["*"]),
     ("xtask", &["*"]),
 ];
 
@@ -49,7 +50,7 @@ const RESTRICTED: &[(&str, &[&str])] = &[
     ("serde_yaml_ng", &[]),
 ];
 
-const BINARIES: &[&str] = &["cortex-gateway", "xtask"];
+const BINARIES: &[&str] = &["cortex-gateway", "cortex-bench", "xtask"];
 
 /// One broken rule.
 #[derive(Debug, Clone, PartialEq, Eq)]
