@@ -3,13 +3,13 @@
 //! Key decision: every bit of automation is Rust in this crate (no shell scripts, no Makefile);
 //! `cargo xtask <command>` is the interface, and `cargo xtask ci` is the one command CI runs.
 
-pub mod bench;
+#![forbid(unsafe_code)]
+
 pub mod ci;
 pub mod deploy_check;
 pub mod golden;
 pub mod pd_check;
 pub mod radix;
-pub mod replay;
 pub mod tidy;
 
 use std::path::PathBuf;
@@ -100,4 +100,29 @@ pub fn python_venv(
     )?;
     std::fs::write(&marker, wanted).context("writing the venv marker")?;
     Ok((py, Some(start.elapsed())))
+}
+
+/// Runs `cortex-bench <command> <args>` built in release (`cargo run --release -p cortex-bench`):
+/// the benchmark drivers run the gateway and the simulators, which must be measured optimized,
+/// and keeping them out of this crate keeps `cargo xtask tidy` from compiling the product.
+///
+/// # Errors
+/// cargo cannot be started; the driver's own failure is its exit code.
+pub fn bench_driver(
+    root: &std::path::Path,
+    command: &str,
+    args: &[String],
+) -> anyhow::Result<std::process::ExitCode> {
+    use anyhow::Context;
+    let status = std::process::Command::new(cargo())
+        .args(["run", "--release", "--quiet", "-p", "cortex-bench", "--", command])
+        .args(args)
+        .current_dir(root)
+        .status()
+        .context("running cargo run --release -p cortex-bench")?;
+    Ok(match status.code() {
+        Some(0) => std::process::ExitCode::SUCCESS,
+        Some(c) => std::process::ExitCode::from(u8::try_from(c).unwrap_or(1)),
+        None => std::process::ExitCode::FAILURE,
+    })
 }

@@ -1,5 +1,7 @@
 //! `cargo xtask`: the command-line face of Cortex's automation (see `cargo xtask --help`).
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 
 use anyhow::Result;
@@ -62,11 +64,23 @@ enum Cmd {
         configs: String,
     },
     /// Every benchmark of the workspace (criterion, ingest, gateway overhead), then rewrite the
-    /// generated tables of docs/perf.md.
-    Bench(xtask::bench::Args),
-    /// Replay a request trace open loop through each routing policy onto a simulated cluster:
-    /// cache hits against the infinite-cache bound, simulated TTFT, load imbalance, failures.
-    Replay(xtask::replay::Args),
+    /// generated tables of docs/perf.md: `cargo run --release -p cortex-bench -- bench ARGS`
+    /// (`--help` for its flags).
+    #[command(disable_help_flag = true)]
+    Bench {
+        /// Passed to `cortex-bench bench`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Replay a request trace open loop through each routing policy onto a simulated cluster
+    /// (cache hits against the infinite-cache bound, simulated TTFT, load imbalance, failures):
+    /// `cargo run --release -p cortex-bench -- replay ARGS` (`--help` for its flags).
+    #[command(disable_help_flag = true)]
+    Replay {
+        /// Passed to `cortex-bench replay`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// The simulator's PD workers through vLLM's toy proxy and SGLang's mini_lb (needs python3).
     PdCheck(xtask::pd_check::Args),
     /// The deployment files: kustomizations rendered, objects validated offline, the Dockerfile.
@@ -89,8 +103,8 @@ fn main() -> Result<ExitCode> {
         Cmd::BenchPeers { rounds, configs } => {
             radix::bench_peers(&root, rounds, &configs, std::time::Duration::from_secs(3600))
         }
-        Cmd::Bench(args) => xtask::bench::run(&root, &args),
-        Cmd::Replay(args) => xtask::replay::cli(&root, &args),
+        Cmd::Bench { args } => xtask::bench_driver(&root, "bench", &args),
+        Cmd::Replay { args } => xtask::bench_driver(&root, "replay", &args),
         Cmd::PdCheck(args) => xtask::pd_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::DeployCheck(args) => xtask::deploy_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::Tidy => {

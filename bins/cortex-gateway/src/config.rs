@@ -1125,4 +1125,23 @@ mod tests {
         let ok = yaml("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: regular}\n");
         assert!(Config::parse(&ok).unwrap().into_settings(&base).is_ok());
     }
+
+    /// The configurations `deploy/` ships, with the repository's Qwen3 files for the model
+    /// volume: the base is accepted, the disaggregated overlay refused for PD until PD exists.
+    #[test]
+    fn the_deploy_configurations_are_what_deploy_check_expects() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let load = |file: &str| {
+            let mut cfg = Config::parse(&std::fs::read_to_string(root.join(file)).unwrap()).unwrap();
+            for m in &mut cfg.models {
+                m.tokenizer = root.join("golden/models/qwen3/tokenizer.json");
+                m.tokenizer_config = root.join("golden/models/qwen3/tokenizer_config.json");
+                m.chat_template = None;
+            }
+            cfg.into_settings(&root)
+        };
+        assert!(load("deploy/base/cortex.yaml").is_ok());
+        let err = format!("{:#}", load("deploy/overlays/disaggregated/cortex.yaml").unwrap_err());
+        assert!(err.contains("PD orchestration is not available yet"), "{err}");
+    }
 }

@@ -9,6 +9,8 @@
 //! Key decision: nothing global but the metrics recorder, which the binary installs; every
 //! component is built from [`config::Settings`] and owned by [`Running`].
 
+#![forbid(unsafe_code)]
+
 pub mod config;
 pub mod demo;
 pub mod discovery;

@@ -3,11 +3,13 @@
 //! ```text
 //! cortex-gateway --config cortex.yaml        # a real cluster
 //! cortex-gateway --demo                      # a simulated cluster of both engines, no GPU
-//! cortex-gateway --check-config cortex.yaml  # validate and exit
+//! cortex-gateway --check-config cortex.yaml  # validate, print a JSON summary, exit
 //! ```
 //!
 //! Installs the Prometheus recorder and the log subscriber, starts the gateway (see the library
 //! half of this package) and shuts it down gracefully on SIGINT or SIGTERM.
+
+#![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -72,8 +74,17 @@ fn run(cli: Cli) -> Result<()> {
         .init();
     if let Some(path) = &cli.check_config {
         let (cfg, base) = Config::load(path)?;
-        cfg.into_settings(&base)?;
-        println!("{}: ok", path.display());
+        let s = cfg.into_settings(&base)?;
+        // One JSON line, for people and for checks that compare it with manifests.
+        let summary = serde_json::json!({
+            "file": path.display().to_string(),
+            "ok": true,
+            "listen": s.listen.to_string(),
+            "shutdown_grace_ms": u64::try_from(s.proxy.shutdown_grace.as_millis()).unwrap_or(u64::MAX),
+            "models": s.models.names().count(),
+            "workers": s.workers.len(),
+        });
+        println!("{summary}");
         return Ok(());
     }
     let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()

@@ -1,18 +1,20 @@
 //! Decode throughput in block-stores per second on one core: SGLang 0.5.23 batches of
 //! `BlockStored` events with 16 pages of 16 tokens each, against `rmpv::decode::read_value` on the
-//! same bytes (a generic MessagePack tree, no hashing) measured in the same run.
+//! same bytes (a generic MessagePack tree, no hashing) measured in the same run
+//! ([`cortex_events_core::testing::decode_bench`]).
 //!
 //! `cargo bench -p cortex-events-sglang --bench decode`
 
 #![allow(missing_docs)] // criterion_group! generates undocumented items
 
-use std::hint::black_box;
-
 use cortex_events_sglang::{
     DecodeContext, Encoding, TokenIds, Unlabeled, WireBatch, WireBlockStored, WireEvent, decode, decode_wire,
     encode,
 };
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use std::hint::black_box;
+
+use cortex_events_core::testing::{decode_bench, xorshift};
+use criterion::{Criterion, criterion_group, criterion_main};
 
 const EVENTS: usize = 8;
 const BLOCKS: usize = 16;
@@ -21,13 +23,7 @@ const PAGE: usize = 16;
 /// A batch as a busy SGLang step publishes it: `EVENTS` coalesced stores of 16 pages chained on a
 /// parent, realistic token ids, signed 64-bit hashes (half of them negative).
 fn payload() -> Vec<u8> {
-    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-    let mut next = || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
+    let mut next = xorshift();
     let events = (0..EVENTS)
         .map(|_| {
             WireEvent::BlockStored(WireBlockStored {
@@ -45,20 +41,15 @@ fn payload() -> Vec<u8> {
 }
 
 fn bench(c: &mut Criterion) {
-    let bytes = payload();
     let ctx = DecodeContext::new("Qwen/Qwen3-8B", Unlabeled::Plain);
-    let mut g = c.benchmark_group("sglang decode (8 events x 16 pages x 16 tokens)");
-    g.throughput(Throughput::Elements((EVENTS * BLOCKS) as u64));
-    g.bench_function("baseline rmpv::decode::read_value", |b| {
-        b.iter(|| rmpv::decode::read_value(&mut black_box(bytes.as_slice())).expect("valid"));
-    });
-    g.bench_function("cortex decode_wire (typed, no hashing)", |b| {
-        b.iter(|| decode_wire(black_box(&bytes)).expect("valid"));
-    });
-    g.bench_function("cortex decode (typed + page hashes)", |b| {
-        b.iter(|| decode(black_box(&bytes), &ctx).expect("valid"));
-    });
-    g.finish();
+    decode_bench(
+        c,
+        "sglang decode (8 events x 16 pages x 16 tokens)",
+        &payload(),
+        (EVENTS * BLOCKS) as u64,
+        |p| drop(black_box(decode_wire(p).expect("valid"))),
+        |p| drop(black_box(decode(p, &ctx).expect("valid"))),
+    );
 }
 
 criterion_group!(benches, bench);

@@ -10,9 +10,9 @@
 //! Key decision: a field the encoding cannot carry (`session_id` or `lora_name` in arrays) is an
 //! error, not silently dropped.
 
-use crate::error::EncodeError;
-use crate::mp::write;
 use crate::wire::{LoraId, REMOVED_FIELDS, STORED_FIELDS, TokenIds, WireBatch, WireBlockStored, WireEvent};
+use cortex_events_core::EncodeError;
+use cortex_events_core::msgpack::write;
 
 /// Which event encoding an SGLang release publishes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -29,7 +29,7 @@ const STORED_REQUIRED: usize = 5;
 /// Encodes `batch` as SGLang publishes it with `encoding`: the bytes of frame 2 of a live message.
 ///
 /// # Errors
-/// [`EncodeError::FieldNotInEncoding`] for a field the encoding cannot carry;
+/// [`EncodeError::FieldNotInFormat`] for a field the encoding cannot carry;
 /// [`EncodeError::TooLong`] for a collection beyond MessagePack's limits.
 pub fn encode(batch: &WireBatch<'_>, encoding: Encoding) -> Result<Vec<u8>, EncodeError> {
     let mut out = Vec::with_capacity(64 + batch.events.len() * 128);
@@ -161,10 +161,10 @@ fn stored_map(out: &mut Vec<u8>, s: &WireBlockStored<'_>) -> Result<(), EncodeEr
 
 fn stored_array(out: &mut Vec<u8>, s: &WireBlockStored<'_>) -> Result<(), EncodeError> {
     if s.session_id.is_some() {
-        return Err(EncodeError::FieldNotInEncoding { field: "session_id" });
+        return Err(EncodeError::FieldNotInFormat { field: "session_id" });
     }
     if s.lora_name.is_some() {
-        return Err(EncodeError::FieldNotInEncoding { field: "lora_name" });
+        return Err(EncodeError::FieldNotInFormat { field: "lora_name" });
     }
     write::array(out, if s.cache_salt.is_some() { 8 } else { 7 })
         .ok_or(EncodeError::TooLong { field: "event" })?;

@@ -50,15 +50,14 @@
 //! # Ok::<(), cortex_events_sglang::DecodeError>(())
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod encode;
-mod error;
-#[allow(dead_code, reason = "kept identical to cortex-events-vllm's; some items only vLLM needs")]
-mod mp;
 pub mod normalize;
 mod wire;
 
+pub use cortex_events_core::{DecodeError, EncodeError, ValueKind};
 pub use encode::{Encoding, encode};
-pub use error::{DecodeError, EncodeError, ValueKind};
 pub use normalize::{DecodeContext, Unlabeled};
 pub use wire::{LoraId, TokenIds, WireBatch, WireBlockRemoved, WireBlockStored, WireEvent, decode_wire};
 

@@ -20,10 +20,11 @@
 //!   overlap, or with a token beyond `u32` (a "wide" page no tokenizer produces for a request), is
 //!   dropped: it says nothing the ledger can key, and dropping only under-counts.
 
+use cortex_events_core::Namespaces;
 use cortex_hash::kv::{
     BlockRemoved, BlockStored, DpRank, EngineHash, EventBatch, KvEvent, Lineage, Medium, StoredBlock,
 };
-use cortex_hash::{Engine, Namespace, Token};
+use cortex_hash::{Engine, Token};
 
 use crate::wire::{TokenIds, WireBatch, WireBlockStored, WireEvent};
 
@@ -54,31 +55,11 @@ pub enum Unlabeled {
     Unknown,
 }
 
-/// The last namespace built, reused while consecutive stores share block size and adapter.
-struct Namespaces<'m> {
-    model: &'m str,
-    last: Option<(u32, Option<String>, Namespace)>,
-}
-
-impl Namespaces<'_> {
-    fn get(&mut self, block_size: u32, lora: Option<&str>) -> Namespace {
-        if let Some((bs, l, ns)) = &self.last
-            && *bs == block_size
-            && l.as_deref() == lora
-        {
-            return *ns;
-        }
-        let ns = Namespace::new(Engine::Sglang, block_size, self.model, lora);
-        self.last = Some((block_size, lora.map(str::to_owned), ns));
-        ns
-    }
-}
-
 impl WireBatch<'_> {
     /// The normalized batch: what the ledger applies.
     #[must_use]
     pub fn normalize(&self, ctx: &DecodeContext<'_>) -> EventBatch {
-        let mut namespaces = Namespaces { model: ctx.model, last: None };
+        let mut namespaces = Namespaces::new(Engine::Sglang, ctx.model);
         let mut events = Vec::with_capacity(self.events.len());
         let mut units = Vec::new();
         for ev in &self.events {

@@ -11,9 +11,9 @@
 //! EAGLE bigram pairs as pairs), so they re-encode byte for byte; interpreting them is
 //! [`crate::normalize`]'s job.
 
-use crate::ValueKind;
-use crate::error::DecodeError;
-use crate::mp::Reader;
+use cortex_events_core::event::{self, Tag};
+use cortex_events_core::msgpack::Reader;
+use cortex_events_core::{DecodeError, ValueKind};
 
 /// `token_ids` as published: flat ids, or for EAGLE speculative decoding the overlapping pairs
 /// `[[a, b], [b, c], …]` (one pair per page unit).
@@ -112,10 +112,6 @@ pub struct WireBatch<'a> {
     pub attn_dp_rank: Option<u16>,
 }
 
-const STORED: &[u8] = b"BlockStored";
-const REMOVED: &[u8] = b"BlockRemoved";
-const CLEARED: &[u8] = b"AllBlocksCleared";
-
 /// `BlockStored` map keys in declaration order; the first six are also the positional fields.
 pub(crate) const STORED_FIELDS: [&str; 9] = [
     "block_hashes",
@@ -140,114 +136,49 @@ pub(crate) const REMOVED_FIELDS: [&str; 2] = ["block_hashes", "medium"];
 /// [`DecodeError`] if the payload is not one well-formed batch.
 pub fn decode_wire(payload: &[u8]) -> Result<WireBatch<'_>, DecodeError> {
     let mut r = Reader::new(payload);
-    let len = r.array_len()?;
-    if len < 2 {
-        return Err(DecodeError::BatchShape { len });
-    }
-    let ts = r.f64()?;
-    let n = r.array_len()?;
-    let mut events = Vec::with_capacity(n);
-    for _ in 0..n {
-        events.push(event(&mut r)?);
-    }
-    let attn_dp_rank = if len >= 3 { rank(&mut r)? } else { None };
-    for _ in 3..len {
-        r.skip()?;
-    }
+    let b = event::array_batch(&mut r, "attn_dp_rank", wire_event)?;
     r.finish()?;
-    Ok(WireBatch { ts, events, attn_dp_rank })
-}
-
-fn rank(r: &mut Reader<'_>) -> Result<Option<u16>, DecodeError> {
-    if r.nil()? {
-        return Ok(None);
-    }
-    let offset = r.pos();
-    let v = r.u64("attn_dp_rank")?;
-    u16::try_from(v).map(Some).map_err(|_| DecodeError::OutOfRange { offset, field: "attn_dp_rank" })
-}
-
-/// A map key: `Some(bytes)` for a string key; other keys are skipped and give `None`.
-fn key<'a>(r: &mut Reader<'a>) -> Result<Option<&'a [u8]>, DecodeError> {
-    if r.kind()? == ValueKind::Str {
-        Ok(Some(r.str_bytes()?))
-    } else {
-        r.skip()?;
-        Ok(None)
-    }
-}
-
-fn event<'a>(r: &mut Reader<'a>) -> Result<WireEvent<'a>, DecodeError> {
-    let start = r.pos();
-    match r.kind()? {
-        ValueKind::Array => positional(r, start),
-        ValueKind::Map => tagged(r, start),
-        _ => Err(r.unexpected("an event (array or map)")),
-    }
-}
-
-enum Tag {
-    Stored,
-    Removed,
-    Cleared,
-}
-
-fn tag(r: &mut Reader<'_>) -> Result<Tag, DecodeError> {
-    let offset = r.pos();
-    match r.str_bytes()? {
-        STORED => Ok(Tag::Stored),
-        REMOVED => Ok(Tag::Removed),
-        CLEARED => Ok(Tag::Cleared),
-        _ => Err(DecodeError::UnknownEventType { offset }),
-    }
-}
-
-fn missing(offset: usize, event: &'static str, field: &'static str) -> DecodeError {
-    DecodeError::MissingField { offset, event, field }
+    Ok(WireBatch { ts: b.ts, events: b.events, attn_dp_rank: b.rank })
 }
 
 /// `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-/// {"cache_salt": S}?]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
-fn positional<'a>(r: &mut Reader<'a>, start: usize) -> Result<WireEvent<'a>, DecodeError> {
-    let len = r.array_len()?;
-    if len == 0 {
-        return Err(missing(start, "event", "type"));
-    }
-    let ev = match tag(r)? {
-        Tag::Stored => {
-            if len - 1 < STORED_REQUIRED {
-                return Err(missing(start, "BlockStored", STORED_FIELDS[len - 1]));
+/// {"cache_salt": S}?]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`, or the
+/// same as maps with a `"type"` key.
+fn wire_event<'a>(r: &mut Reader<'a>) -> Result<WireEvent<'a>, DecodeError> {
+    event::event(r, |r, tag, fields| {
+        Ok(match tag {
+            Tag::Stored => {
+                let positional = fields.positional();
+                let s = fields.read_into(
+                    r,
+                    "BlockStored",
+                    &STORED_FIELDS,
+                    STORED_REQUIRED,
+                    |r, s: &mut WireBlockStored<'a>, i| {
+                        // An array has six fields, then the metadata element, then nothing we know.
+                        match i {
+                            METADATA_POSITION if positional => s.cache_salt = metadata(r)?,
+                            _ if positional && i > METADATA_POSITION => r.skip()?,
+                            _ => stored_field(r, s, i)?,
+                        }
+                        Ok(())
+                    },
+                )?;
+                WireEvent::BlockStored(s)
             }
-            let mut s = WireBlockStored::default();
-            for i in 0..len - 1 {
-                if i == METADATA_POSITION {
-                    s.cache_salt = metadata(r)?;
-                } else if i < METADATA_POSITION {
-                    stored_field(r, &mut s, i)?;
-                } else {
-                    r.skip()?;
-                }
+            Tag::Removed => WireEvent::BlockRemoved(fields.read_into(
+                r,
+                "BlockRemoved",
+                &REMOVED_FIELDS,
+                1,
+                removed_field,
+            )?),
+            Tag::Cleared => {
+                fields.skip(r)?;
+                WireEvent::AllBlocksCleared
             }
-            WireEvent::BlockStored(s)
-        }
-        Tag::Removed => {
-            if len < 2 {
-                return Err(missing(start, "BlockRemoved", "block_hashes"));
-            }
-            let mut rm = WireBlockRemoved::default();
-            for i in 0..len - 1 {
-                removed_field(r, &mut rm, i)?;
-            }
-            WireEvent::BlockRemoved(rm)
-        }
-        Tag::Cleared => {
-            for _ in 1..len {
-                r.skip()?;
-            }
-            WireEvent::AllBlocksCleared
-        }
-    };
-    Ok(ev)
+        })
+    })
 }
 
 /// The `BlockStoredWithMetadata` element: a map holding `cache_salt` (nil and unknown keys
@@ -260,82 +191,12 @@ fn metadata<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
     let n = r.map_len()?;
     let mut salt = None;
     for _ in 0..n {
-        match key(r)? {
-            Some(b"cache_salt") => salt = opt_str(r)?,
+        match r.key()? {
+            Some(b"cache_salt") => salt = r.opt_str()?,
             _ => r.skip()?,
         }
     }
     Ok(salt)
-}
-
-fn field_index(fields: &[&str], key: &[u8]) -> Option<usize> {
-    fields.iter().position(|f| f.as_bytes() == key)
-}
-
-/// `{"type": "BlockStored", "block_hashes": …, …}`; keys in any order, unknown keys skipped.
-fn tagged<'a>(r: &mut Reader<'a>, start: usize) -> Result<WireEvent<'a>, DecodeError> {
-    let n = r.map_len()?;
-    let body = r.pos();
-    // msgspec writes the tag first; look for it elsewhere only if it is not.
-    let (tag, from, count) = if n > 0 && r.kind()? == ValueKind::Str && r.str_bytes()? == b"type" {
-        (tag(r)?, r.pos(), n - 1)
-    } else {
-        r.seek(body);
-        let mut found = None;
-        for _ in 0..n {
-            if key(r)? == Some(b"type") {
-                found = Some(tag(r)?);
-                break;
-            }
-            r.skip()?;
-        }
-        (found.ok_or_else(|| missing(start, "event", "type"))?, body, n)
-    };
-    r.seek(from);
-    let ev = match tag {
-        Tag::Stored => {
-            let mut s = WireBlockStored::default();
-            let mut have = 0u16;
-            for _ in 0..count {
-                match key(r)?.and_then(|k| field_index(&STORED_FIELDS, k)) {
-                    Some(i) => {
-                        have |= 1 << i;
-                        stored_field(r, &mut s, i)?;
-                    }
-                    None => r.skip()?,
-                }
-            }
-            if let Some(i) = (0..STORED_REQUIRED).find(|i| have & (1 << i) == 0) {
-                return Err(missing(start, "BlockStored", STORED_FIELDS[i]));
-            }
-            WireEvent::BlockStored(s)
-        }
-        Tag::Removed => {
-            let mut rm = WireBlockRemoved::default();
-            let mut have = false;
-            for _ in 0..count {
-                match key(r)?.and_then(|k| field_index(&REMOVED_FIELDS, k)) {
-                    Some(i) => {
-                        have |= i == 0;
-                        removed_field(r, &mut rm, i)?;
-                    }
-                    None => r.skip()?,
-                }
-            }
-            if !have {
-                return Err(missing(start, "BlockRemoved", "block_hashes"));
-            }
-            WireEvent::BlockRemoved(rm)
-        }
-        Tag::Cleared => {
-            for _ in 0..count {
-                r.skip()?;
-                r.skip()?;
-            }
-            WireEvent::AllBlocksCleared
-        }
-    };
-    Ok(ev)
 }
 
 /// Reads field number `i` of [`STORED_FIELDS`] (others are skipped).
@@ -355,10 +216,10 @@ fn stored_field<'a>(r: &mut Reader<'a>, s: &mut WireBlockStored<'a>, i: usize) -
                 _ => Some(LoraId::Int(r.i64("lora_id")?)),
             };
         }
-        5 => s.medium = opt_str(r)?,
-        6 => s.cache_salt = opt_str(r)?,
-        7 => s.session_id = opt_str(r)?,
-        8 => s.lora_name = opt_str(r)?,
+        5 => s.medium = r.opt_str()?,
+        6 => s.cache_salt = r.opt_str()?,
+        7 => s.session_id = r.opt_str()?,
+        8 => s.lora_name = r.opt_str()?,
         _ => r.skip()?,
     }
     Ok(())
@@ -368,14 +229,10 @@ fn stored_field<'a>(r: &mut Reader<'a>, s: &mut WireBlockStored<'a>, i: usize) -
 fn removed_field<'a>(r: &mut Reader<'a>, rm: &mut WireBlockRemoved<'a>, i: usize) -> Result<(), DecodeError> {
     match i {
         0 => rm.block_hashes = hashes(r)?,
-        1 => rm.medium = opt_str(r)?,
+        1 => rm.medium = r.opt_str()?,
         _ => r.skip()?,
     }
     Ok(())
-}
-
-fn opt_str<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
-    if r.nil()? { Ok(None) } else { r.str().map(Some) }
 }
 
 /// A hash: msgspec writes a non-negative `i64` as an unsigned form, so `uint64` up to
@@ -421,7 +278,7 @@ fn tokens(r: &mut Reader<'_>) -> Result<TokenIds, DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mp::write;
+    use cortex_events_core::msgpack::write;
 
     /// A tiny builder for hand-made payloads (shapes no release writes).
     #[derive(Default)]

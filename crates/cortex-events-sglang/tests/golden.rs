@@ -4,60 +4,22 @@
 
 #![allow(clippy::unwrap_used, reason = "test-only helpers; a malformed fixture should fail loudly")]
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-
+use cortex_events_core::testing::{Chains, golden, payloads, stored};
 use cortex_events_sglang::{
     DecodeContext, Encoding, TokenIds, Unlabeled, WireBatch, WireBlockStored, WireEvent, decode, decode_wire,
     encode,
 };
-use cortex_hash::kv::{BlockStored, DpRank, EngineHash, KvEvent, Lineage, Medium};
-use cortex_hash::{Engine, Namespace, SeqHash, chain};
+use cortex_hash::kv::{BlockStored, DpRank, KvEvent, Lineage, Medium};
+use cortex_hash::{Engine, Namespace};
 use serde_json::Value;
 
 const MODEL: &str = "Qwen/Qwen3-8B";
 const PLAIN: DecodeContext<'static> = DecodeContext::new(MODEL, Unlabeled::Plain);
 const UNKNOWN: DecodeContext<'static> = DecodeContext::new(MODEL, Unlabeled::Unknown);
 
-fn golden(file: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../golden/sglang").join(file);
-    serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
-}
-
-/// Every non-empty payload frame (the last of each `frames_hex`) in a golden document.
-fn payloads(v: &Value, out: &mut Vec<Vec<u8>>) {
-    match v {
-        Value::Object(m) => {
-            if let Some(frames) = m.get("frames_hex").and_then(Value::as_array) {
-                let last = frames.last().and_then(Value::as_str).unwrap();
-                if !last.is_empty() {
-                    out.push(hex::decode(last).unwrap());
-                }
-            }
-            m.iter().filter(|(k, _)| *k != "frames_hex").for_each(|(_, x)| payloads(x, out));
-        }
-        Value::Array(a) if a.len() == 4 && a.iter().all(Value::is_string) && a[0] == "" => {
-            // wire_legacy_0.5.19.json's replay: ["", seq, payload] lists plus the end marker.
-            let last = a[2].as_str().unwrap();
-            if !last.is_empty() {
-                out.push(hex::decode(last).unwrap());
-            }
-        }
-        Value::Array(a) if a.len() == 3 && a.iter().all(Value::is_string) && a[0] == "" => {
-            let last = a[2].as_str().unwrap();
-            if !last.is_empty() {
-                out.push(hex::decode(last).unwrap());
-            }
-        }
-        Value::Array(a) => a.iter().for_each(|x| payloads(x, out)),
-        _ => {}
-    }
-}
-
+/// Every payload of `golden/sglang/<file>`.
 fn all(file: &str) -> Vec<Vec<u8>> {
-    let mut out = Vec::new();
-    payloads(&golden(file), &mut out);
-    out
+    payloads(&golden(&format!("sglang/{file}")))
 }
 
 #[test]
@@ -79,20 +41,13 @@ fn every_capture_reencodes_byte_for_byte() {
 }
 
 fn live(file: &str, rank: usize) -> Vec<Vec<u8>> {
-    let doc = golden(file);
+    let doc = golden(&format!("sglang/{file}"));
     doc["ranks"][rank]["messages"]
         .as_array()
         .unwrap()
         .iter()
         .map(|m| hex::decode(m["frames_hex"][2].as_str().unwrap()).unwrap())
         .collect()
-}
-
-fn stored(ev: &KvEvent) -> &BlockStored {
-    match ev {
-        KvEvent::Stored(s) => s,
-        other => panic!("expected a store, got {other:?}"),
-    }
 }
 
 #[test]
@@ -124,25 +79,6 @@ fn live_stream_carries_salt_lora_and_ranks() {
         stored(&decode(&legacy[4], &PLAIN).unwrap().events[0]).lineage,
         Some(Lineage::new(ns, Some("tenant-a")))
     );
-}
-
-/// The ledger's chaining: each block's content on its parent's `SeqHash` (or the lineage root).
-#[derive(Default)]
-struct Chains(HashMap<EngineHash, SeqHash>);
-
-impl Chains {
-    fn apply(&mut self, s: &BlockStored) -> Vec<SeqHash> {
-        let lineage = s.lineage.expect("a known lineage");
-        let mut seq = s.parent.map_or(lineage.root, |p| self.0[&p]);
-        s.blocks
-            .iter()
-            .map(|b| {
-                seq = chain(seq, b.content);
-                self.0.insert(b.engine, seq);
-                seq
-            })
-            .collect()
-    }
 }
 
 /// A recorded `hash_vectors.json` event as a wire store (these were captured as Python values,
@@ -181,7 +117,7 @@ fn roundtrip(store: WireBlockStored<'_>, ctx: &DecodeContext<'_>) -> BlockStored
 
 #[test]
 fn recorded_tree_cache_events_match_the_request_side() {
-    let doc = golden("hash_vectors.json");
+    let doc = golden("sglang/hash_vectors.json");
     let (mut checked, mut bigram_checked) = (0, 0);
     for case in doc["events"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
@@ -230,7 +166,7 @@ fn recorded_tree_cache_events_match_the_request_side() {
 #[test]
 fn an_unregistered_adapter_publishes_the_base_models_hashes() {
     // Why `Unlabeled` exists: same tokens, same hashes, no lora_name.
-    let doc = golden("hash_vectors.json");
+    let doc = golden("sglang/hash_vectors.json");
     let case = |n: &str| doc["events"].as_array().unwrap().iter().find(|c| c["name"] == n).unwrap().clone();
     let plain = case("plain_p16");
     let unreg = case("lora_unregistered_default_p16");

@@ -128,10 +128,10 @@ fn both_encodings_carry_the_salt() {
     let batch = |s| WireBatch { ts: 0.0, events: vec![WireEvent::BlockStored(s)], attn_dp_rank: None };
     assert_eq!(
         encode(&batch(WireBlockStored { session_id: Some("s"), ..store(1) }), Encoding::Arrays),
-        Err(EncodeError::FieldNotInEncoding { field: "session_id" })
+        Err(EncodeError::FieldNotInFormat { field: "session_id" })
     );
     assert_eq!(
         encode(&batch(WireBlockStored { lora_name: Some("a"), ..store(1) }), Encoding::Arrays),
-        Err(EncodeError::FieldNotInEncoding { field: "lora_name" })
+        Err(EncodeError::FieldNotInFormat { field: "lora_name" })
     );
 }

@@ -11,12 +11,12 @@
 //! Key decision: a field the release does not have is an error, not silently dropped; a simulator
 //! asking for an impossible event is a bug worth hearing about.
 
-use crate::error::EncodeError;
-use crate::mp::write;
 use crate::wire::{
     BlockExtraKeys, ExtraKey, REMOVED_FIELDS, STORED_FIELDS, WireBatch, WireBlockRemoved, WireBlockStored,
     WireEvent, WireHash,
 };
+use cortex_events_core::EncodeError;
+use cortex_events_core::msgpack::write;
 
 /// A vLLM release, as far as the event format is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -110,7 +110,7 @@ const REMOVED_REQUIRED: usize = 2;
 /// Encodes `batch` as vLLM `version` publishes it: the bytes of frame 2 of a live message.
 ///
 /// # Errors
-/// [`EncodeError::FieldNotInVersion`] if the batch sets a field (or the DP rank) `version` does
+/// [`EncodeError::FieldNotInFormat`] if the batch sets a field (or the DP rank) `version` does
 /// not have; [`EncodeError::TooLong`] for a collection beyond MessagePack's limits.
 pub fn encode(batch: &WireBatch<'_>, version: Version) -> Result<Vec<u8>, EncodeError> {
     let mut out = Vec::with_capacity(64 + batch.events.len() * 128);
@@ -118,7 +118,7 @@ pub fn encode(batch: &WireBatch<'_>, version: Version) -> Result<Vec<u8>, Encode
     if version.has_rank() {
         write::array(&mut out, 3).ok_or_else(|| long("batch"))?;
     } else if batch.data_parallel_rank.is_some() {
-        return Err(EncodeError::FieldNotInVersion { field: "data_parallel_rank" });
+        return Err(EncodeError::FieldNotInFormat { field: "data_parallel_rank" });
     } else {
         write::array(&mut out, 2).ok_or_else(|| long("batch"))?;
     }
@@ -179,7 +179,7 @@ fn event(
     required: usize,
 ) -> Result<(), EncodeError> {
     if let Some(i) = (declared..fields.len()).find(|&i| fields[i].is_some()) {
-        return Err(EncodeError::FieldNotInVersion { field: names[i] });
+        return Err(EncodeError::FieldNotInFormat { field: names[i] });
     }
     let fields = &fields[..declared.min(fields.len())];
     if version.tagged_maps() {
@@ -331,13 +331,13 @@ mod tests {
             WireBatch { ts: 0.0, events: vec![WireEvent::BlockStored(s)], data_parallel_rank: Some(0) };
         assert_eq!(
             encode(&batch, Version::new(0, 29, 0)),
-            Err(EncodeError::FieldNotInVersion { field: "session_id" })
+            Err(EncodeError::FieldNotInFormat { field: "session_id" })
         );
         assert!(encode(&batch, Version::new(0, 30, 0)).is_ok());
         let ranked = WireBatch { ts: 0.0, events: vec![], data_parallel_rank: Some(1) };
         assert_eq!(
             encode(&ranked, Version::new(0, 9, 0)),
-            Err(EncodeError::FieldNotInVersion { field: "data_parallel_rank" })
+            Err(EncodeError::FieldNotInFormat { field: "data_parallel_rank" })
         );
     }
 

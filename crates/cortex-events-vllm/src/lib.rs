@@ -48,14 +48,14 @@
 //! # Ok::<(), cortex_events_vllm::DecodeError>(())
 //! ```
 
+#![forbid(unsafe_code)]
+
 mod encode;
-mod error;
-mod mp;
 pub mod normalize;
 mod wire;
 
+pub use cortex_events_core::{DecodeError, EncodeError, ValueKind};
 pub use encode::{Version, encode};
-pub use error::{DecodeError, EncodeError, ValueKind};
 pub use normalize::{DecodeContext, Unlabeled, engine_hash};
 pub use wire::{
     BlockExtraKeys, ExtraKey, WireBatch, WireBlockRemoved, WireBlockStored, WireEvent, WireHash, decode_wire,

@@ -1,6 +1,6 @@
 //! From vLLM's wire fields to the ledger's vocabulary ([`cortex_hash::kv`]).
 //!
-//! What each `BlockStored` becomes (research/vllm.md §0 and §2.6):
+//! What each `BlockStored` becomes (the engine facts are `docs/engines.md` §2.1):
 //! - only full-attention groups feed the ledger: a store whose `kv_cache_spec_kind` is set and is
 //!   not `full_attention`, `mla_attention` or `sink_full_attention` is dropped;
 //! - offload placeholders (empty `token_ids` or `block_size` 0) are dropped, and so is a store
@@ -20,8 +20,9 @@
 //! must not remove the full-attention group's `h`. [`engine_hash`] folds a non-zero `group_idx`
 //! into the handle; group 0 and absent groups keep the published value.
 
+use cortex_events_core::Namespaces;
+use cortex_hash::Engine;
 use cortex_hash::kv::{BlockRemoved, BlockStored, EventBatch, KvEvent, Lineage, Medium, StoredBlock};
-use cortex_hash::{Engine, Namespace};
 
 use crate::wire::{ExtraKey, WireBatch, WireBlockRemoved, WireBlockStored, WireEvent, WireHash};
 
@@ -79,31 +80,11 @@ pub fn engine_hash(hash: WireHash<'_>, group: Option<i64>) -> cortex_hash::kv::E
     }
 }
 
-/// The last namespace built, reused while consecutive stores share block size and adapter.
-struct Namespaces<'m> {
-    model: &'m str,
-    last: Option<(u32, Option<String>, Namespace)>,
-}
-
-impl Namespaces<'_> {
-    fn get(&mut self, block_size: u32, lora: Option<&str>) -> Namespace {
-        if let Some((bs, l, ns)) = &self.last
-            && *bs == block_size
-            && l.as_deref() == lora
-        {
-            return *ns;
-        }
-        let ns = Namespace::new(Engine::Vllm, block_size, self.model, lora);
-        self.last = Some((block_size, lora.map(str::to_owned), ns));
-        ns
-    }
-}
-
 impl WireBatch<'_> {
     /// The normalized batch: what the ledger applies.
     #[must_use]
     pub fn normalize(&self, ctx: &DecodeContext<'_>) -> EventBatch {
-        let mut namespaces = Namespaces { model: ctx.model, last: None };
+        let mut namespaces = Namespaces::new(Engine::Vllm, ctx.model);
         let mut events = Vec::with_capacity(self.events.len());
         let mut window = Vec::new();
         for ev in &self.events {

@@ -11,8 +11,9 @@
 //! was sent (`None` for nil or absent), so they can be re-encoded byte for byte; interpreting them
 //! is [`crate::normalize`]'s job.
 
-use crate::error::DecodeError;
-use crate::mp::{Int, Reader};
+use cortex_events_core::event::{self, Fields, Tag};
+use cortex_events_core::msgpack::{Int, Reader};
+use cortex_events_core::{DecodeError, ValueKind};
 
 /// A block hash as published: an integer of any width (unsigned by default since 0.10.2; Python
 /// `hash()` values before that may be negative) or, with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`,
@@ -121,10 +122,6 @@ pub struct WireBatch<'a> {
     pub data_parallel_rank: Option<u16>,
 }
 
-const STORED: &[u8] = b"BlockStored";
-const REMOVED: &[u8] = b"BlockRemoved";
-const CLEARED: &[u8] = b"AllBlocksCleared";
-
 /// Fields in declaration order: a positional event's element `i + 1` is field `i`. The first four
 /// have no default in any release.
 pub(crate) const STORED_FIELDS: [&str; 15] = [
@@ -147,36 +144,20 @@ pub(crate) const STORED_FIELDS: [&str; 15] = [
 const STORED_REQUIRED: usize = 4;
 pub(crate) const REMOVED_FIELDS: [&str; 5] = ["block_hashes", "medium", "group_idx", "locality", "ownership"];
 
-fn field_index(fields: &[&str], key: &[u8]) -> Option<usize> {
-    fields.iter().position(|f| f.as_bytes() == key)
-}
-
 /// Decodes a payload into the wire types, without interpreting it.
 ///
 /// # Errors
 /// [`DecodeError`] if the payload is not one well-formed batch.
 pub fn decode_wire(payload: &[u8]) -> Result<WireBatch<'_>, DecodeError> {
     let mut r = Reader::new(payload);
-    let batch = match r.kind()? {
-        crate::ValueKind::Map => batch_map(&mut r)?,
-        _ => batch_array(&mut r)?,
+    let batch = if r.kind()? == ValueKind::Map {
+        batch_map(&mut r)?
+    } else {
+        let b = event::array_batch(&mut r, "data_parallel_rank", wire_event)?;
+        WireBatch { ts: b.ts, events: b.events, data_parallel_rank: b.rank }
     };
     r.finish()?;
     Ok(batch)
-}
-
-fn batch_array<'a>(r: &mut Reader<'a>) -> Result<WireBatch<'a>, DecodeError> {
-    let len = r.array_len()?;
-    if len < 2 {
-        return Err(DecodeError::BatchShape { len });
-    }
-    let ts = r.f64()?;
-    let events = events(r)?;
-    let data_parallel_rank = if len >= 3 { rank(r)? } else { None };
-    for _ in 3..len {
-        r.skip()?;
-    }
-    Ok(WireBatch { ts, events, data_parallel_rank })
 }
 
 /// A batch written as a map (`{"ts": …, "events": […], "data_parallel_rank": …}`), as some vLLM
@@ -186,10 +167,10 @@ fn batch_map<'a>(r: &mut Reader<'a>) -> Result<WireBatch<'a>, DecodeError> {
     let n = r.map_len()?;
     let (mut ts, mut evs, mut dp_rank) = (None, None, None);
     for _ in 0..n {
-        match key(r)? {
+        match r.key()? {
             Some(b"ts") => ts = Some(r.f64()?),
-            Some(b"events") => evs = Some(events(r)?),
-            Some(b"data_parallel_rank") => dp_rank = rank(r)?,
+            Some(b"events") => evs = Some(event::events(r, wire_event)?),
+            Some(b"data_parallel_rank") => dp_rank = r.opt_u16("data_parallel_rank")?,
             _ => r.skip()?,
         }
     }
@@ -201,168 +182,31 @@ fn batch_map<'a>(r: &mut Reader<'a>) -> Result<WireBatch<'a>, DecodeError> {
     })
 }
 
-/// A map key: `Some(bytes)` for a string key; other keys are skipped and give `None`.
-fn key<'a>(r: &mut Reader<'a>) -> Result<Option<&'a [u8]>, DecodeError> {
-    if r.kind()? == crate::ValueKind::Str {
-        Ok(Some(r.str_bytes()?))
-    } else {
-        r.skip()?;
-        Ok(None)
-    }
-}
-
-fn events<'a>(r: &mut Reader<'a>) -> Result<Vec<WireEvent<'a>>, DecodeError> {
-    let n = r.array_len()?;
-    let mut out = Vec::with_capacity(n);
-    for _ in 0..n {
-        out.push(event(r)?);
-    }
-    Ok(out)
-}
-
-fn event<'a>(r: &mut Reader<'a>) -> Result<WireEvent<'a>, DecodeError> {
-    let start = r.pos();
-    match r.kind()? {
-        crate::ValueKind::Array => positional(r, start),
-        crate::ValueKind::Map => tagged(r, start),
-        _ => Err(r.unexpected("an event (array or map)")),
-    }
-}
-
-enum Tag {
-    Stored,
-    Removed,
-    Cleared,
-}
-
-fn tag(r: &mut Reader<'_>) -> Result<Tag, DecodeError> {
-    let offset = r.pos();
-    match r.str_bytes()? {
-        STORED => Ok(Tag::Stored),
-        REMOVED => Ok(Tag::Removed),
-        CLEARED => Ok(Tag::Cleared),
-        _ => Err(DecodeError::UnknownEventType { offset }),
-    }
-}
-
-/// `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, …]`.
-fn positional<'a>(r: &mut Reader<'a>, start: usize) -> Result<WireEvent<'a>, DecodeError> {
-    let len = r.array_len()?;
-    if len == 0 {
-        return Err(DecodeError::MissingField { offset: start, event: "event", field: "type" });
-    }
-    let ev = match tag(r)? {
-        Tag::Stored => {
-            let mut s = WireBlockStored::default();
-            let mut seen = 0;
-            for i in 0..len - 1 {
-                stored_field(r, &mut s, i)?;
-                seen = i + 1;
+/// `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, …]` or
+/// `{"type": "BlockStored", "block_hashes": …, …}`; likewise the other two.
+fn wire_event<'a>(r: &mut Reader<'a>) -> Result<WireEvent<'a>, DecodeError> {
+    event::event(r, |r, tag, fields: Fields| {
+        Ok(match tag {
+            Tag::Stored => WireEvent::BlockStored(fields.read_into(
+                r,
+                "BlockStored",
+                &STORED_FIELDS,
+                STORED_REQUIRED,
+                stored_field,
+            )?),
+            Tag::Removed => WireEvent::BlockRemoved(fields.read_into(
+                r,
+                "BlockRemoved",
+                &REMOVED_FIELDS,
+                1,
+                removed_field,
+            )?),
+            Tag::Cleared => {
+                fields.skip(r)?;
+                WireEvent::AllBlocksCleared
             }
-            if seen < STORED_REQUIRED {
-                return Err(missing(start, "BlockStored", STORED_FIELDS[seen]));
-            }
-            WireEvent::BlockStored(s)
-        }
-        Tag::Removed => {
-            let mut rm = WireBlockRemoved::default();
-            if len < 2 {
-                return Err(missing(start, "BlockRemoved", "block_hashes"));
-            }
-            for i in 0..len - 1 {
-                removed_field(r, &mut rm, i)?;
-            }
-            WireEvent::BlockRemoved(rm)
-        }
-        Tag::Cleared => {
-            for _ in 1..len {
-                r.skip()?;
-            }
-            WireEvent::AllBlocksCleared
-        }
-    };
-    Ok(ev)
-}
-
-fn missing(offset: usize, event: &'static str, field: &'static str) -> DecodeError {
-    DecodeError::MissingField { offset, event, field }
-}
-
-/// `{"type": "BlockStored", "block_hashes": …, …}`; keys in any order, unknown keys skipped.
-fn tagged<'a>(r: &mut Reader<'a>, start: usize) -> Result<WireEvent<'a>, DecodeError> {
-    let n = r.map_len()?;
-    let body = r.pos();
-    // msgspec writes the tag first; look for it elsewhere only if it is not.
-    let (tag, from, count) = if n > 0 && r.kind()? == crate::ValueKind::Str && r.str_bytes()? == b"type" {
-        (tag(r)?, r.pos(), n - 1)
-    } else {
-        r.seek(body);
-        let mut found = None;
-        for _ in 0..n {
-            if key(r)? == Some(b"type") {
-                found = Some(tag(r)?);
-                break;
-            }
-            r.skip()?;
-        }
-        let tag = found.ok_or(DecodeError::MissingField { offset: start, event: "event", field: "type" })?;
-        (tag, body, n)
-    };
-    let ev = match tag {
-        Tag::Stored => {
-            let mut s = WireBlockStored::default();
-            let mut have = 0u8;
-            for_fields(r, from, count, |r, k| match field_index(&STORED_FIELDS, k) {
-                Some(i) => {
-                    have |= 1 << i.min(7);
-                    stored_field(r, &mut s, i)
-                }
-                None => r.skip(),
-            })?;
-            if let Some(i) = (0..STORED_REQUIRED).find(|i| have & (1 << i) == 0) {
-                return Err(missing(start, "BlockStored", STORED_FIELDS[i]));
-            }
-            WireEvent::BlockStored(s)
-        }
-        Tag::Removed => {
-            let mut rm = WireBlockRemoved::default();
-            let mut have = false;
-            for_fields(r, from, count, |r, k| match field_index(&REMOVED_FIELDS, k) {
-                Some(i) => {
-                    have |= i == 0;
-                    removed_field(r, &mut rm, i)
-                }
-                None => r.skip(),
-            })?;
-            if !have {
-                return Err(missing(start, "BlockRemoved", "block_hashes"));
-            }
-            WireEvent::BlockRemoved(rm)
-        }
-        Tag::Cleared => {
-            for_fields(r, from, count, |r, _| r.skip())?;
-            WireEvent::AllBlocksCleared
-        }
-    };
-    Ok(ev)
-}
-
-/// Calls `f` with the reader on the value of each of the `n` map entries starting at `from`,
-/// skipping the `"type"` entry and non-string keys.
-fn for_fields<'a>(
-    r: &mut Reader<'a>,
-    from: usize,
-    n: usize,
-    mut f: impl FnMut(&mut Reader<'a>, &[u8]) -> Result<(), DecodeError>,
-) -> Result<(), DecodeError> {
-    r.seek(from);
-    for _ in 0..n {
-        match key(r)? {
-            Some(b"type") | None => r.skip()?,
-            Some(k) => f(r, k)?,
-        }
-    }
-    Ok(())
+        })
+    })
 }
 
 /// Reads field number `i` (an index into [`STORED_FIELDS`]; others are skipped).
@@ -372,16 +216,16 @@ fn stored_field<'a>(r: &mut Reader<'a>, s: &mut WireBlockStored<'a>, i: usize) -
         1 => s.parent_block_hash = if r.nil()? { None } else { Some(hash(r)?) },
         2 => s.token_ids = tokens(r, "token_ids")?,
         3 => s.block_size = r.u32("block_size")?,
-        4 => s.lora_id = opt_i64(r, "lora_id")?,
-        5 => s.medium = opt_str(r)?,
-        6 => s.lora_name = opt_str(r)?,
+        4 => s.lora_id = r.opt_i64("lora_id")?,
+        5 => s.medium = r.opt_str()?,
+        6 => s.lora_name = r.opt_str()?,
         7 => s.extra_keys = extra_keys(r)?,
-        8 => s.group_idx = opt_i64(r, "group_idx")?,
-        9 => s.kv_cache_spec_kind = opt_str(r)?,
-        10 => s.kv_cache_spec_sliding_window = opt_i64(r, "kv_cache_spec_sliding_window")?,
-        11 => s.locality = opt_str(r)?,
-        12 => s.ownership = opt_str(r)?,
-        13 => s.session_id = opt_str(r)?,
+        8 => s.group_idx = r.opt_i64("group_idx")?,
+        9 => s.kv_cache_spec_kind = r.opt_str()?,
+        10 => s.kv_cache_spec_sliding_window = r.opt_i64("kv_cache_spec_sliding_window")?,
+        11 => s.locality = r.opt_str()?,
+        12 => s.ownership = r.opt_str()?,
+        13 => s.session_id = r.opt_str()?,
         14 => {
             s.lookahead_token_ids = if r.nil()? {
                 None
@@ -403,30 +247,13 @@ fn stored_field<'a>(r: &mut Reader<'a>, s: &mut WireBlockStored<'a>, i: usize) -
 fn removed_field<'a>(r: &mut Reader<'a>, rm: &mut WireBlockRemoved<'a>, i: usize) -> Result<(), DecodeError> {
     match i {
         0 => rm.block_hashes = hashes(r)?,
-        1 => rm.medium = opt_str(r)?,
-        2 => rm.group_idx = opt_i64(r, "group_idx")?,
-        3 => rm.locality = opt_str(r)?,
-        4 => rm.ownership = opt_str(r)?,
+        1 => rm.medium = r.opt_str()?,
+        2 => rm.group_idx = r.opt_i64("group_idx")?,
+        3 => rm.locality = r.opt_str()?,
+        4 => rm.ownership = r.opt_str()?,
         _ => r.skip()?,
     }
     Ok(())
-}
-
-fn rank(r: &mut Reader<'_>) -> Result<Option<u16>, DecodeError> {
-    if r.nil()? {
-        return Ok(None);
-    }
-    let offset = r.pos();
-    let v = r.u64("data_parallel_rank")?;
-    u16::try_from(v).map(Some).map_err(|_| DecodeError::OutOfRange { offset, field: "data_parallel_rank" })
-}
-
-fn opt_str<'a>(r: &mut Reader<'a>) -> Result<Option<&'a str>, DecodeError> {
-    if r.nil()? { Ok(None) } else { r.str().map(Some) }
-}
-
-fn opt_i64(r: &mut Reader<'_>, field: &'static str) -> Result<Option<i64>, DecodeError> {
-    if r.nil()? { Ok(None) } else { r.i64(field).map(Some) }
 }
 
 fn tokens(r: &mut Reader<'_>, field: &'static str) -> Result<Vec<u32>, DecodeError> {
@@ -449,7 +276,7 @@ fn hashes<'a>(r: &mut Reader<'a>) -> Result<Vec<WireHash<'a>>, DecodeError> {
 
 #[inline]
 fn hash<'a>(r: &mut Reader<'a>) -> Result<WireHash<'a>, DecodeError> {
-    if r.kind()? == crate::ValueKind::Bin {
+    if r.kind()? == ValueKind::Bin {
         let offset = r.pos();
         let b = r.bin()?;
         if b.len() == 32 || b.len() == 16 {
@@ -490,14 +317,14 @@ fn extra_keys<'a>(r: &mut Reader<'a>) -> Result<Option<Vec<BlockExtraKeys<'a>>>,
 fn extra_key<'a>(r: &mut Reader<'a>) -> Result<ExtraKey<'a>, DecodeError> {
     let start = r.pos();
     match r.kind()? {
-        crate::ValueKind::Str => return r.str().map(ExtraKey::Str),
-        crate::ValueKind::Bin => return r.bin().map(ExtraKey::Bytes),
-        crate::ValueKind::Array => {
+        ValueKind::Str => return r.str().map(ExtraKey::Str),
+        ValueKind::Bin => return r.bin().map(ExtraKey::Bytes),
+        ValueKind::Array => {
             // `[mm_identifier, offset]`, or something unknown kept verbatim.
             if r.array_len()? == 2
-                && r.kind()? == crate::ValueKind::Str
+                && r.kind()? == ValueKind::Str
                 && let Ok(identifier) = r.str()
-                && r.kind()? == crate::ValueKind::Int
+                && r.kind()? == ValueKind::Int
                 && let Ok(offset) = r.i64("extra_keys")
             {
                 return Ok(ExtraKey::Mm { identifier, offset });
@@ -513,8 +340,7 @@ fn extra_key<'a>(r: &mut Reader<'a>) -> Result<ExtraKey<'a>, DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ValueKind;
-    use crate::mp::write;
+    use cortex_events_core::msgpack::write;
 
     /// A tiny builder for hand-made payloads (shapes no release writes).
     #[derive(Default)]

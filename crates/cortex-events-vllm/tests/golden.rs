@@ -4,52 +4,19 @@
 
 #![allow(clippy::unwrap_used, reason = "test-only helpers; a malformed fixture should fail loudly")]
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-
+use cortex_events_core::testing::{Chains, golden, payloads, stored};
 use cortex_events_vllm::{
     DecodeContext, Unlabeled, Version, WireEvent, WireHash, decode, decode_wire, encode,
 };
-use cortex_hash::kv::{BlockStored, DpRank, EngineHash, KvEvent, Lineage, Medium};
-use cortex_hash::{Engine, Namespace, SeqHash, chain};
-use serde_json::Value;
+use cortex_hash::kv::{DpRank, EngineHash, KvEvent, Lineage, Medium};
+use cortex_hash::{Engine, Namespace};
 
 const MODEL: &str = "Qwen/Qwen3-8B";
 const CTX: DecodeContext<'static> = DecodeContext::new(MODEL, Unlabeled::Plain);
 
-fn golden(file: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../golden/vllm").join(file);
-    serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
-}
-
-/// Every non-empty payload frame in a golden document: the last frame of each `frames_hex`
-/// message, and the replay lists of the 0.23 capture (`["", seq, payload]`).
-fn payloads(v: &Value, out: &mut Vec<Vec<u8>>) {
-    match v {
-        Value::Object(m) => {
-            if let Some(frames) = m.get("frames_hex").and_then(Value::as_array) {
-                let last = frames.last().and_then(Value::as_str).unwrap();
-                if !last.is_empty() {
-                    out.push(hex::decode(last).unwrap());
-                }
-            }
-            m.iter().filter(|(k, _)| *k != "frames_hex").for_each(|(_, x)| payloads(x, out));
-        }
-        Value::Array(a) if a.len() == 3 && a.iter().all(Value::is_string) && a[0] == "" => {
-            let last = a[2].as_str().unwrap();
-            if !last.is_empty() {
-                out.push(hex::decode(last).unwrap());
-            }
-        }
-        Value::Array(a) => a.iter().for_each(|x| payloads(x, out)),
-        _ => {}
-    }
-}
-
+/// Every payload of `golden/vllm/<file>`.
 fn all(file: &str) -> Vec<Vec<u8>> {
-    let mut out = Vec::new();
-    payloads(&golden(file), &mut out);
-    out
+    payloads(&golden(&format!("vllm/{file}")))
 }
 
 #[test]
@@ -73,36 +40,6 @@ fn every_capture_reencodes_byte_for_byte() {
 
 fn blockpool() -> Vec<Vec<u8>> {
     all("blockpool_golden.json")
-}
-
-fn stored(ev: &KvEvent) -> &BlockStored {
-    match ev {
-        KvEvent::Stored(s) => s,
-        other => panic!("expected a store, got {other:?}"),
-    }
-}
-
-/// What the ledger does with stores: chain each block's content from its parent's `SeqHash` (or
-/// the lineage root), keyed by engine hash.
-#[derive(Default)]
-struct Chains(HashMap<EngineHash, SeqHash>);
-
-impl Chains {
-    fn apply(&mut self, s: &BlockStored) -> Vec<SeqHash> {
-        let lineage = s.lineage.expect("a known lineage");
-        let mut seq = match s.parent {
-            Some(p) => self.0[&p],
-            None => lineage.root,
-        };
-        s.blocks
-            .iter()
-            .map(|b| {
-                seq = chain(seq, b.content);
-                self.0.insert(b.engine, seq);
-                seq
-            })
-            .collect()
-    }
 }
 
 #[test]

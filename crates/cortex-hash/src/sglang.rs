@@ -15,7 +15,7 @@
 //!
 //! Key decision: these functions only *predict* hashes (alignment checks). The ledger never keys
 //! on them: the recipe is an implementation detail SGLang has changed before.
-//! Spec: `research/sglang.md` §1.6 and `golden/sglang/README.md`; checked against every vector of
+//! Spec: `docs/engines.md` §3.2 and `golden/sglang/README.md`; checked against every vector of
 //! `golden/sglang/hash_vectors.json` by `cargo xtask golden`.
 
 use sha2::{Digest, Sha256};

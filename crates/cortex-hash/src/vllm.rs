@@ -16,7 +16,7 @@
 //! have (a 3-tuple of bytes, a tuple of ints and a tuple of string tuples), not general
 //! serializers; each is checked byte for byte against vLLM's own preimages in
 //! `golden/vllm/hash_golden.json`. Multimodal, prompt-embeds and EAGLE-lookahead keys are not
-//! reproducible outside vLLM and are refused. Spec: `research/vllm.md` §2 and its Appendix A.
+//! reproducible outside vLLM and are refused. Spec: `docs/engines.md` §3.1.
 
 use sha2::{Digest as _, Sha256};
 use xxhash_rust::xxh3::xxh3_128;

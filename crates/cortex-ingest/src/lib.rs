@@ -37,6 +37,8 @@
 //! anything merely suspicious (a disconnect, silence) takes it out of exact routing until events
 //! prove it in sync again. The table of transitions is in [`seq`] and in ARCHITECTURE.md.
 
+#![forbid(unsafe_code)]
+
 pub mod config;
 pub mod runtime;
 pub mod seq;

@@ -81,6 +81,8 @@
 //! token leaves with the head. What it costs is that the head leaves after the KV transfer rather
 //! than before it, and one held event per choice (a chat stream's role preamble).
 
+#![forbid(unsafe_code)]
+
 pub mod alignment;
 pub mod config;
 pub mod error;

@@ -17,6 +17,8 @@
 //! responses or SSE error events in exactly one place ([`error`]); a request whose tokens cannot
 //! be trusted is routed by load and says so, never given a guessed hit.
 
+#![forbid(unsafe_code)]
+
 pub mod admin;
 pub mod alignment;
 pub mod config;

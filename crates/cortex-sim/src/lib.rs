@@ -59,6 +59,13 @@
 //! generated), sampling parameters and stop strings, logprobs, multimodal inputs, hybrid or
 //! sliding-window KV groups, CPU/disk offload tiers, speculative decoding beyond EAGLE's bigram
 //! pages, and real GPU timing (the latency model is a linear stand-in).
+//!
+//! The crate's binary, `cortex-sim` (`src/main.rs`), starts workers from the command line
+//! (`cargo run -p cortex-sim -- --help`). Its clap and anyhow sit behind the default feature
+//! `cli`, which only the binary requires; the workspace's other crates take the library without
+//! it.
+
+#![forbid(unsafe_code)]
 
 mod config;
 mod engine;

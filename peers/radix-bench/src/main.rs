@@ -1,5 +1,5 @@
-//! Peer comparison: Cortex's ledger against `dynamo-kv-router` 1.6.1 on the §4 workload of
-//! `research/dynamo-llmd.md` (the very generator the criterion bench uses), interleaving the two
+//! Peer comparison: Cortex's ledger against `dynamo-kv-router` 1.6.1 on the ledger workload of
+//! `docs/perf.md` (the very generator the criterion bench uses), interleaving the two
 //! several times because the machine is noisy, and printing each ratio with its spread:
 //! - query latency p50/p99 (80-block queries, no early exit) vs `ConcurrentRadixTreeCompressed`
 //!   (Dynamo's fastest for reads, behind its `ThreadPoolIndexer` with 2 event threads, queried

@@ -1,5 +1,5 @@
 //! Faithfulness, vLLM: the scenario vLLM 0.33's own `BlockPool` and `ZmqEventPublisher` were
-//! driven through (`golden/vllm/blockpool_golden.json`, research/vllm.md §6.4(a)) replayed on the
+//! driven through (`golden/vllm/blockpool_golden.json`, described in `golden/vllm/README.md`) replayed on the
 //! simulator's block pool, published by a real worker, read by a SUB socket: every frame equals
 //! the engine's, timestamps masked.
 

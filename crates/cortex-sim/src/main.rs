@@ -4,6 +4,8 @@
 //! Key decision: a thin shell over `cortex_sim::SimWorker`; every flag maps onto one field of
 //! `cortex_sim::SimConfig`, validated by it, and durations are written with units ("250ms").
 
+#![forbid(unsafe_code)]
+
 use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;

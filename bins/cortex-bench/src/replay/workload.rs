@@ -16,8 +16,8 @@ use sha2::{Digest, Sha256};
 use super::text::{Piece, trace_pieces};
 
 /// The trace file shipped in the repository, relative to the workspace root.
-pub const MOONCAKE_PATH: &str = "xtask/traces/mooncake_conversation_trace.jsonl";
-/// Its sha256, as written in `xtask/traces/README.md`.
+pub const MOONCAKE_PATH: &str = "bins/cortex-bench/traces/mooncake_conversation_trace.jsonl";
+/// Its sha256, as written in `bins/cortex-bench/traces/README.md`.
 pub const MOONCAKE_SHA256: &str = "b8cbb061a85206d729d91cdc2981f43c9e0d99209dce588d3af5f7934408b9df";
 /// Tokens per `hash_ids` block in the Mooncake trace.
 pub const MOONCAKE_BLOCK_TOKENS: u64 = 512;
@@ -133,7 +133,10 @@ pub fn read_trace(path: &Path) -> Result<Vec<TraceLine>> {
     let bytes = std::fs::read(path).with_context(|| format!("reading the trace {}", path.display()))?;
     let digest = hex::encode(Sha256::digest(&bytes));
     if digest != MOONCAKE_SHA256 {
-        bail!("{}: sha256 {digest}, expected {MOONCAKE_SHA256} (see xtask/traces/README.md)", path.display());
+        bail!(
+            "{}: sha256 {digest}, expected {MOONCAKE_SHA256} (see bins/cortex-bench/traces/README.md)",
+            path.display()
+        );
     }
     let text = std::str::from_utf8(&bytes).context("the trace is not UTF-8")?;
     let mut out = Vec::new();

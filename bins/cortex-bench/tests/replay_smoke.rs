@@ -9,11 +9,11 @@
 #![allow(clippy::unwrap_used, clippy::print_stderr)] // a failed step should panic with its message
 
 use clap::Parser;
-use xtask::replay::{self, Args, report};
+use cortex_bench::replay::{self, Args, report};
 
 #[test]
 fn a_short_mooncake_replay_fails_nothing_and_beats_round_robin() {
-    let root = xtask::workspace_root();
+    let root = cortex_bench::workspace_root();
     let out = std::env::temp_dir().join(format!("cortex-replay-smoke-{}", std::process::id()));
     let args = Args::try_parse_from([
         "replay",

@@ -5,8 +5,8 @@
 //! Key decisions: the targets take turns within each round (the order rotates every round) and
 //! the rounds repeat, because this machine is shared and noisy: a number is the median over
 //! rounds, with its spread (min–max over rounds); the added latency is computed per round
-//! against the direct call of the same round. It must run optimized: `cargo xtask bench`
-//! re-runs itself with `--release` for this part.
+//! against the direct call of the same round. It must run optimized: `cargo xtask bench` runs
+//! it from a release build of this crate.
 
 pub mod cpu;
 pub mod loadgen;

@@ -152,7 +152,7 @@ pub fn ledger(r: &Results) -> String {
     if let Some(f) = r.failed(id) {
         return s + &f;
     }
-    s.push_str("Criterion, W = 8 holders × 10,000 blocks (the §4 workload):\n\n| | Cortex | naive `HashMap` (baseline) | naive ÷ Cortex |\n|---|---:|---:|---:|\n");
+    s.push_str("Criterion, W = 8 holders × 10,000 blocks (the ledger workload above):\n\n| | Cortex | naive `HashMap` (baseline) | naive ÷ Cortex |\n|---|---:|---:|---:|\n");
     let q = (r.get("query_W8x10k/cortex"), r.get("query_W8x10k/naive"));
     let _ = writeln!(
         s,

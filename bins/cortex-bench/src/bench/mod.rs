@@ -3,8 +3,8 @@
 //!
 //! It runs every `[[bench]]` target of the workspace (found with `cargo metadata`, with its
 //! required features) — the criterion benches and the custom-harness ingest bench — then the
-//! gateway overhead benchmark ([`overhead`], re-run optimized with `cargo run --release` when
-//! this process is a debug build), and rewrites only the generated blocks of `docs/perf.md`
+//! gateway overhead benchmark ([`overhead`], which must run optimized: `cargo xtask bench` runs
+//! this crate in release, and a debug build re-runs that part with `cargo run --release`), and rewrites only the generated blocks of `docs/perf.md`
 //! (see [`perfmd`]) with machine, date, commit, the command that reproduces each table, and
 //! ratios against the baselines measured in the same run. `cargo xtask bench-peers` (the
 //! dynamo-kv-router comparison) stays separate.
@@ -231,8 +231,8 @@ pub fn run(root: &Path, args: &Args) -> Result<ExitCode> {
     }
 }
 
-/// Runs the overhead benchmark optimized: in this process if it is a release build, else in
-/// `cargo run --release -p xtask`.
+/// Runs the overhead benchmark optimized: in this process if it is a release build (as `cargo
+/// xtask bench` starts it), else in `cargo run --release -p cortex-bench`.
 #[allow(clippy::print_stderr)]
 fn run_overhead(root: &Path, args: &Args, out_dir: &Path) -> Result<serde_json::Value> {
     let json = out_dir.join("overhead.json");
@@ -240,7 +240,7 @@ fn run_overhead(root: &Path, args: &Args, out_dir: &Path) -> Result<serde_json::
         let o = args.overhead_options();
         let c: Vec<String> = o.concurrency.iter().map(ToString::to_string).collect();
         let mut cmd = Command::new(crate::cargo());
-        cmd.args(["run", "--release", "-p", "xtask", "--", "bench", "--overhead-json"])
+        cmd.args(["run", "--release", "-p", "cortex-bench", "--", "bench", "--overhead-json"])
             .arg(&json)
             .args([
                 "--rounds",
@@ -255,11 +255,11 @@ fn run_overhead(root: &Path, args: &Args, out_dir: &Path) -> Result<serde_json::
             cmd.arg("--no-sglang");
         }
         eprintln!(
-            "bench: overhead, optimized: cargo run --release -p xtask -- bench --overhead-json {}",
+            "bench: overhead, optimized: cargo run --release -p cortex-bench -- bench --overhead-json {}",
             json.display()
         );
         let _ = std::fs::remove_file(&json);
-        let status = cmd.status().context("running cargo run --release -p xtask")?;
+        let status = cmd.status().context("running cargo run --release -p cortex-bench")?;
         if !status.success() {
             bail!("the optimized overhead run exited with {status}");
         }

@@ -1,9 +1,11 @@
-//! Typed decode and encode errors. Every byte offset points into the payload, so a counted decode
-//! error in the ingest logs says where a frame went wrong.
+//! Typed decode and encode errors, one pair for both engines. Every byte offset points into the
+//! payload, so a counted decode error in the ingest logs says where a frame went wrong.
 //!
 //! Key decision: a decode error rejects the whole batch. A batch is the unit of the sequence
 //! number; the ingest runtime treats a batch it could not decode like a gap (its removals may be
-//! lost), so half-applying one is never useful.
+//! lost), so half-applying one is never useful. The variants are what can go wrong in either
+//! engine's format; one an engine cannot produce (SGLang publishes no `bin` hashes) simply never
+//! occurs for it.
 
 /// The MessagePack type found where another was expected.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -30,7 +32,7 @@ pub enum ValueKind {
     Reserved,
 }
 
-/// Why a payload is not a vLLM KV-event batch.
+/// Why a payload is not a KV-event batch.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum DecodeError {
@@ -81,7 +83,8 @@ pub enum DecodeError {
         /// The missing field.
         field: &'static str,
     },
-    /// A `bin` block hash that is neither a 32-byte (SHA-256) nor a 16-byte (xxh3-128) digest.
+    /// A `bin` block hash that is neither a 32-byte (SHA-256) nor a 16-byte (xxh3-128) digest
+    /// (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`; SGLang publishes integers only).
     #[error("byte {offset}: block hash of {len} bytes")]
     HashLength {
         /// Start of the `bin`.
@@ -89,7 +92,8 @@ pub enum DecodeError {
         /// Its length.
         len: usize,
     },
-    /// The batch is not `[ts, events]` or `[ts, events, data_parallel_rank]`.
+    /// The batch array has fewer than its two required elements, `ts` and `events` (the rank,
+    /// third, may be missing).
     #[error("batch array of {len} elements")]
     BatchShape {
         /// Number of elements.
@@ -103,14 +107,15 @@ pub enum DecodeError {
     },
 }
 
-/// Why a [`WireBatch`](crate::WireBatch) cannot be written in the requested version's format.
+/// Why a wire batch cannot be written in the requested format (a vLLM release, an SGLang
+/// encoding).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum EncodeError {
-    /// The batch sets a field the version does not have (vLLM of that version could not have
-    /// published it).
-    #[error("`{field}` does not exist in this version's format")]
-    FieldNotInVersion {
+    /// The batch sets a field the format does not have (the engine releases writing it could not
+    /// have published it).
+    #[error("`{field}` does not exist in this format")]
+    FieldNotInFormat {
         /// The field.
         field: &'static str,
     },

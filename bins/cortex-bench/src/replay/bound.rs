@@ -6,7 +6,7 @@
 //! units as the `cached_tokens` the workers report: only whole pages count, and the last prompt
 //! token is never a hit (both engines match `tokens[..len − 1]`). The same pass counts the
 //! unique pages of the workload, which sizes the cluster's caches. The trace-level bound (in the
-//! trace's own 512-token blocks, as `xtask/traces/README.md` states it) is reported next to it.
+//! trace's own 512-token blocks, as `bins/cortex-bench/traces/README.md` states it) is reported next to it.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{DefaultHasher, Hash, Hasher};

@@ -7,17 +7,15 @@
 //! an unknown value counts the items still pending), so hostile nesting cannot overflow the stack,
 //! and it never reserves more elements than there are bytes left, so a forged length prefix cannot
 //! make it allocate gigabytes. The writer picks the smallest form of every integer, string, array
-//! and map header, as msgspec does.
-//!
-//! `cortex-events-vllm` carries the same module (the two event crates may not depend on each
-//! other); keep them identical.
+//! and map header, as msgspec does. The engine crates call it across a crate boundary, so every
+//! method on their hot path is `#[inline]`.
 
 use crate::error::{DecodeError, ValueKind};
 
 /// A MessagePack integer: non-negative values as `u64` (msgpack's unsigned range), negative ones
 /// as `i64`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Int {
+pub enum Int {
     /// `0 ..= u64::MAX`.
     Pos(u64),
     /// `i64::MIN ..= -1`.
@@ -25,7 +23,9 @@ pub(crate) enum Int {
 }
 
 /// The kind of value a marker byte starts.
-pub(crate) fn kind_of(marker: u8) -> ValueKind {
+#[inline]
+#[must_use]
+pub fn kind_of(marker: u8) -> ValueKind {
     match marker {
         0x00..=0x7f | 0xe0..=0xff | 0xcc..=0xd3 => ValueKind::Int,
         0x80..=0x8f | 0xde | 0xdf => ValueKind::Map,
@@ -42,58 +42,67 @@ pub(crate) fn kind_of(marker: u8) -> ValueKind {
 
 /// A cursor over a payload. Every method either consumes one whole value (or header) and returns
 /// it, or returns an error and leaves the position unspecified.
-pub(crate) struct Reader<'a> {
+pub struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
 }
 
 impl<'a> Reader<'a> {
-    pub(crate) fn new(buf: &'a [u8]) -> Self {
+    /// A cursor at the start of `buf`.
+    #[must_use]
+    pub fn new(buf: &'a [u8]) -> Self {
         Reader { buf, pos: 0 }
     }
 
     /// Current byte offset.
-    pub(crate) fn pos(&self) -> usize {
+    #[inline]
+    pub fn pos(&self) -> usize {
         self.pos
     }
 
     /// Moves back to an offset returned by [`Reader::pos`].
-    pub(crate) fn seek(&mut self, pos: usize) {
+    #[inline]
+    pub fn seek(&mut self, pos: usize) {
         self.pos = pos.min(self.buf.len());
     }
 
     /// Bytes from `start` to the current position (a value just skipped, verbatim).
-    pub(crate) fn since(&self, start: usize) -> &'a [u8] {
+    #[inline]
+    pub fn since(&self, start: usize) -> &'a [u8] {
         self.buf.get(start..self.pos).unwrap_or_default()
     }
 
     /// Bytes left. Every value takes at least one byte, so this bounds any element count.
-    pub(crate) fn remaining(&self) -> usize {
+    #[inline]
+    pub fn remaining(&self) -> usize {
         self.buf.len() - self.pos
     }
 
     /// Errors unless every byte was consumed.
-    pub(crate) fn finish(&self) -> Result<(), DecodeError> {
+    #[inline]
+    pub fn finish(&self) -> Result<(), DecodeError> {
         if self.pos == self.buf.len() { Ok(()) } else { Err(DecodeError::TrailingBytes { offset: self.pos }) }
     }
 
+    #[cold]
     fn truncated(&self) -> DecodeError {
         DecodeError::Truncated { offset: self.buf.len() }
     }
 
     /// The next marker byte, not consumed.
     #[inline]
-    pub(crate) fn peek(&self) -> Result<u8, DecodeError> {
+    pub fn peek(&self) -> Result<u8, DecodeError> {
         self.buf.get(self.pos).copied().ok_or_else(|| self.truncated())
     }
 
     /// The kind of the next value, not consumed.
-    pub(crate) fn kind(&self) -> Result<ValueKind, DecodeError> {
+    #[inline]
+    pub fn kind(&self) -> Result<ValueKind, DecodeError> {
         self.peek().map(kind_of)
     }
 
     /// The error for "the next value is not `expected`".
-    pub(crate) fn unexpected(&self, expected: &'static str) -> DecodeError {
+    pub fn unexpected(&self, expected: &'static str) -> DecodeError {
         match self.peek() {
             Ok(m) => DecodeError::UnexpectedType { offset: self.pos, expected, found: kind_of(m) },
             Err(e) => e,
@@ -140,7 +149,7 @@ impl<'a> Reader<'a> {
 
     /// Consumes a `nil` if one is next; true if it did.
     #[inline]
-    pub(crate) fn nil(&mut self) -> Result<bool, DecodeError> {
+    pub fn nil(&mut self) -> Result<bool, DecodeError> {
         if self.peek()? == 0xc0 {
             self.pos += 1;
             Ok(true)
@@ -150,8 +159,8 @@ impl<'a> Reader<'a> {
     }
 
     /// An array header: the element count, bounded by the bytes left.
-    pub(crate) fn array_len(&mut self) -> Result<usize, DecodeError> {
-        let start = self.pos;
+    #[inline]
+    pub fn array_len(&mut self) -> Result<usize, DecodeError> {
         let n = match self.peek()? {
             m @ 0x90..=0x9f => {
                 self.pos += 1;
@@ -167,12 +176,12 @@ impl<'a> Reader<'a> {
             }
             _ => return Err(self.unexpected("an array")),
         };
-        self.bounded(start, n)
+        self.bounded(n)
     }
 
     /// A map header: the entry count, bounded by the bytes left.
-    pub(crate) fn map_len(&mut self) -> Result<usize, DecodeError> {
-        let start = self.pos;
+    #[inline]
+    pub fn map_len(&mut self) -> Result<usize, DecodeError> {
         let n = match self.peek()? {
             m @ 0x80..=0x8f => {
                 self.pos += 1;
@@ -188,17 +197,18 @@ impl<'a> Reader<'a> {
             }
             _ => return Err(self.unexpected("a map")),
         };
-        self.bounded(start, n)
+        self.bounded(n)
     }
 
-    fn bounded(&self, _start: usize, n: usize) -> Result<usize, DecodeError> {
+    #[inline]
+    fn bounded(&self, n: usize) -> Result<usize, DecodeError> {
         // Each element (each key and value of a map) takes at least one byte.
         if n > self.remaining() { Err(self.truncated()) } else { Ok(n) }
     }
 
     /// Any integer, every form read inline.
     #[inline]
-    pub(crate) fn int(&mut self) -> Result<Int, DecodeError> {
+    pub fn int(&mut self) -> Result<Int, DecodeError> {
         let (b, p) = (self.buf, self.pos);
         let (v, len) = match b.get(p) {
             Some(&m) if m < 0x80 => (Int::Pos(u64::from(m)), 1),
@@ -242,7 +252,8 @@ impl<'a> Reader<'a> {
     }
 
     /// An integer that must fit `i64`.
-    pub(crate) fn i64(&mut self, field: &'static str) -> Result<i64, DecodeError> {
+    #[inline]
+    pub fn i64(&mut self, field: &'static str) -> Result<i64, DecodeError> {
         let offset = self.pos;
         match self.int()? {
             Int::Neg(v) => Ok(v),
@@ -291,7 +302,7 @@ impl<'a> Reader<'a> {
 
     /// An integer that must fit `u32` (token ids, block sizes).
     #[inline(always)]
-    pub(crate) fn u32(&mut self, field: &'static str) -> Result<u32, DecodeError> {
+    pub fn u32(&mut self, field: &'static str) -> Result<u32, DecodeError> {
         match self.uint_inline() {
             Some(v) => Ok(v),
             None => self.u32_general(field),
@@ -310,7 +321,7 @@ impl<'a> Reader<'a> {
 
     /// An integer that must fit `u64` (non-negative).
     #[inline(always)]
-    pub(crate) fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
+    pub fn u64(&mut self, field: &'static str) -> Result<u64, DecodeError> {
         match self.uint_inline() {
             Some(v) => Ok(u64::from(v)),
             None => self.u64_general(field),
@@ -328,7 +339,8 @@ impl<'a> Reader<'a> {
     }
 
     /// A number as `f64` (msgspec writes `float64`; `float32` and integers are accepted too).
-    pub(crate) fn f64(&mut self) -> Result<f64, DecodeError> {
+    #[inline]
+    pub fn f64(&mut self) -> Result<f64, DecodeError> {
         match self.peek()? {
             0xcb => {
                 self.pos += 1;
@@ -348,7 +360,7 @@ impl<'a> Reader<'a> {
 
     /// A string, borrowed from the payload.
     #[inline]
-    pub(crate) fn str(&mut self) -> Result<&'a str, DecodeError> {
+    pub fn str(&mut self) -> Result<&'a str, DecodeError> {
         let offset = self.pos;
         let bytes = self.str_bytes()?;
         std::str::from_utf8(bytes).map_err(|_| DecodeError::InvalidUtf8 { offset })
@@ -356,7 +368,7 @@ impl<'a> Reader<'a> {
 
     /// A string's raw bytes (for comparing tags and keys without UTF-8 validation).
     #[inline]
-    pub(crate) fn str_bytes(&mut self) -> Result<&'a [u8], DecodeError> {
+    pub fn str_bytes(&mut self) -> Result<&'a [u8], DecodeError> {
         let n = match self.peek()? {
             m @ 0xa0..=0xbf => {
                 self.pos += 1;
@@ -380,7 +392,8 @@ impl<'a> Reader<'a> {
     }
 
     /// A `bin`, borrowed from the payload.
-    pub(crate) fn bin(&mut self) -> Result<&'a [u8], DecodeError> {
+    #[inline]
+    pub fn bin(&mut self) -> Result<&'a [u8], DecodeError> {
         let n = match self.peek()? {
             0xc4 => {
                 self.pos += 1;
@@ -400,7 +413,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Skips one whole value, however deeply nested, without recursion.
-    pub(crate) fn skip(&mut self) -> Result<(), DecodeError> {
+    pub fn skip(&mut self) -> Result<(), DecodeError> {
         let mut pending: usize = 1;
         while pending > 0 {
             pending -= 1;
@@ -466,6 +479,40 @@ impl<'a> Reader<'a> {
         Ok(())
     }
 
+    /// A map key: `Some(bytes)` for a string key; any other key is skipped and gives `None`.
+    #[inline]
+    pub fn key(&mut self) -> Result<Option<&'a [u8]>, DecodeError> {
+        if self.kind()? == ValueKind::Str {
+            Ok(Some(self.str_bytes()?))
+        } else {
+            self.skip()?;
+            Ok(None)
+        }
+    }
+
+    /// A string or `nil` (`None`).
+    #[inline]
+    pub fn opt_str(&mut self) -> Result<Option<&'a str>, DecodeError> {
+        if self.nil()? { Ok(None) } else { self.str().map(Some) }
+    }
+
+    /// An integer that must fit `i64`, or `nil` (`None`).
+    #[inline]
+    pub fn opt_i64(&mut self, field: &'static str) -> Result<Option<i64>, DecodeError> {
+        if self.nil()? { Ok(None) } else { self.i64(field).map(Some) }
+    }
+
+    /// An integer that must fit `u16` (a DP rank), or `nil` (`None`).
+    #[inline]
+    pub fn opt_u16(&mut self, field: &'static str) -> Result<Option<u16>, DecodeError> {
+        if self.nil()? {
+            return Ok(None);
+        }
+        let offset = self.pos;
+        let v = self.u64(field)?;
+        u16::try_from(v).map(Some).map_err(|_| DecodeError::OutOfRange { offset, field })
+    }
+
     fn add_pending(&self, pending: usize, more: usize) -> Result<usize, DecodeError> {
         let total = pending.saturating_add(more);
         if total > self.remaining() { Err(self.truncated()) } else { Ok(total) }
@@ -481,14 +528,14 @@ fn signed(v: i64) -> Int {
 
 /// Writes MessagePack in msgspec's forms: the smallest integer, string, `bin`, array and map
 /// header for each value, `float64` for floats.
-pub(crate) mod write {
+pub mod write {
     /// `nil`.
-    pub(crate) fn nil(out: &mut Vec<u8>) {
+    pub fn nil(out: &mut Vec<u8>) {
         out.push(0xc0);
     }
 
     /// A non-negative integer in its smallest form.
-    pub(crate) fn uint(out: &mut Vec<u8>, v: u64) {
+    pub fn uint(out: &mut Vec<u8>, v: u64) {
         if v < 0x80 {
             out.push(v as u8);
         } else if let Ok(v) = u8::try_from(v) {
@@ -507,7 +554,7 @@ pub(crate) mod write {
 
     /// Any signed integer: non-negative values as unsigned forms (as msgspec writes a Python
     /// `int`), negative ones in the smallest signed form.
-    pub(crate) fn int(out: &mut Vec<u8>, v: i64) {
+    pub fn int(out: &mut Vec<u8>, v: i64) {
         if let Ok(u) = u64::try_from(v) {
             uint(out, u);
         } else if v >= -32 {
@@ -527,7 +574,7 @@ pub(crate) mod write {
     }
 
     /// A `float64`.
-    pub(crate) fn f64(out: &mut Vec<u8>, v: f64) {
+    pub fn f64(out: &mut Vec<u8>, v: f64) {
         out.push(0xcb);
         out.extend_from_slice(&v.to_bits().to_be_bytes());
     }
@@ -559,32 +606,32 @@ pub(crate) mod write {
     }
 
     /// A string (fixstr, str8, str16 or str32).
-    pub(crate) fn str(out: &mut Vec<u8>, s: &str) -> Option<()> {
+    pub fn str(out: &mut Vec<u8>, s: &str) -> Option<()> {
         len_prefix(out, s.len(), Some((0xa0, 31)), Some(0xd9), 0xda, 0xdb)?;
         out.extend_from_slice(s.as_bytes());
         Some(())
     }
 
     /// A `bin` (bin8, bin16 or bin32).
-    pub(crate) fn bin(out: &mut Vec<u8>, b: &[u8]) -> Option<()> {
+    pub fn bin(out: &mut Vec<u8>, b: &[u8]) -> Option<()> {
         len_prefix(out, b.len(), None, Some(0xc4), 0xc5, 0xc6)?;
         out.extend_from_slice(b);
         Some(())
     }
 
     /// An array header (fixarray, array16 or array32).
-    pub(crate) fn array(out: &mut Vec<u8>, n: usize) -> Option<()> {
+    pub fn array(out: &mut Vec<u8>, n: usize) -> Option<()> {
         len_prefix(out, n, Some((0x90, 15)), None, 0xdc, 0xdd)
     }
 
     /// A map header in its smallest form.
-    pub(crate) fn map(out: &mut Vec<u8>, n: usize) -> Option<()> {
+    pub fn map(out: &mut Vec<u8>, n: usize) -> Option<()> {
         len_prefix(out, n, Some((0x80, 15)), None, 0xde, 0xdf)
     }
 
     /// A map header as msgspec writes a struct's: the form is chosen by how many keys the struct
     /// *could* have (`capacity`, tag included), the count is how many it has.
-    pub(crate) fn struct_map(out: &mut Vec<u8>, n: usize, capacity: usize) -> Option<()> {
+    pub fn struct_map(out: &mut Vec<u8>, n: usize, capacity: usize) -> Option<()> {
         if capacity < 16 { map(out, n) } else { len_prefix(out, n, None, None, 0xde, 0xdf) }
     }
 }
@@ -665,17 +712,6 @@ mod tests {
         let mut r = Reader::new(&deep);
         r.skip().unwrap();
         r.finish().unwrap();
-    }
-
-    #[test]
-    fn both_event_crates_carry_the_same_copy() {
-        let norm = |s: &str| {
-            s.replace("`cortex-events-sglang` carries", "_ carries")
-                .replace("`cortex-events-vllm` carries", "_ carries")
-        };
-        let vllm = include_str!("../../cortex-events-vllm/src/mp.rs");
-        let sglang = include_str!("../../cortex-events-sglang/src/mp.rs");
-        assert_eq!(norm(vllm), norm(sglang));
     }
 
     #[test]

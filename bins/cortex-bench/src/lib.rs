@@ -1,0 +1,26 @@
+//! Cortex's benchmark drivers, the code that runs the product to measure it: [`bench`] (every
+//! benchmark of the workspace, then the generated tables of `docs/perf.md`) and [`replay`]
+//! (routing quality on request traces, through Cortex's policies and SGLang's router, onto
+//! simulated clusters).
+//!
+//! Key decision: a crate of its own, not part of `xtask`, so that automation which only reads the
+//! workspace (`cargo xtask tidy`, `golden`, `ci`) never compiles the gateway, and the drivers
+//! run optimized: `cargo xtask bench` and `cargo xtask replay` are `cargo run --release -p
+//! cortex-bench -- bench|replay …`, and a replay measures the gateway and simulators as they
+//! ship, not at opt-level 0.
+
+#![forbid(unsafe_code)]
+
+pub mod bench;
+pub mod replay;
+
+use std::path::PathBuf;
+
+pub use xtask::{cargo, cargo_metadata, target_dir};
+
+/// The workspace root (two levels above this crate's directory, `bins/cortex-bench`).
+#[must_use]
+pub fn workspace_root() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors().nth(2).map_or(here.clone(), std::path::Path::to_path_buf)
+}

@@ -1,0 +1,35 @@
+//! `cortex-bench`: the command line of Cortex's benchmark drivers. Users type `cargo xtask bench`
+//! and `cargo xtask replay`, which build and run this binary in release.
+
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use cortex_bench::{bench, replay, workspace_root};
+
+#[derive(Parser)]
+#[command(name = "cortex-bench", about = "Cortex's benchmark drivers (run by `cargo xtask bench|replay`)")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Every benchmark of the workspace (criterion, ingest, gateway overhead), then rewrite the
+    /// generated tables of docs/perf.md.
+    Bench(bench::Args),
+    /// Replay a request trace open loop through each routing policy onto a simulated cluster:
+    /// cache hits against the infinite-cache bound, simulated TTFT, load imbalance, failures.
+    Replay(replay::Args),
+}
+
+fn main() -> Result<ExitCode> {
+    let root = workspace_root();
+    match Cli::parse().command {
+        Cmd::Bench(args) => bench::run(&root, &args),
+        Cmd::Replay(args) => replay::cli(&root, &args),
+    }
+}
