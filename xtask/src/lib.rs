@@ -5,6 +5,7 @@
 
 pub mod bench;
 pub mod ci;
+pub mod fuzz;
 pub mod golden;
 pub mod radix;
 pub mod replay;

@@ -59,6 +59,8 @@ enum Cmd {
     /// Replay a request trace open loop through each routing policy onto a simulated cluster:
     /// cache hits against the infinite-cache bound, simulated TTFT, load imbalance, failures.
     Replay(xtask::replay::Args),
+    /// Long differential and fuzz runs (the tokenizer's by default), `--minutes` per target.
+    Fuzz(xtask::fuzz::Args),
 }
 
 #[allow(clippy::print_stdout, clippy::print_stderr)]
@@ -76,6 +78,7 @@ fn main() -> Result<ExitCode> {
         }
         Cmd::Bench(args) => xtask::bench::run(&root, &args),
         Cmd::Replay(args) => xtask::replay::cli(&root, &args),
+        Cmd::Fuzz(args) => xtask::fuzz::run(&root, &args),
         Cmd::Tidy => {
             let violations = tidy::run(&root)?;
             for v in &violations {
