@@ -202,14 +202,25 @@ fn contraction_end(b: &[u8], q: usize) -> Option<usize> {
 /// The end of the run of characters of class `class` starting at byte `i`.
 #[inline]
 fn run_end(b: &[u8], mut i: usize, class: Class) -> usize {
-    while i < b.len() {
+    loop {
+        // ASCII bytes one table lookup each, without decoding.
+        while let Some(&x) = b.get(i)
+            && x < 0x80
+        {
+            if ASCII[usize::from(x)] != class {
+                return i;
+            }
+            i += 1;
+        }
+        if i >= b.len() {
+            return i;
+        }
         let (c, l, _) = char_at(b, i);
         if c != class {
-            break;
+            return i;
         }
         i += l;
     }
-    i
 }
 
 /// The end of the piece starting at byte `p` of `b` (valid UTF-8, `p < b.len()`).
