@@ -50,7 +50,7 @@ use cortex_hash::kv::{
 };
 use cortex_hash::profile::{ExtraKeyPolicy, FileDigest, HashRecipe, ModelProfile};
 use cortex_hash::sglang::EventFormat;
-use cortex_hash::text::{ChatTemplate, SpecialTokens, TextTokenizer, TokenizerConfig};
+use cortex_hash::text::{ChatTemplate, SpecialTokens, TextError, TextTokenizer, TokenizerConfig};
 use cortex_hash::{Engine, SeqHash, Token};
 use cortex_proxy::config::ModelSpec;
 use cortex_proxy::request::{self, Prompt, Route};
@@ -396,26 +396,23 @@ fn benches(c: &mut Criterion, f: &Fixture) {
     let mut g = c.benchmark_group("chat8k_tokenize");
     g.sample_size(20);
     let mut tag = 1_000_000u64;
-    g.bench_function(BenchmarkId::new("tokenizers_crate", "baseline"), |b| {
-        b.iter_batched(
-            || {
-                tag += 1;
-                render(&f.spec, &Conversation::prompt(&f.conv.messages, tag))
-            },
-            |text| f.spec.tokenizer.encode_reference(black_box(&text), SpecialTokens::Omit).expect("encode"),
-            BatchSize::SmallInput,
-        );
-    });
-    g.bench_function(BenchmarkId::new("fast_encoder", "cortex"), |b| {
-        b.iter_batched(
-            || {
-                tag += 1;
-                render(&f.spec, &Conversation::prompt(&f.conv.messages, tag))
-            },
-            |text| f.spec.tokenizer.encode(black_box(&text), SpecialTokens::Omit).expect("encode"),
-            BatchSize::SmallInput,
-        );
-    });
+    type Encode = fn(&TextTokenizer, &str, SpecialTokens) -> Result<Vec<Token>, TextError>;
+    let encoders: [(&str, &str, Encode); 2] = [
+        ("tokenizers_crate", "baseline", TextTokenizer::encode_reference),
+        ("fast_encoder", "cortex", TextTokenizer::encode),
+    ];
+    for (name, who, encode) in encoders {
+        g.bench_function(BenchmarkId::new(name, who), |b| {
+            b.iter_batched(
+                || {
+                    tag += 1;
+                    render(&f.spec, &Conversation::prompt(&f.conv.messages, tag))
+                },
+                |text| encode(&f.spec.tokenizer, black_box(&text), SpecialTokens::Omit).expect("encode"),
+                BatchSize::SmallInput,
+            );
+        });
+    }
     let mut cold_seq = Vec::with_capacity(f.tokens.len() / 16 + 1);
     g.bench_function(BenchmarkId::new("cold", "cortex"), |b| {
         b.iter_batched(

@@ -111,6 +111,15 @@ impl<'de: 'a, 'a> Deserialize<'de> for Text<'a> {
     }
 }
 
+/// The two tokens of a merge written `"a b"` (split on its only space, as `tokenizers` does).
+fn halves<E: de::Error>(s: &str) -> Result<(&str, &str), E> {
+    let mut parts = s.split(' ');
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(a), Some(b), None) => Ok((a, b)),
+        _ => Err(E::custom(format!("merge {s:?} is not two tokens"))),
+    }
+}
+
 /// A merge as `tokenizer.json` writes it: `"a b"` (older files) or `["a", "b"]`.
 struct MergeEntry<'a>(Cow<'a, str>, Cow<'a, str>);
 
@@ -123,20 +132,12 @@ impl<'de: 'a, 'a> Deserialize<'de> for MergeEntry<'a> {
                 f.write_str("a merge: \"a b\" or [\"a\", \"b\"]")
             }
             fn visit_borrowed_str<E: de::Error>(self, s: &'de str) -> Result<Self::Value, E> {
-                let mut parts = s.split(' ');
-                match (parts.next(), parts.next(), parts.next()) {
-                    (Some(a), Some(b), None) => Ok(MergeEntry(Cow::Borrowed(a), Cow::Borrowed(b))),
-                    _ => Err(E::custom(format!("merge {s:?} is not two tokens"))),
-                }
+                let (a, b) = halves(s)?;
+                Ok(MergeEntry(Cow::Borrowed(a), Cow::Borrowed(b)))
             }
             fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
-                let mut parts = s.split(' ');
-                match (parts.next(), parts.next(), parts.next()) {
-                    (Some(a), Some(b), None) => {
-                        Ok(MergeEntry(Cow::Owned(a.to_owned()), Cow::Owned(b.to_owned())))
-                    }
-                    _ => Err(E::custom(format!("merge {s:?} is not two tokens"))),
-                }
+                let (a, b) = halves(s)?;
+                Ok(MergeEntry(Cow::Owned(a.to_owned()), Cow::Owned(b.to_owned())))
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
                 let a: Text<'de> = seq.next_element()?.ok_or_else(|| de::Error::invalid_length(0, &self))?;
