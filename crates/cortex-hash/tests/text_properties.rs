@@ -221,8 +221,8 @@ proptest! {
     }
 }
 
-/// The chat renders of the golden conversations (every template's, with Qwen3's tokenizer) and
-/// the 46 golden tokenizer texts.
+/// The chat renders of the golden conversations (every template's, with Qwen3's tokenizer), the
+/// 46 golden tokenizer texts, and very long pieces.
 #[test]
 fn fast_encoder_equals_tokenizers_on_golden_text() {
     assert_fast_encoder();
@@ -238,6 +238,13 @@ fn fast_encoder_equals_tokenizers_on_golden_text() {
     texts.extend(inp.split("\n__ggml_vocab_test__\n").map(str::to_owned));
     let all = texts.concat();
     texts.push(all);
+    // Pieces longer than the array-scan BPE takes (the heap path): long words, runs of digits,
+    // spaces, newlines and punctuation.
+    for long in ["Supercalifragilistic".repeat(20), "Ünïcödéß".repeat(30), "中文".repeat(80), "1".repeat(200)]
+    {
+        texts.push(format!("{long} {long}"));
+    }
+    texts.push(format!("{}x{}y{}", " ".repeat(100), "\n".repeat(60), "!?".repeat(70)));
     for text in &texts {
         differs(text).unwrap();
     }
