@@ -7,6 +7,7 @@
 
 pub mod ci;
 pub mod deploy_check;
+pub mod fuzz;
 pub mod golden;
 pub mod pd_check;
 pub mod radix;

@@ -85,6 +85,8 @@ enum Cmd {
     PdCheck(xtask::pd_check::Args),
     /// The deployment files: kustomizations rendered, objects validated offline, the Dockerfile.
     DeployCheck(xtask::deploy_check::Args),
+    /// Long differential and fuzz runs (the tokenizer's by default), `--minutes` per target.
+    Fuzz(xtask::fuzz::Args),
 }
 
 #[allow(clippy::print_stdout, clippy::print_stderr)]
@@ -107,6 +109,7 @@ fn main() -> Result<ExitCode> {
         Cmd::Replay { args } => xtask::bench_driver(&root, "replay", &args),
         Cmd::PdCheck(args) => xtask::pd_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::DeployCheck(args) => xtask::deploy_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
+        Cmd::Fuzz(args) => xtask::fuzz::run(&root, &args),
         Cmd::Tidy => {
             let violations = tidy::run(&root)?;
             for v in &violations {

@@ -1,5 +1,6 @@
 //! Hashing and tokenization of an 8k-token prompt: Cortex's own identity against the engines'
-//! recipes (the baselines, measured in the same run), and the tokenizer alone.
+//! recipes (the baselines, measured in the same run), and Cortex's fast encoder against the
+//! `tokenizers` crate (the baseline) on the same text.
 //!
 //! `cargo bench -p cortex-hash --features text --bench hashing`
 
@@ -24,7 +25,7 @@ fn golden() -> PathBuf {
 /// (on a character boundary) that tokenizes to at most `PROMPT_TOKENS`.
 fn prompt_text(tok: &TextTokenizer) -> String {
     let seed = std::fs::read_to_string(golden().join("sglang/README.md")).expect("golden README");
-    let count = |t: &str| tok.encode(t, SpecialTokens::Omit).expect("encode").len();
+    let count = |t: &str| tok.encode_reference(t, SpecialTokens::Omit).expect("encode").len();
     let mut text = String::new();
     while count(&text) < PROMPT_TOKENS {
         text.push_str(&seed);
@@ -49,7 +50,8 @@ fn prompt_text(tok: &TextTokenizer) -> String {
 fn benches(c: &mut Criterion) {
     let tok = TextTokenizer::from_file(golden().join("models/qwen3/tokenizer.json")).expect("tokenizer");
     let text = prompt_text(&tok);
-    let mut tokens = tok.encode(&text, SpecialTokens::Omit).expect("encode");
+    let mut tokens = tok.encode_reference(&text, SpecialTokens::Omit).expect("encode");
+    assert_eq!(tok.encode(&text, SpecialTokens::Omit).expect("encode"), tokens, "same ids");
     tokens.truncate(PROMPT_TOKENS);
 
     let mut g = c.benchmark_group("chain_8k_tokens");
@@ -79,6 +81,9 @@ fn benches(c: &mut Criterion) {
     g.throughput(Throughput::Elements(PROMPT_TOKENS as u64));
     g.sample_size(20);
     g.bench_function("qwen3_tokenizers_crate", |b| {
+        b.iter(|| tok.encode_reference(black_box(&text), SpecialTokens::Omit).expect("encode"));
+    });
+    g.bench_function("qwen3_cortex_fast", |b| {
         b.iter(|| tok.encode(black_box(&text), SpecialTokens::Omit).expect("encode"));
     });
     g.finish();

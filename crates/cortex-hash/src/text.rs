@@ -5,9 +5,21 @@
 //! environment mirrors transformers' sandbox (`trim_blocks`, `lstrip_blocks`, loop controls,
 //! Python string methods, `raise_exception`, `strftime_now`) and replaces minijinja's `tojson`
 //! with a clone of Python's `json.dumps` (`", "`/`": "` separators, insertion order, no HTML
-//! escaping), without which real templates with tool schemas render differently. All 15
-//! transformers renderings and all 46 tokenizer vectors in `golden/` are checked by
-//! `cargo xtask golden`.
+//! escaping), without which real templates with tool schemas render differently. Tokenization
+//! has two encoders with the same ids: Cortex's own for the byte-level BPE family of Qwen
+//! (`fast`: added-token split, NFC, a hand-written pre-tokenizer, BPE on raw bytes), used only
+//! for a `tokenizer.json` it implements exactly and that passes a self-check at load, and the
+//! HuggingFace `tokenizers` crate — the reference, and the encoder of every other tokenizer
+//! ([`TextTokenizer::encoder`] says which, and why). All 15 transformers renderings and all 46
+//! tokenizer vectors in `golden/` are checked by `cargo xtask golden`; a differential test
+//! compares the two encoders on random and adversarial text.
+
+mod bpe;
+mod fast;
+mod pretok;
+mod unicode_classes;
+
+pub use fast::Unsupported;
 
 use std::path::Path;
 
@@ -107,9 +119,32 @@ impl ChatTemplate {
     }
 }
 
+/// Which encoder turns a tokenizer's text into ids.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Encoder {
+    /// Cortex's byte-level BPE: the `tokenizers` crate's ids (checked at load, and by the
+    /// golden vectors and a differential test), several times faster.
+    Fast,
+    /// The `tokenizers` crate, because Cortex's encoder does not implement this tokenizer
+    /// exactly (or its self-check at load disagreed).
+    Reference(Unsupported),
+}
+
+impl std::fmt::Display for Encoder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Encoder::Fast => f.write_str("fast"),
+            Encoder::Reference(why) => write!(f, "reference (the fast encoder does not implement {why})"),
+        }
+    }
+}
+
 /// A model's tokenizer, loaded from its `tokenizer.json` with no network access.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
+    /// Cortex's encoder, when it implements this tokenizer exactly.
+    fast: Option<fast::FastTokenizer>,
+    encoder: Encoder,
     digest: FileDigest,
     /// Special tokens that split text into independently tokenized segments (see
     /// [`TextTokenizer::encode_cached`]); empty when the self-check at load found that splitting
@@ -117,17 +152,34 @@ pub struct TextTokenizer {
     splitters: Splitters,
     /// The same tokenizer without its normalizer, for ASCII text, when the normalizer is Unicode
     /// NFC (the identity on ASCII): normalizing with offset tracking is a third of the cost of
-    /// short prompts.
-    ascii: Option<tokenizers::Tokenizer>,
+    /// short prompts. Made on first use: with the fast encoder only the reference needs it.
+    ascii: std::sync::OnceLock<Option<tokenizers::Tokenizer>>,
     /// Whether the post-processor adds tokens (a BOS, say) with `add_special_tokens`.
     adds_specials: bool,
 }
 
 impl std::fmt::Debug for TextTokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TextTokenizer").field("digest", &self.digest).finish_non_exhaustive()
+        f.debug_struct("TextTokenizer")
+            .field("digest", &self.digest)
+            .field("encoder", &self.encoder)
+            .finish_non_exhaustive()
     }
 }
+
+/// Texts on which the fast encoder must agree with the reference before it is used: the
+/// tokenizer's own added tokens between words, whitespace runs, digits, contractions, marks
+/// that NFC composes, CJK and emoji.
+const SELF_CHECK_PIECES: [&str; 8] = [
+    "Hello world, it's 12,345.6 ",
+    " \n  leading spaces\t\t",
+    "tail\n\n",
+    "Zürich 🦙 中文 e\u{301}\u{327} Ω ",
+    "\r\n",
+    "DON'T we'LL  ",
+    "(x) => { return \"<a/>\"; }",
+    "१२३ ٣٤٥ ½ ",
+];
 
 impl TextTokenizer {
     /// Loads `tokenizer.json` from `path`.
@@ -146,28 +198,71 @@ impl TextTokenizer {
     pub fn from_bytes(bytes: &[u8]) -> Result<Self, TextError> {
         let inner =
             tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| TextError::TokenizerLoad(e.to_string()))?;
-        let ascii = match inner.get_normalizer() {
-            Some(tokenizers::NormalizerWrapper::NFC(_)) => {
-                let mut t = inner.clone();
-                t.with_normalizer(None::<tokenizers::NormalizerWrapper>)
-                    .map_err(|e| TextError::TokenizerLoad(e.to_string()))?;
-                Some(t)
-            }
-            _ => None,
+        let (fast, encoder) = match fast::FastTokenizer::new(bytes, &inner) {
+            Ok(f) => (Some(f), Encoder::Fast),
+            Err(why) => (None, Encoder::Reference(why)),
         };
         let mut tok = TextTokenizer {
             inner,
+            fast,
+            encoder,
             digest: FileDigest::of(bytes),
             splitters: Splitters::default(),
-            ascii,
+            ascii: std::sync::OnceLock::new(),
             adds_specials: true,
         };
-        tok.adds_specials = tok.encode("a", SpecialTokens::Add)? != tok.encode("a", SpecialTokens::Omit)?;
+        tok.adds_specials =
+            hf_ids(&tok.inner, "a", SpecialTokens::Add)? != hf_ids(&tok.inner, "a", SpecialTokens::Omit)?;
+        if let Some(probe) = tok.fast_disagrees()? {
+            tok.fast = None;
+            tok.encoder = Encoder::Reference(Unsupported {
+                part: "self-check",
+                found: format!("different ids for {probe:?}"),
+            });
+        }
+        match &tok.encoder {
+            Encoder::Fast => tracing::info!(tokenizer = %tok.digest, "tokenizer: Cortex's fast encoder"),
+            Encoder::Reference(why) => tracing::warn!(
+                tokenizer = %tok.digest,
+                "tokenizer: encoded by the tokenizers crate, the fast encoder does not implement {why}"
+            ),
+        }
         let candidates = Splitters::from_added_tokens(&tok.inner);
         if candidates.self_check(&tok) {
             tok.splitters = candidates;
         }
         Ok(tok)
+    }
+
+    /// A probe on which the fast encoder and the reference disagree, if any.
+    fn fast_disagrees(&self) -> Result<Option<String>, TextError> {
+        let Some(fast) = &self.fast else { return Ok(None) };
+        let mut added: Vec<String> =
+            self.inner.get_added_tokens_decoder().into_values().map(|t| t.content).collect();
+        added.sort();
+        let mut probes: Vec<String> = SELF_CHECK_PIECES.iter().map(|p| (*p).to_owned()).collect();
+        let mut all = String::new();
+        for (i, t) in added.iter().enumerate() {
+            all.push_str(SELF_CHECK_PIECES[i % SELF_CHECK_PIECES.len()]);
+            all.push_str(t);
+        }
+        probes.push(all);
+        for probe in probes {
+            let mut ids = Vec::new();
+            fast.encode(&probe, &mut ids);
+            for special in [SpecialTokens::Omit, SpecialTokens::Add] {
+                if ids != hf_ids(&self.inner, &probe, special)? {
+                    return Ok(Some(probe));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Which encoder this tokenizer uses, and why not the fast one if not.
+    #[must_use]
+    pub const fn encoder(&self) -> &Encoder {
+        &self.encoder
     }
 
     /// Whether [`TextTokenizer::encode_cached`] can reuse segments for this tokenizer (its special
@@ -242,14 +337,33 @@ impl TextTokenizer {
     /// # Errors
     /// [`TextError::Encode`].
     pub fn encode(&self, text: &str, special: SpecialTokens) -> Result<Vec<Token>, TextError> {
-        let tok = match &self.ascii {
+        if let Some(fast) = &self.fast {
+            let mut out = Vec::with_capacity(text.len() / 3 + 1);
+            fast.encode(text, &mut out);
+            return Ok(out);
+        }
+        self.encode_reference(text, special)
+    }
+
+    /// Token ids of `text` from the `tokenizers` crate, whichever [`Encoder`] this tokenizer
+    /// uses: the reference the fast encoder is compared with (and the baseline of the benches).
+    ///
+    /// # Errors
+    /// [`TextError::Encode`].
+    pub fn encode_reference(&self, text: &str, special: SpecialTokens) -> Result<Vec<Token>, TextError> {
+        let ascii = self.ascii.get_or_init(|| match self.inner.get_normalizer() {
+            Some(tokenizers::NormalizerWrapper::NFC(_)) => {
+                let mut t = self.inner.clone();
+                t.with_normalizer(None::<tokenizers::NormalizerWrapper>).ok()?;
+                Some(t)
+            }
+            _ => None,
+        });
+        let tok = match ascii {
             Some(fast) if text.is_ascii() => fast,
             _ => &self.inner,
         };
-        let enc = tok
-            .encode_fast(text, matches!(special, SpecialTokens::Add))
-            .map_err(|e| TextError::Encode(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        hf_ids(tok, text, special)
     }
 
     /// The id of a token string (special tokens included), if the vocabulary has it.
@@ -265,6 +379,14 @@ impl TextTokenizer {
     pub fn decode(&self, ids: &[Token]) -> Result<String, TextError> {
         self.inner.decode(ids, false).map_err(|e| TextError::Encode(e.to_string()))
     }
+}
+
+/// The `tokenizers` crate's ids for `text`.
+fn hf_ids(tok: &tokenizers::Tokenizer, text: &str, special: SpecialTokens) -> Result<Vec<Token>, TextError> {
+    let enc = tok
+        .encode_fast(text, matches!(special, SpecialTokens::Add))
+        .map_err(|e| TextError::Encode(e.to_string()))?;
+    Ok(enc.get_ids().to_vec())
 }
 
 /// Whether the tokenizer adds its post-processor's special tokens (BOS and the like).
@@ -339,19 +461,25 @@ impl Splitters {
     /// Added tokens that are special and carry no stripping, word or normalization option: the
     /// ones every tokenizer splits on verbatim.
     fn from_added_tokens(tok: &tokenizers::Tokenizer) -> Self {
-        let mut tokens: Vec<(String, Token)> = tok
-            .get_added_tokens_decoder()
-            .into_iter()
-            .filter(|(_, t)| {
-                t.special
-                    && !t.lstrip
-                    && !t.rstrip
-                    && !t.single_word
-                    && !t.normalized
-                    && !t.content.is_empty()
-            })
-            .map(|(id, t)| (t.content, id))
-            .collect();
+        Splitters::new(
+            tok.get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, t)| {
+                    t.special
+                        && !t.lstrip
+                        && !t.rstrip
+                        && !t.single_word
+                        && !t.normalized
+                        && !t.content.is_empty()
+                })
+                .map(|(id, t)| (t.content, id))
+                .collect(),
+        )
+    }
+
+    /// Splits on `tokens` (non-empty strings), leftmost first and, at one position, longest
+    /// first: `tokenizers`' leftmost-longest Aho-Corasick match.
+    fn new(mut tokens: Vec<(String, Token)>) -> Self {
         tokens.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then_with(|| a.0.cmp(&b.0)));
         let mut first = [false; 256];
         for (t, _) in &tokens {

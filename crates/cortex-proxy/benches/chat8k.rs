@@ -9,10 +9,13 @@
 //! tokens or more; its last turn (an answer and a question, about 400 tokens) is the new one.
 //!
 //! - **Tokenization** (`chat8k_tokenize`), Qwen3's tokenizer and chat template from `golden/`:
-//!   - `tokenizers_crate` — the baseline: `TextTokenizer::encode` (the `tokenizers` crate alone)
-//!     on the already rendered prompt;
+//!   - `tokenizers_crate` — the baseline: `TextTokenizer::encode_reference` (the `tokenizers`
+//!     crate alone) on the already rendered prompt;
+//!   - `fast_encoder` — `TextTokenizer::encode` (Cortex's fast encoder, which Qwen3 uses) on the
+//!     same rendered prompt;
 //!   - `cold` — `ModelRoute::tokens` (template rendering, segment split, tokenization, segment
-//!     cache inserts) for a conversation never seen before (every message carries a fresh tag);
+//!     cache inserts) and `ModelRoute::seq_hashes` (the block hashes) for a conversation never
+//!     seen before (every message carries a fresh tag);
 //!   - `prefix_seen` — the next turn of a conversation whose history an earlier request
 //!     tokenized: the history's segments are in the cache, the assistant's answer and the new
 //!     question are not;
@@ -29,9 +32,11 @@
 //!   the overhead benchmark's repeated prompt is) and with the tokenizer alone
 //!   (`tokens_uncached`, a prompt never seen).
 //!
-//! After criterion, a percentile pass times 20,000 single calls of `total` and of `prefix_seen`
-//! with `Instant::now` and prints one machine-readable line starting with `cortex-bench-json:`
-//! (read by `cargo xtask bench`). Nothing is asserted about time.
+//! After criterion, a percentile pass times 20,000 single calls of `total`, 1,000 of
+//! `prefix_seen`, 300 each of `cold` and `tokenizers_crate` (alternating, so both see the
+//! same machine), and the first encode of the rendered prompt by each of 3 freshly loaded
+//! tokenizers, with `Instant::now`, and prints one machine-readable line starting with
+//! `cortex-bench-json:` (read by `cargo xtask bench`). Nothing is asserted about time.
 
 #![allow(missing_docs, clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)] // a benchmark's setup may panic
 
@@ -45,7 +50,7 @@ use cortex_hash::kv::{
 };
 use cortex_hash::profile::{ExtraKeyPolicy, FileDigest, HashRecipe, ModelProfile};
 use cortex_hash::sglang::EventFormat;
-use cortex_hash::text::{ChatTemplate, SpecialTokens, TextTokenizer, TokenizerConfig};
+use cortex_hash::text::{ChatTemplate, SpecialTokens, TextError, TextTokenizer, TokenizerConfig};
 use cortex_hash::{Engine, SeqHash, Token};
 use cortex_proxy::config::ModelSpec;
 use cortex_proxy::request::{self, Prompt, Route};
@@ -65,6 +70,8 @@ const TARGET_TOKENS: usize = 8192;
 const WORKERS: u32 = 8;
 const BACKGROUND_BLOCKS: usize = 20_000;
 const PERCENTILE_CALLS: usize = 20_000;
+/// Calls each of the cold request and its baseline in the percentile pass.
+const COLD_CALLS: usize = 300;
 /// The small request of `cargo xtask bench`'s gateway overhead benchmark (keep them equal).
 const SMALL_COMPLETION: &str = r#"{"model":"qwen3","prompt":"You are a helpful assistant. Answer in one short sentence, without lists or code: what does a key-value cache store for a transformer model while it generates text?","max_tokens":4,"temperature":0}"#;
 
@@ -344,8 +351,10 @@ impl Fixture {
         let prompt = Conversation::prompt(&conv.messages, 0);
         let tokens = route.tokens(&prompt).expect("tokens");
         // The tokens Cortex computes are exactly the tokenizers crate's on the rendered prompt.
-        let plain = spec.tokenizer.encode(&render(&spec, &prompt), SpecialTokens::Omit).expect("encode");
-        assert_eq!(tokens, plain, "segment reuse must not change the tokens");
+        let plain =
+            spec.tokenizer.encode_reference(&render(&spec, &prompt), SpecialTokens::Omit).expect("encode");
+        assert_eq!(tokens, plain, "Cortex's tokens must be the tokenizers crate's");
+        println!("chat8k encoder: {}", spec.tokenizer.encoder());
         let system = route.tokens(&Conversation::prompt(&conv.messages[..1], 0)).expect("system").len();
         let routing = Routing::new(&route, &tokens, system);
         // The earlier request of the same conversation (tag 0) leaves its segments cached.
@@ -387,23 +396,31 @@ fn benches(c: &mut Criterion, f: &Fixture) {
     let mut g = c.benchmark_group("chat8k_tokenize");
     g.sample_size(20);
     let mut tag = 1_000_000u64;
-    g.bench_function(BenchmarkId::new("tokenizers_crate", "baseline"), |b| {
-        b.iter_batched(
-            || {
-                tag += 1;
-                render(&f.spec, &Conversation::prompt(&f.conv.messages, tag))
-            },
-            |text| f.spec.tokenizer.encode(black_box(&text), SpecialTokens::Omit).expect("encode"),
-            BatchSize::SmallInput,
-        );
-    });
+    type Encode = fn(&TextTokenizer, &str, SpecialTokens) -> Result<Vec<Token>, TextError>;
+    let encoders: [(&str, &str, Encode); 2] = [
+        ("tokenizers_crate", "baseline", TextTokenizer::encode_reference),
+        ("fast_encoder", "cortex", TextTokenizer::encode),
+    ];
+    for (name, who, encode) in encoders {
+        g.bench_function(BenchmarkId::new(name, who), |b| {
+            b.iter_batched(
+                || {
+                    tag += 1;
+                    render(&f.spec, &Conversation::prompt(&f.conv.messages, tag))
+                },
+                |text| encode(&f.spec.tokenizer, black_box(&text), SpecialTokens::Omit).expect("encode"),
+                BatchSize::SmallInput,
+            );
+        });
+    }
+    let mut cold_seq = Vec::with_capacity(f.tokens.len() / 16 + 1);
     g.bench_function(BenchmarkId::new("cold", "cortex"), |b| {
         b.iter_batched(
             || {
                 tag += 1;
                 Conversation::prompt(&f.conv.messages, tag)
             },
-            |p| route.tokens(black_box(&p)).expect("tokens"),
+            |p| cold(route, black_box(&p), &mut cold_seq),
             BatchSize::SmallInput,
         );
     });
@@ -474,8 +491,29 @@ fn benches(c: &mut Criterion, f: &Fixture) {
     g.finish();
 }
 
+/// A never-seen chat: render, tokenize (segments into the cache) and hash its blocks.
+fn cold(route: &ModelRoute, prompt: &Prompt, seq: &mut Vec<SeqHash>) -> usize {
+    let tokens = route.tokens(prompt).expect("tokens");
+    route.seq_hashes(&tokens, None, seq).expect("seq");
+    tokens.len()
+}
+
 fn percentiles(f: &Fixture) {
     let route = f.route();
+    // Cold request and baseline alternate, each with a conversation never seen before.
+    let mut cold_ns = Vec::with_capacity(COLD_CALLS);
+    let mut base_ns = Vec::with_capacity(COLD_CALLS);
+    let mut seq = Vec::with_capacity(f.tokens.len() / 16 + 1);
+    for i in 0..COLD_CALLS as u64 {
+        let p = Conversation::prompt(&f.conv.messages, 7_000_000 + i);
+        let t = Instant::now();
+        black_box(cold(route, &p, &mut seq));
+        cold_ns.push(t.elapsed().as_nanos() as u64);
+        let text = render(&f.spec, &Conversation::prompt(&f.conv.messages, 8_000_000 + i));
+        let t = Instant::now();
+        black_box(f.spec.tokenizer.encode_reference(&text, SpecialTokens::Omit).expect("encode"));
+        base_ns.push(t.elapsed().as_nanos() as u64);
+    }
     let r = &f.routing;
     let mut seq = Vec::with_capacity(f.tokens.len() / 16 + 1);
     let mut overlap = OverlapScores::with_capacity(WORKERS as usize);
@@ -487,6 +525,17 @@ fn percentiles(f: &Fixture) {
         if i >= 1000 {
             route_ns.push(t.elapsed().as_nanos() as u64);
         }
+    }
+    // The first encode of a tokenizer just loaded: no vocabulary token has its own-bytes BPE
+    // result recorded yet (see cortex-hash's `text::bpe`).
+    let mut first_ns = Vec::new();
+    let text = render(&f.spec, &Conversation::prompt(&f.conv.messages, 9_000_000));
+    for _ in 0..3 {
+        let fresh =
+            TextTokenizer::from_file(golden().join("models/qwen3/tokenizer.json")).expect("tokenizer");
+        let t = Instant::now();
+        black_box(fresh.encode(&text, SpecialTokens::Omit).expect("encode"));
+        first_ns.push(t.elapsed().as_nanos() as u64);
     }
     let turns = PERCENTILE_CALLS / 20;
     let mut warm_ns = Vec::with_capacity(turns);
@@ -511,6 +560,10 @@ fn percentiles(f: &Fixture) {
         "route_total": pct(&mut route_ns),
         "prefix_seen": pct(&mut warm_ns),
         "render_only": pct(&mut render_ns),
+        "cold": pct(&mut cold_ns),
+        "tokenizers_crate": pct(&mut base_ns),
+        "first_encode_after_load": pct(&mut first_ns),
+        "encoder": f.spec.tokenizer.encoder().to_string(),
     });
     println!("cortex-bench-json: {out}");
 }
