@@ -8,6 +8,7 @@
 pub mod ci;
 pub mod deploy_check;
 pub mod fuzz;
+#[cfg(feature = "golden")]
 pub mod golden;
 pub mod pd_check;
 pub mod radix;
