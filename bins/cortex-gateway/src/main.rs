@@ -71,6 +71,8 @@ fn run(cli: Cli) -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?)
         .with_target(false)
+        // stdout is the command's output (the --check-config summary, the demo's URL and curl).
+        .with_writer(std::io::stderr)
         .init();
     if let Some(path) = &cli.check_config {
         let (cfg, base) = Config::load(path)?;

@@ -63,3 +63,33 @@ fn demo_serves_on_one_runtime_thread() {
     };
     assert!(response.starts_with("HTTP/1.1 200"), "{response}");
 }
+
+/// `--check-config` prints its summary, and only its summary, on stdout (deployment checks parse
+/// it), even at a log level that logs while loading (the tokenizer's choice of encoder).
+#[test]
+fn check_config_prints_one_json_line_on_stdout() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let qwen = root.join("golden/models/qwen3");
+    let dir = std::env::temp_dir().join(format!("cortex-check-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("cortex.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "listen: 127.0.0.1:0\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: {}\n    \
+             tokenizer_config: {}\n    block_size: 16\nworkers:\n  - name: w\n    url: http://127.0.0.1:9\n    \
+             engine: vllm\n    model: m\n",
+            qwen.join("tokenizer.json").display(),
+            qwen.join("tokenizer_config.json").display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(BIN).args(["--log", "debug", "--check-config"]).arg(&file).output().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    let summary: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(summary["ok"], true, "{summary}");
+    assert_eq!(summary["workers"], 1, "{summary}");
+}
