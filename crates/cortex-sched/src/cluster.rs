@@ -313,6 +313,13 @@ impl Snapshot {
         self.holders.len()
     }
 
+    /// Whether some worker of the snapshot (healthy or not) serves `model` in `role`: a model
+    /// with prefill or decode workers is served disaggregated.
+    #[must_use]
+    pub fn serves(&self, model: &str, role: Role) -> bool {
+        self.pool(model, role).is_some()
+    }
+
     /// The holders serving `model` in `role`, sorted by holder id.
     pub(crate) fn pool(&self, model: &str, role: Role) -> Option<PoolRef<'_>> {
         self.pools
