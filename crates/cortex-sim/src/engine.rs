@@ -175,6 +175,8 @@ pub(crate) struct RankStats {
     pub(crate) pd_decode_legs: u64,
     /// Prompt tokens those decode legs received over the transfer (what they lacked locally).
     pub(crate) pulled_tokens: u64,
+    /// Requests aborted because their client left (waiting, running or awaiting a transfer).
+    pub(crate) cancelled: u64,
 }
 
 /// A snapshot of a rank's load.
@@ -763,12 +765,15 @@ impl EngineState {
 
     /// Drops requests whose client is gone (waiting requests hold no KV: preemption freed it).
     fn reap_closed(&mut self) {
+        let before = self.waiting.len();
         self.waiting.retain(|r| !r.sink.is_closed());
+        self.stats.cancelled += (before - self.waiting.len()) as u64;
         let closed: Vec<u64> = self.running.iter().filter(|r| r.sink.is_closed()).map(|r| r.id).collect();
         for id in closed {
             if let Some(pos) = self.running.iter().position(|r| r.id == id) {
                 let r = self.running.remove(pos);
                 self.release(&r, true);
+                self.stats.cancelled += 1;
             }
         }
         let gone: Vec<u64> =
@@ -776,6 +781,7 @@ impl EngineState {
         for id in gone {
             if let Some(r) = self.awaiting.remove(&id) {
                 self.release(&r, true);
+                self.stats.cancelled += 1;
             }
         }
     }

@@ -61,12 +61,21 @@ pub enum Fault {
         /// Healthy.
         healthy: bool,
     },
+    /// A decode worker's next `count` KV transfers fail after the prefill side handed the KV
+    /// over (SGLang: the room was found and the prefill finished; vLLM: the lease was read), as
+    /// a failed NIXL read or bootstrap transfer does: the decode leg answers the engine's
+    /// transfer failure.
+    FailTransfers {
+        /// How many decode legs.
+        count: u32,
+    },
 }
 
 /// The HTTP-level fault state of a worker.
 #[derive(Debug, Default)]
 pub(crate) struct HttpFaults {
     fail_next: Mutex<Option<(u16, u32)>>,
+    fail_transfers: Mutex<u32>,
     die: Mutex<Option<(usize, u32)>>,
     unhealthy: AtomicBool,
 }
@@ -94,6 +103,18 @@ impl HttpFaults {
         let (after, left) = (*d)?;
         *d = (left > 1).then_some((after, left - 1));
         Some(after)
+    }
+
+    pub(crate) fn fail_transfers(&self, count: u32) {
+        *self.fail_transfers.lock() = count;
+    }
+
+    /// Whether this decode leg's transfer fails, consuming one.
+    pub(crate) fn take_transfer_failure(&self) -> bool {
+        let mut left = self.fail_transfers.lock();
+        let fail = *left > 0;
+        *left = left.saturating_sub(1);
+        fail
     }
 
     pub(crate) fn set_healthy(&self, healthy: bool) {

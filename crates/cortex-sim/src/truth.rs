@@ -46,6 +46,8 @@ pub struct RankState {
     pub virtual_time: std::time::Duration,
     /// Its PD legs so far.
     pub pd: PdCounters,
+    /// Requests aborted because their client left before they finished.
+    pub cancelled: u64,
 }
 
 /// A rank's PD legs, counted as the engines' own code would see them.

@@ -44,6 +44,8 @@ pub(crate) struct Shared {
     pub(crate) inflight_http: AtomicUsize,
     /// Decode legs whose KV transfer failed.
     pub(crate) pd_transfer_failures: AtomicU64,
+    /// Generation requests whose client left before their answer was complete.
+    pub(crate) client_gone: AtomicU64,
 }
 
 impl Shared {
@@ -72,6 +74,7 @@ impl Shared {
                 decode_legs: load.stats.pd_decode_legs,
                 pulled_tokens: load.stats.pulled_tokens,
             },
+            cancelled: load.stats.cancelled,
         })
     }
 
@@ -106,6 +109,7 @@ impl Shared {
                 }
             }
             Fault::Health { healthy } => self.faults.set_healthy(healthy),
+            Fault::FailTransfers { count } => self.faults.fail_transfers(count),
         }
         Ok(())
     }
@@ -219,6 +223,7 @@ impl SimWorker {
             created,
             inflight_http: AtomicUsize::new(0),
             pd_transfer_failures: AtomicU64::new(0),
+            client_gone: AtomicU64::new(0),
         });
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let rt =
@@ -375,6 +380,21 @@ impl SimWorker {
         self.shared.pd_transfer_failures.load(Ordering::SeqCst)
     }
 
+    /// Generation requests being answered over HTTP now (including legs waiting for their KV
+    /// transfer, which are not yet in a rank's queue).
+    #[must_use]
+    pub fn in_flight_http(&self) -> usize {
+        self.shared.inflight_http.load(Ordering::SeqCst)
+    }
+
+    /// Generation requests whose client left before the answer was complete (what a real
+    /// engine sees as an abort: the connection closed while the request waited for its KV,
+    /// queued, ran, or streamed).
+    #[must_use]
+    pub fn client_gone(&self) -> u64 {
+        self.shared.client_gone.load(Ordering::SeqCst)
+    }
+
     /// Injects a fault (see [`Fault`]).
     ///
     /// # Errors
@@ -487,6 +507,32 @@ impl Drop for SimWorker {
 }
 
 /// The number of HTTP requests in flight (vLLM's `/load`).
+/// Counts a generation request whose client leaves before its answer is complete: armed while
+/// the answer is produced, [`ClientWatch::done`] once it is complete (or the simulator itself
+/// ended it, as a fault); dropped while armed, it counts the client as gone.
+pub(crate) struct ClientWatch {
+    shared: Arc<Shared>,
+    armed: bool,
+}
+
+impl ClientWatch {
+    pub(crate) fn new(shared: &Arc<Shared>) -> Self {
+        ClientWatch { shared: Arc::clone(shared), armed: true }
+    }
+
+    pub(crate) fn done(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for ClientWatch {
+    fn drop(&mut self) {
+        if self.armed {
+            self.shared.client_gone.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
 pub(crate) struct InflightGuard<'a>(&'a AtomicUsize);
 
 impl<'a> InflightGuard<'a> {

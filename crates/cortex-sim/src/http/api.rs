@@ -24,7 +24,7 @@ use crate::engine::{
     Failure, NewRequest, PdMode, PdOutcome, ReqEvent, ReqKeys, ReqStats, vllm_transfer_params,
 };
 use crate::pd::{FetchError, call};
-use crate::worker::{InflightGuard, Shared};
+use crate::worker::{ClientWatch, InflightGuard, Shared};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Flavor {
@@ -72,7 +72,10 @@ pub(super) async fn sglang(shared: Arc<Shared>, req: Request<Incoming>, path: &s
     let m = req.method().clone();
     Ok(match (m, path) {
         (Method::GET, "/health" | "/health_generate") => health(&shared),
-        (Method::GET, "/ready") => text_resp(StatusCode::OK, "ready"),
+        // The health fault makes the cheap readiness route fail too: an unhealthy engine is not
+        // ready either.
+        (Method::GET, "/ready") if shared.faults.healthy() => text_resp(StatusCode::OK, "ready"),
+        (Method::GET, "/ready") => text_resp(StatusCode::SERVICE_UNAVAILABLE, "not ready"),
         (Method::POST | Method::PUT, "/generate") => {
             return generate(shared, req, Flavor::Sglang, Kind::Generate).await;
         }
@@ -413,6 +416,18 @@ async fn generate(
     kind: Kind,
 ) -> Result<Resp, Cut> {
     let _inflight = InflightGuard::new(&shared.inflight_http);
+    let watch = ClientWatch::new(&shared);
+    let answer = generate_answer(&shared, req, flavor, kind).await;
+    watch.done();
+    answer
+}
+
+async fn generate_answer(
+    shared: &Arc<Shared>,
+    req: Request<Incoming>,
+    flavor: Flavor,
+    kind: Kind,
+) -> Result<Resp, Cut> {
     let (parts, body) = match read_json(req).await {
         Ok(v) => v,
         Err(r) => return Ok(r),
@@ -425,10 +440,10 @@ async fn generate(
         }
         return Ok(r);
     }
-    match prepare(&shared, &parts, &body, flavor, kind).await {
-        Ok((ctx, items)) => run(Arc::clone(&shared), ctx, items).await,
+    match prepare(shared, &parts, &body, flavor, kind).await {
+        Ok((ctx, items)) => run(Arc::clone(shared), ctx, items).await,
         Err(Refusal::Resp(r)) => Ok(*r),
-        Err(Refusal::Transfer(message)) => Ok(transfer_failed(&shared, flavor, kind, &body, &message)),
+        Err(Refusal::Transfer(message)) => Ok(transfer_failed(shared, flavor, kind, &body, &message)),
     }
 }
 
@@ -532,6 +547,9 @@ async fn prepare(
                         pd = PdMode::VllmPrefill;
                     } else if flag("do_remote_prefill") && shared.cfg.role == Role::Decode {
                         vllm_fetch(shared, flavor, kind, kv, tokens.len()).await?;
+                        if shared.faults.take_transfer_failure() {
+                            return Err(Refusal::Transfer("simulated NIXL read failure".to_owned()));
+                        }
                         pd = PdMode::VllmDecode;
                     }
                 }
@@ -554,6 +572,9 @@ async fn prepare(
                                 .unwrap_or(8998);
                             let (tok, cached) =
                                 sglang_fetch(flavor, kind, shared, host, port, room, tokens.len()).await?;
+                            if shared.faults.take_transfer_failure() {
+                                return Err(Refusal::Transfer("simulated KV transfer failure".to_owned()));
+                            }
                             first_token = Some(tok);
                             prefill_cached = Some(cached);
                             pd = PdMode::SglangDecode;
@@ -938,14 +959,30 @@ async fn pump(
     die_after: Option<usize>,
     shared: Arc<Shared>,
 ) {
+    let watch = ClientWatch::new(&shared);
+    if pump_events(&ctx, &mut tracks, pending, &mut rx, &out, die_after, &shared).await {
+        watch.done();
+    }
+}
+
+/// Streams the answer; false when the client left before it was complete.
+async fn pump_events(
+    ctx: &Ctx,
+    tracks: &mut [Track],
+    pending: Vec<(usize, ReqEvent)>,
+    rx: &mut mpsc::UnboundedReceiver<(usize, ReqEvent)>,
+    out: &mpsc::Sender<Chunk>,
+    die_after: Option<usize>,
+    shared: &Shared,
+) -> bool {
     if ctx.kind == Kind::Chat {
         for i in 0..tracks.len() {
             let role = json!({
                 "id": ctx.id, "object": "chat.completion.chunk", "created": ctx.created, "model": ctx.model,
                 "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}],
             });
-            if !send(&out, &role).await {
-                return;
+            if !send(out, &role).await {
+                return false;
             }
         }
     }
@@ -958,19 +995,19 @@ async fn pump(
             Some(ev) => ev,
             None => tokio::select! {
                 ev = rx.recv() => match ev { Some(ev) => ev, None => break },
-                () = out.closed() => return,
+                () = out.closed() => return false,
             },
         };
         match ev {
             (i, ReqEvent::Token { id, text }) => {
                 if let Some(prev) = held[i].take() {
-                    if !send(&out, &chunk(&ctx, i, &tracks[i], &prev, false, &shared)).await {
-                        return;
+                    if !send(out, &chunk(ctx, i, &tracks[i], &prev, false, shared)).await {
+                        return false;
                     }
                     sent += 1;
                     if die_after.is_some_and(|d| sent >= d) {
-                        cut(&out).await;
-                        return;
+                        cut(out).await;
+                        return true;
                     }
                 }
                 tracks[i].tokens.push(id);
@@ -983,11 +1020,11 @@ async fn pump(
                 tracks[i].done = true;
                 let last = held[i].take().unwrap_or_default();
                 if die_after.is_some() {
-                    cut(&out).await;
-                    return;
+                    cut(out).await;
+                    return true;
                 }
-                if !send(&out, &chunk(&ctx, i, &tracks[i], &last, true, &shared)).await {
-                    return;
+                if !send(out, &chunk(ctx, i, &tracks[i], &last, true, shared)).await {
+                    return false;
                 }
                 if tracks.iter().all(|t| t.done) {
                     break;
@@ -1000,15 +1037,15 @@ async fn pump(
                     Failure::TransferTimeout => "KV transfer failed",
                     Failure::Aborted => "request aborted",
                 };
-                let _ = send(&out, &json!({"error": {"message": msg, "type": "InternalServerError", "param": null, "code": 500}})).await;
+                let _ = send(out, &json!({"error": {"message": msg, "type": "InternalServerError", "param": null, "code": 500}})).await;
                 let _ = out.send(Chunk::Data(bytes::Bytes::from_static(SSE_DONE))).await;
-                return;
+                return true;
             }
         }
     }
     if !tracks.iter().all(|t| t.done) {
-        cut(&out).await;
-        return;
+        cut(out).await;
+        return true;
     }
     if ctx.include_usage && ctx.kind != Kind::Generate {
         let object = if ctx.kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
@@ -1018,10 +1055,10 @@ async fn pump(
         u.insert("created".to_owned(), json!(ctx.created));
         u.insert("model".to_owned(), json!(ctx.model));
         u.insert("choices".to_owned(), json!([]));
-        u.insert("usage".to_owned(), usage(&tracks));
-        let _ = send(&out, &Value::Object(u)).await;
+        u.insert("usage".to_owned(), usage(tracks));
+        let _ = send(out, &Value::Object(u)).await;
     }
-    let _ = out.send(Chunk::Data(bytes::Bytes::from_static(SSE_DONE))).await;
+    out.send(Chunk::Data(bytes::Bytes::from_static(SSE_DONE))).await.is_ok()
 }
 
 async fn send(out: &mpsc::Sender<Chunk>, v: &Value) -> bool {

@@ -89,6 +89,7 @@ pub(super) fn server_info(shared: &Shared) -> Resp {
         EngineConfig::Sglang(o) if o.bigram => json!("EAGLE"),
         _ => Value::Null,
     };
+    let decode_radix_cache = matches!(&cfg.engine, EngineConfig::Sglang(o) if o.decode_radix_cache);
     let internal: Vec<Value> = shared
         .ranks
         .iter()
@@ -110,6 +111,7 @@ pub(super) fn server_info(shared: &Shared) -> Resp {
         "speculative_algorithm": spec,
         "disaggregation_mode": cfg.role.sglang_mode(),
         "disaggregation_bootstrap_port": shared.pd_addr.map(|a| a.port()),
+        "disaggregation_decode_enable_radix_cache": decode_radix_cache,
         "max_total_num_tokens": cfg.capacity_blocks * cfg.block_size,
         "max_running_requests": cfg.max_running,
         "chunked_prefill_size": cfg.max_batched_tokens,

@@ -214,6 +214,7 @@ async fn sim_route(shared: &Arc<Shared>, req: Request<Incoming>, path: &str) -> 
                         "running": st.running,
                         "waiting": st.waiting,
                         "virtual_time_ms": st.virtual_time.as_secs_f64() * 1e3,
+                        "cancelled": st.cancelled,
                         "pd": {
                             "prefill_legs": st.pd.prefill_legs,
                             "decode_legs": st.pd.decode_legs,
