@@ -38,7 +38,7 @@ const KUBERNETES_VERSIONS: &[&str] = &["1.30.0", "1.37.0"];
 const RELEASE_BUILD: &str = "cargo build --release --locked -p cortex-gateway --bin cortex-gateway";
 
 /// Kustomizations whose configuration the gateway must refuse today, and the words of the refusal.
-const REFUSED: &[(&str, &str)] = &[("overlays/disaggregated", "PD orchestration is not available yet")];
+const REFUSED: &[(&str, &str)] = &[];
 
 /// Custom resources those schemas lack: (apiVersion, kind) → schema file under `deploy/`.
 const CUSTOM_SCHEMAS: &[(&str, &str, &str)] =

@@ -18,8 +18,9 @@ use cortex_hash::sglang::EventFormat;
 use cortex_hash::text::{ChatTemplate, TextTokenizer, TokenizerConfig};
 use cortex_hash::vllm::{ExtraKeyForm, HashAlgo, NoneHashSeed};
 use cortex_ingest::{IngestConfig, StaleRouting};
+use cortex_pd::{PdConfig, Replay, TransferFailure};
 use cortex_proxy::config::{AlignmentConfig, Limits, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy};
-use cortex_proxy::registry::{PD_NOT_AVAILABLE, parse_role, parse_unlabeled_stores};
+use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
@@ -123,6 +124,9 @@ pub struct Config {
     /// Retries before the first byte.
     #[serde(default)]
     pub retry: RetryFile,
+    /// Prefill/decode disaggregation.
+    #[serde(default)]
+    pub pd: PdFile,
     /// Scheduler.
     #[serde(default)]
     pub scheduler: SchedulerFile,
@@ -288,7 +292,7 @@ pub struct WorkerFile {
     pub engine: EngineFile,
     /// A configured model's name.
     pub model: String,
-    /// `regular` (the default and, until PD orchestration exists, the only role accepted).
+    /// `regular` (the default), `prefill` or `decode`.
     #[serde(default)]
     pub role: Option<String>,
     /// The engine's limit on running requests per DP rank (vLLM `--max-num-seqs`); overrides what
@@ -298,6 +302,9 @@ pub struct WorkerFile {
     /// Event endpoints for engines that do not advertise them.
     #[serde(default)]
     pub events: Option<EventsFile>,
+    /// SGLang prefill workers: the bootstrap port, when `/server_info` reports none.
+    #[serde(default)]
+    pub bootstrap_port: Option<u16>,
     /// `plain` (default) or `unknown`: how to read stores that do not say which adapter or extra
     /// keys they were made under.
     #[serde(default)]
@@ -357,15 +364,28 @@ pub struct RetryFile {
     pub budget: Option<Dur>,
 }
 
+/// `pd:` (retries and their budget are `retry:`'s, shared with regular requests)
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct PdFile {
+    /// After a prefill succeeded and its decode leg failed before the first byte:
+    /// `single_worker` (default) or `rechoose_decode`.
+    pub transfer_failure: Option<String>,
+    /// `allowed` (default) or `never`: whether a failed request may be sent to workers again.
+    pub replay: Option<String>,
+    /// SGLang: the bootstrap port of prefill workers whose `/server_info` reports none.
+    pub bootstrap_port: Option<u16>,
+}
+
 /// `scheduler:`
 #[derive(Debug, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct SchedulerFile {
     /// Policy of regular workers (SGLang names; default `cache_aware`).
     pub policy: Option<String>,
-    /// Policy of the prefill pool: refused until PD orchestration exists.
+    /// Policy of the prefill pool (default `cache_aware`).
     pub prefill_policy: Option<String>,
-    /// Policy of the decode pool: refused until PD orchestration exists.
+    /// Policy of the decode pool (default `power_of_two`).
     pub decode_policy: Option<String>,
     /// α (per matched token).
     pub alpha: Option<f64>,
@@ -541,6 +561,22 @@ impl Config {
         if retry.max_attempts == 0 {
             bail!("retry.max_attempts must be at least 1");
         }
+        let pd = PdConfig {
+            transfer_failure: match self.pd.transfer_failure.as_deref() {
+                None | Some("single_worker") => TransferFailure::SingleWorker,
+                Some("rechoose_decode") => TransferFailure::RechooseDecode,
+                Some(o) => bail!("pd.transfer_failure must be single_worker or rechoose_decode, not `{o}`"),
+            },
+            replay: match self.pd.replay.as_deref() {
+                None | Some("allowed") => Replay::Allowed,
+                Some("never") => Replay::Never,
+                Some(o) => bail!("pd.replay must be allowed or never, not `{o}`"),
+            },
+            max_attempts: retry.max_attempts,
+            budget: retry.budget,
+            default_bootstrap_port: self.pd.bootstrap_port,
+        };
+        pd.validate().context("retry")?;
         let a = &self.alignment;
         let alignment = AlignmentConfig {
             window: a.window.unwrap_or(d.alignment.window),
@@ -580,6 +616,7 @@ impl Config {
             segment_cache_tokens: d.segment_cache_tokens,
             prefill_tokens_per_sec: self.scheduler.prefill_tokens_per_sec.unwrap_or(d.prefill_tokens_per_sec),
             shutdown_grace: self.shutdown_grace.map_or(d.shutdown_grace, |v| v.0),
+            pd,
         };
         let (sched, health) = scheduler(&self.scheduler)?;
         if proxy.prefill_tokens_per_sec == 0 {
@@ -628,6 +665,10 @@ impl Config {
                 unlabeled_stores_unknown: parse_unlabeled_stores(w.unlabeled_stores.as_deref())
                     .map_err(anyhow::Error::msg)
                     .with_context(|| format!("workers[{i}].unlabeled_stores"))?,
+                bootstrap_port: match w.bootstrap_port {
+                    Some(0) => bail!("workers[{i}].bootstrap_port must not be 0"),
+                    p => p,
+                },
             });
         }
         let di = IngestConfig::default();
@@ -693,12 +734,11 @@ fn policy(s: Option<&str>, default: PolicyConfig, key: &str) -> Result<PolicyCon
 
 fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
     let d = SchedConfig::default();
-    for (key, set) in [("prefill_policy", &s.prefill_policy), ("decode_policy", &s.decode_policy)] {
-        if set.is_some() {
-            bail!("scheduler.{key}: {PD_NOT_AVAILABLE} (only `policy`, for regular workers, is used)");
-        }
-    }
-    let pools = PoolPolicies { regular: policy(s.policy.as_deref(), d.pools.regular, "policy")?, ..d.pools };
+    let pools = PoolPolicies {
+        regular: policy(s.policy.as_deref(), d.pools.regular, "policy")?,
+        prefill: policy(s.prefill_policy.as_deref(), d.pools.prefill, "prefill_policy")?,
+        decode: policy(s.decode_policy.as_deref(), d.pools.decode, "decode_policy")?,
+    };
     let cfg = SchedConfig {
         weights: Weights {
             alpha_per_token: s.alpha.unwrap_or(d.weights.alpha_per_token),
@@ -843,10 +883,11 @@ pub struct KubernetesFile {
     /// Regular workers: one entry per label selector.
     #[serde(default)]
     pub workers: Vec<PodSelectorFile>,
-    /// Prefill workers: refused until PD orchestration exists.
+    /// Prefill workers (SGLang's bootstrap port from the pod annotation
+    /// `sglang.ai/bootstrap-port` when the engine does not report it).
     #[serde(default)]
     pub prefill: Vec<PodSelectorFile>,
-    /// Decode workers: refused until PD orchestration exists.
+    /// Decode workers.
     #[serde(default)]
     pub decode: Vec<PodSelectorFile>,
 }
@@ -895,9 +936,6 @@ fn kubernetes(k: KubernetesFile, models: &ModelTable) -> Result<KubernetesSettin
         ("prefill", Role::Prefill, k.prefill),
         ("decode", Role::Decode, k.decode),
     ] {
-        if role != Role::Regular && !entries.is_empty() {
-            bail!("discovery.kubernetes.{list}: {PD_NOT_AVAILABLE}");
-        }
         for (i, e) in entries.into_iter().enumerate() {
             let key = format!("discovery.kubernetes.{list}[{i}]");
             if e.selector.trim().is_empty() {
@@ -940,7 +978,7 @@ fn kubernetes(k: KubernetesFile, models: &ModelTable) -> Result<KubernetesSettin
         }
     }
     if groups.is_empty() {
-        bail!("discovery.kubernetes.workers: at least one selector is required");
+        bail!("discovery.kubernetes: at least one selector (workers, prefill or decode) is required");
     }
     Ok(KubernetesSettings { api: ApiAccess::Infer, namespace: k.namespace, resync, groups })
 }
@@ -997,7 +1035,7 @@ mod tests {
     }
 
     #[test]
-    fn kubernetes_discovery_is_typed_and_pd_selectors_are_refused_for_now() {
+    fn kubernetes_discovery_is_typed_per_role() {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let yaml = |discovery: &str| {
             format!(
@@ -1026,14 +1064,24 @@ mod tests {
         assert!(none.into_settings(&base).unwrap().kubernetes.is_none());
         let err = Config::parse(&yaml("    selectors: []\n")).unwrap_err().to_string();
         assert!(err.contains("unknown field `selectors`"), "{err}");
-        // Prefill and decode selectors name their key and the reason.
-        for key in ["prefill", "decode"] {
-            let pd =
-                format!("    {key}:\n      - {{selector: 'app=x', port: http, engine: sglang, model: m}}\n");
-            let err = format!("{:#}", Config::parse(&yaml(&pd)).unwrap().into_settings(&base).unwrap_err());
-            assert!(err.contains(&format!("discovery.kubernetes.{key}")), "{err}");
-            assert!(err.contains("PD orchestration is not available yet"), "{err}");
-        }
+        // Prefill and decode selectors are typed with their role; a prefill pod's bootstrap
+        // port annotation is read.
+        let pd = "    prefill:\n      - {selector: 'app=p', port: http, engine: sglang, model: m}\n    decode:\n      - {selector: 'app=d', port: 30000, engine: sglang, model: m}\n";
+        let k = Config::parse(&yaml(pd)).unwrap().into_settings(&base).unwrap().kubernetes.unwrap();
+        let roles: Vec<_> =
+            k.groups.iter().map(|g| (g.key.as_str(), g.template.role, g.reading.bootstrap_port)).collect();
+        assert_eq!(
+            roles,
+            [
+                ("discovery.kubernetes.prefill[0]", Role::Prefill, true),
+                ("discovery.kubernetes.decode[0]", Role::Decode, false)
+            ]
+        );
+        let err = format!(
+            "{:#}",
+            Config::parse(&yaml("    workers: []\n")).unwrap().into_settings(&base).unwrap_err()
+        );
+        assert!(err.contains("at least one selector"), "{err}");
     }
 
     /// A valid file of one vLLM model `m`, then `extra`; paths relative to the repository root.
@@ -1063,7 +1111,7 @@ mod tests {
                 "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, max_running_requests: 0}\n",
                 "workers[0].max_running_requests",
             ),
-            ("discovery: {kubernetes: {}}\n", "discovery.kubernetes.workers"),
+            ("discovery: {kubernetes: {}}\n", "discovery.kubernetes: at least one selector"),
             (
                 "discovery: {kubernetes: {workers: [{selector: a=b, port: 80, engine: vllm, model: x}]}}\n",
                 "discovery.kubernetes.workers[0].model",
@@ -1100,34 +1148,48 @@ mod tests {
     }
 
     #[test]
-    fn pd_roles_and_pool_policies_are_refused_until_pd_exists() {
+    fn pd_roles_pool_policies_and_the_pd_section() {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let yaml = minimal;
+        let s = Config::parse(&yaml(
+            "workers:\n  - {name: p, url: 'http://h:1', engine: vllm, model: m, role: prefill, bootstrap_port: 8998}\n  - {name: d, url: 'http://h:2', engine: vllm, model: m, role: decode}\nscheduler: {prefill_policy: least_load, decode_policy: round_robin}\npd: {transfer_failure: rechoose_decode, replay: never, bootstrap_port: 9000}\nretry: {max_attempts: 5, budget: 10s}\n",
+        ))
+        .unwrap()
+        .into_settings(&base)
+        .unwrap();
+        assert_eq!(
+            s.workers.iter().map(|w| (w.role, w.bootstrap_port)).collect::<Vec<_>>(),
+            [(Role::Prefill, Some(8998)), (Role::Decode, None)]
+        );
+        assert_eq!(s.sched.pools.prefill.kind(), PolicyKind::LeastLoad);
+        assert_eq!(s.sched.pools.decode.kind(), PolicyKind::RoundRobin);
+        let pd = s.proxy.pd;
+        assert_eq!((pd.transfer_failure, pd.replay), (TransferFailure::RechooseDecode, Replay::Never));
+        assert_eq!((pd.max_attempts, pd.budget), (5, Duration::from_secs(10)), "retry's, shared");
+        assert_eq!(pd.default_bootstrap_port, Some(9000));
         for (extra, key) in [
             (
-                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: prefill}\n",
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: leader}\n",
                 "workers[0].role",
             ),
+            ("scheduler: {decode_policy: fastest}\n", "scheduler.decode_policy"),
+            ("pd: {transfer_failure: retry}\n", "pd.transfer_failure"),
+            ("pd: {replay: sometimes}\n", "pd.replay"),
             (
-                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: decode}\n",
-                "workers[0].role",
+                "workers:\n  - {name: w, url: 'http://h:1', engine: sglang, model: m, bootstrap_port: 0}\n",
+                "workers[0].bootstrap_port",
             ),
-            ("scheduler: {prefill_policy: cache_aware}\n", "scheduler.prefill_policy"),
-            ("scheduler: {decode_policy: power_of_two}\n", "scheduler.decode_policy"),
         ] {
             let err =
                 format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
-            assert!(
-                err.contains(key) && err.contains("PD orchestration is not available yet"),
-                "{extra}: {err}"
-            );
+            assert!(err.contains(key), "{extra}: {err}");
         }
-        let ok = yaml("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: regular}\n");
-        assert!(Config::parse(&ok).unwrap().into_settings(&base).is_ok());
+        let err = Config::parse(&yaml("pd: {max_attempts: 2}\n")).unwrap_err().to_string();
+        assert!(err.contains("unknown field `max_attempts`"), "retries are retry's: {err}");
     }
 
     /// The configurations `deploy/` ships, with the repository's Qwen3 files for the model
-    /// volume: the base is accepted, the disaggregated overlay refused for PD until PD exists.
+    /// volume: the base and the disaggregated overlay are accepted.
     #[test]
     fn the_deploy_configurations_are_what_deploy_check_expects() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
@@ -1141,7 +1203,8 @@ mod tests {
             cfg.into_settings(&root)
         };
         assert!(load("deploy/base/cortex.yaml").is_ok());
-        let err = format!("{:#}", load("deploy/overlays/disaggregated/cortex.yaml").unwrap_err());
-        assert!(err.contains("PD orchestration is not available yet"), "{err}");
+        let pd = load("deploy/overlays/disaggregated/cortex.yaml").unwrap();
+        let roles: Vec<Role> = pd.kubernetes.unwrap().groups.iter().map(|g| g.template.role).collect();
+        assert!(roles.contains(&Role::Prefill) && roles.contains(&Role::Decode), "{roles:?}");
     }
 }

@@ -39,28 +39,51 @@ impl std::fmt::Debug for Demo {
     }
 }
 
-/// Starts `per_engine` simulated vLLM and SGLang workers and builds the gateway's settings for
-/// them; `speed` maps simulated time to wall-clock (1.0 = real time, 0 = instant).
+/// The demo's cluster shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// Regular workers, each serving whole requests.
+    Regular,
+    /// A disaggregated cluster per engine: prefill workers and decode workers.
+    Disaggregated,
+}
+
+/// Starts `per_engine` simulated vLLM and SGLang workers — with [`Shape::Disaggregated`],
+/// `per_engine` prefill and `per_engine` decode workers of each engine — and builds the
+/// gateway's settings for them; `speed` maps simulated time to wall-clock (1.0 = real time,
+/// 0 = instant).
 ///
 /// # Errors
 /// A worker cannot start or the settings do not validate.
-pub fn start(listen: SocketAddr, per_engine: usize, speed: f64) -> Result<Demo> {
+pub fn start(listen: SocketAddr, per_engine: usize, speed: f64, shape: Shape) -> Result<Demo> {
     let mut workers = Vec::new();
     let mut yaml_workers = String::new();
+    let roles: &[(cortex_sim::Role, &str)] = match shape {
+        Shape::Regular => &[(cortex_sim::Role::Unified, "regular")],
+        Shape::Disaggregated => {
+            &[(cortex_sim::Role::Prefill, "prefill"), (cortex_sim::Role::Decode, "decode")]
+        }
+    };
     for (engine, model) in [("vllm", VLLM_MODEL), ("sglang", SGLANG_MODEL)] {
-        for i in 0..per_engine {
-            let mut cfg = if engine == "vllm" { SimConfig::vllm() } else { SimConfig::sglang() };
-            cfg.model_name = model.to_owned();
-            cfg.capacity_blocks = 4096;
-            cfg.timing = Timing { speed, ..Timing::default() };
-            cfg.default_max_tokens = 32;
-            let w =
-                SimWorker::start(cfg).with_context(|| format!("starting simulated {engine} worker {i}"))?;
-            yaml_workers.push_str(&format!(
-                "  - {{name: sim-{engine}-{i}, url: '{}', engine: {engine}, model: {model}}}\n",
-                w.base_url()
-            ));
-            workers.push(w);
+        for &(role, role_name) in roles {
+            for i in 0..per_engine {
+                let mut cfg = if engine == "vllm" { SimConfig::vllm() } else { SimConfig::sglang() };
+                cfg.model_name = model.to_owned();
+                cfg.role = role;
+                cfg.capacity_blocks = 4096;
+                cfg.timing = Timing { speed, ..Timing::default() };
+                cfg.default_max_tokens = 32;
+                let name = match shape {
+                    Shape::Regular => format!("sim-{engine}-{i}"),
+                    Shape::Disaggregated => format!("sim-{engine}-{role_name}-{i}"),
+                };
+                let w = SimWorker::start(cfg).with_context(|| format!("starting simulated worker {name}"))?;
+                yaml_workers.push_str(&format!(
+                    "  - {{name: {name}, url: '{}', engine: {engine}, model: {model}, role: {role_name}}}\n",
+                    w.base_url()
+                ));
+                workers.push(w);
+            }
         }
     }
     let qwen = repo_root().join("golden/models/qwen3");
@@ -93,8 +116,12 @@ pub fn banner(addr: SocketAddr, workers: &[SimWorker]) -> String {
     let mut s = format!("Cortex gateway listening on http://{addr}\n\nSimulated workers:\n");
     for w in workers {
         let ports: Vec<String> = w.event_endpoints().iter().map(|e| e.publish.port().to_string()).collect();
+        let role = match w.config().role {
+            cortex_sim::Role::Unified => String::new(),
+            r => format!(" {}", r.sglang_mode()),
+        };
         s.push_str(&format!(
-            "  {} {} (KV events on port {})\n",
+            "  {}{role} {} (KV events on port {})\n",
             w.config().engine.name(),
             w.base_url(),
             ports.join(", ")
@@ -103,7 +130,17 @@ pub fn banner(addr: SocketAddr, workers: &[SimWorker]) -> String {
     let body = format!(
         "{{\"model\":\"{VLLM_MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"Explain KV caches in one long paragraph, please. Explain KV caches in one long paragraph, please.\"}}]}}"
     );
-    s.push_str("\nTry (run it twice: the second call hits the cache of the worker that served the first):\n");
+    let disaggregated = workers.iter().any(|w| w.config().role != cortex_sim::Role::Unified);
+    if disaggregated {
+        s.push_str(
+            "\nTry (x-cortex-prefill-worker computed the prompt, x-cortex-assigned-worker decoded it; run it\n\
+             twice: the second call goes to the prefill worker that holds the prompt):\n",
+        );
+    } else {
+        s.push_str(
+            "\nTry (run it twice: the second call hits the cache of the worker that served the first):\n",
+        );
+    }
     s.push_str(&format!(
         "  curl -si http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n"
     ));

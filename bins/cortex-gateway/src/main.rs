@@ -34,9 +34,13 @@ struct Cli {
     /// Public listener of the demo.
     #[arg(long, default_value = "127.0.0.1:8080", requires = "demo")]
     listen: SocketAddr,
-    /// Simulated workers per engine in the demo.
+    /// Simulated workers per engine in the demo (with --pd: prefill workers, and as many decode
+    /// workers).
     #[arg(long, default_value_t = 2, requires = "demo")]
     workers_per_engine: usize,
+    /// The demo's cluster is disaggregated: prefill and decode workers of each engine.
+    #[arg(long, requires = "demo")]
+    pd: bool,
     /// Simulated time per wall-clock time in the demo (1 = real time, 0 = instant).
     #[arg(long, default_value_t = 1.0, requires = "demo")]
     sim_speed: f64,
@@ -100,7 +104,8 @@ fn run(cli: Cli) -> Result<()> {
     let runtime = runtime.enable_all().build().context("starting the runtime")?;
     runtime.block_on(async move {
         let (settings, sims) = if cli.demo {
-            let d = demo::start(cli.listen, cli.workers_per_engine, cli.sim_speed)?;
+            let shape = if cli.pd { demo::Shape::Disaggregated } else { demo::Shape::Regular };
+            let d = demo::start(cli.listen, cli.workers_per_engine, cli.sim_speed, shape)?;
             (d.settings, d.workers)
         } else {
             let path = cli.config.context("either --config FILE or --demo is required")?;

@@ -6,6 +6,7 @@
 
 mod common;
 mod kubernetes;
+mod pd;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

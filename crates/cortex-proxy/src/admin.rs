@@ -130,6 +130,15 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
             })?)
         }
     };
+    let bootstrap_port = match v.get("bootstrap_port") {
+        None | Some(Value::Null) => None,
+        Some(n) => Some(
+            n.as_u64()
+                .and_then(|n| u16::try_from(n).ok())
+                .filter(|&n| n > 0)
+                .ok_or_else(|| ProxyError::InvalidRequest("`bootstrap_port` must be a port number".into()))?,
+        ),
+    };
     Ok(WorkerConfig {
         name: s("name")?,
         url: s("url")?,
@@ -139,6 +148,7 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
         max_running_requests,
         events: None,
         unlabeled_stores_unknown,
+        bootstrap_port,
     })
 }
 
@@ -178,12 +188,18 @@ mod tests {
     }
 
     #[test]
-    fn pd_roles_are_refused_until_pd_exists() {
-        for role in ["prefill", "decode"] {
-            let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": role});
-            let e = worker_config(&v).unwrap_err().to_string();
-            assert!(e.contains("PD orchestration is not available yet"), "{e}");
+    fn pd_roles_and_the_bootstrap_port() {
+        let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": "prefill", "bootstrap_port": 8998});
+        let w = worker_config(&v).unwrap();
+        assert_eq!((w.role, w.bootstrap_port), (cortex_sched::Role::Prefill, Some(8998)));
+        let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": "decode"});
+        assert_eq!(worker_config(&v).unwrap().role, cortex_sched::Role::Decode);
+        for bad in [json!(0), json!(70000), json!("8998")] {
+            let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "bootstrap_port": bad});
+            assert!(worker_config(&v).unwrap_err().to_string().contains("bootstrap_port"));
         }
+        let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": "leader"});
+        assert!(worker_config(&v).unwrap_err().to_string().contains("leader"));
     }
 
     #[test]

@@ -139,6 +139,8 @@ pub struct ProxyConfig {
     pub prefill_tokens_per_sec: u32,
     /// Time allowed for graceful shutdown before streams are cut.
     pub shutdown_grace: Duration,
+    /// Prefill/decode disaggregation: retries, fallbacks, replay, bootstrap port.
+    pub pd: cortex_pd::PdConfig,
 }
 
 impl Default for ProxyConfig {
@@ -152,6 +154,7 @@ impl Default for ProxyConfig {
             segment_cache_tokens: 4 << 20,
             prefill_tokens_per_sec: cortex_sched::Capacity::default().prefill_tokens_per_sec,
             shutdown_grace: Duration::from_secs(30),
+            pd: cortex_pd::PdConfig::default(),
         }
     }
 }

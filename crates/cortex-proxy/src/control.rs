@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use cortex_hash::kv::{DpRank, HolderId, HolderSource, Unlabeled, WorkerId};
 use cortex_hash::profile::Alignment;
 use cortex_radix::{Ledger, Readiness};
-use cortex_sched::{Capacity, Cluster, Health, LedgerState, MonotonicClock, Role, WorkerSpec};
+use cortex_sched::{Capacity, Cluster, Health, LedgerState, MonotonicClock, WorkerSpec};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
@@ -43,8 +43,7 @@ use crate::error::ProxyError;
 use crate::models::ModelTable;
 use crate::probes::Probes;
 use crate::registry::{
-    CapacitySource, MaxRunning, PD_NOT_AVAILABLE, Phase, Registry, RegistryError, RegistryEvent,
-    WorkerConfig, WorkerRecord,
+    CapacitySource, MaxRunning, Phase, Registry, RegistryError, RegistryEvent, WorkerConfig, WorkerRecord,
 };
 
 /// Why a worker leaves the live pool.
@@ -180,20 +179,12 @@ impl Control {
     /// Adds a worker and starts its life in the background (discovery first).
     ///
     /// # Errors
-    /// [`ProxyError::InvalidRequest`] for a model not served, a role other than regular (PD
-    /// orchestration is not available yet), a bad URL or a duplicate name.
+    /// [`ProxyError::InvalidRequest`] for a model not served, a bad URL or a duplicate name.
     pub fn join(self: &Arc<Self>, config: WorkerConfig) -> Result<WorkerId, ProxyError> {
         if self.models.get(Some(&config.model)).is_none() {
             return Err(ProxyError::InvalidRequest(format!(
                 "worker `{}` serves `{}`, which is not a configured model",
                 config.name, config.model
-            )));
-        }
-        if config.role != Role::Regular {
-            return Err(ProxyError::InvalidRequest(format!(
-                "worker `{}` has role `{}`: {PD_NOT_AVAILABLE}",
-                config.name,
-                config.role.as_str()
             )));
         }
         let record = {
@@ -262,6 +253,8 @@ impl Control {
             s.capacity_blocks = d.capacity_blocks;
             s.max_running = max_running;
             s.last_error = None;
+            s.bootstrap_port = d.pd.bootstrap_port;
+            s.decode_radix_cache = d.pd.decode_radix_cache.unwrap_or(false);
         });
         self.cluster.upsert(self.spec(w), Health::Healthy);
         if self.mode == Mode::Route && !d.sources.is_empty() {

@@ -14,7 +14,7 @@ use cortex_hash::Engine;
 use cortex_hash::kv::DpRank;
 use cortex_hash::profile::{Bigram, WorkerFacts};
 use cortex_hash::vllm::HashAlgo;
-use cortex_sched::EngineLoad;
+use cortex_sched::{EngineLoad, Role};
 use serde_json::Value;
 
 use crate::registry::{EventsOverride, RankEndpoints};
@@ -32,6 +32,42 @@ pub struct Discovery {
     pub capacity_blocks: u32,
     /// The engine's limit on running requests per rank, when it reports one.
     pub max_running_requests: Option<u32>,
+    /// What the engine says of prefill/decode disaggregation (SGLang; vLLM says nothing).
+    pub pd: PdFacts,
+}
+
+/// What SGLang's `/server_info` says of disaggregation (its server arguments
+/// `disaggregation_mode`, `disaggregation_bootstrap_port` and
+/// `disaggregation_decode_enable_radix_cache`, `srt/server_args.py`); `None` where the answer
+/// does not carry the field.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PdFacts {
+    /// The role the engine runs in.
+    pub role: Option<Role>,
+    /// The prefill side's bootstrap server port.
+    pub bootstrap_port: Option<u16>,
+    /// Whether a decode worker keeps a radix (prefix) cache.
+    pub decode_radix_cache: Option<bool>,
+}
+
+impl PdFacts {
+    /// Why a worker configured with `configured` cannot serve in that role, when the engine
+    /// reports another one (a prefill or decode SGLang worker refuses requests without a
+    /// bootstrap room; a regular one ignores the bootstrap fields).
+    #[must_use]
+    pub fn role_conflict(&self, configured: Role) -> Option<String> {
+        let reported = self.role?;
+        (reported != configured).then(|| {
+            format!(
+                "configured with role `{}`, but the engine runs with disaggregation_mode `{}`",
+                configured.as_str(),
+                match reported {
+                    Role::Regular => "null",
+                    r => r.as_str(),
+                }
+            )
+        })
+    }
 }
 
 /// One rank's load report (SGLang `/v1/loads`, vLLM `/metrics`).
@@ -138,6 +174,20 @@ pub fn sglang_server_info(v: &Value, worker_host: &str) -> Discovery {
         .flatten()
         .filter_map(|s| positive_u32(s.get("effective_max_running_requests_per_dp")))
         .min();
+    let pd = PdFacts {
+        role: match v.get("disaggregation_mode") {
+            Some(Value::String(m)) if m == "prefill" => Some(Role::Prefill),
+            Some(Value::String(m)) if m == "decode" => Some(Role::Decode),
+            Some(Value::String(m)) if m == "null" => Some(Role::Regular),
+            Some(Value::Null) => Some(Role::Regular),
+            _ => None,
+        },
+        bootstrap_port: v
+            .get("disaggregation_bootstrap_port")
+            .and_then(Value::as_u64)
+            .and_then(|p| u16::try_from(p).ok()),
+        decode_radix_cache: v.get("disaggregation_decode_enable_radix_cache").and_then(Value::as_bool),
+    };
     Discovery {
         facts: WorkerFacts {
             engine: Some(Engine::Sglang),
@@ -151,6 +201,7 @@ pub fn sglang_server_info(v: &Value, worker_host: &str) -> Discovery {
         sources,
         capacity_blocks,
         max_running_requests,
+        pd,
     }
 }
 
@@ -177,6 +228,7 @@ pub fn vllm_discovery(
         sources,
         capacity_blocks: metrics.num_gpu_blocks.unwrap_or(0),
         max_running_requests: None,
+        pd: PdFacts::default(),
     }
 }
 

@@ -29,7 +29,7 @@ use http_body_util::BodyExt;
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::alignment::{Prediction, Verifier};
-use crate::config::RetryPolicy;
+use crate::config::{ProxyConfig, RetryPolicy};
 use crate::error::{Body, ProxyError, full};
 use crate::planner::{Plan, RANK_HEADER};
 use crate::registry::{Registry, WorkerRecord};
@@ -62,6 +62,7 @@ pub struct Forwarder {
     idle_timeout: Duration,
     clock: MonotonicClock,
     verifier: Arc<Verifier>,
+    pd: cortex_pd::PdConfig,
 }
 
 /// One try of a request on one holder.
@@ -71,18 +72,54 @@ struct Attempt<'a> {
 }
 
 impl Forwarder {
-    /// A forwarder over `client`, reading workers from `registry`.
+    /// A forwarder over `client`, reading workers from `registry`, with `cfg`'s retries,
+    /// upstream timeouts and PD rules.
     #[must_use]
     pub fn new(
         client: UpstreamClient,
         registry: Arc<Registry>,
-        retry: RetryPolicy,
-        head_timeout: Duration,
-        idle_timeout: Duration,
+        cfg: &ProxyConfig,
         clock: MonotonicClock,
         verifier: Arc<Verifier>,
     ) -> Self {
-        Forwarder { client, registry, retry, head_timeout, idle_timeout, clock, verifier }
+        Forwarder {
+            client,
+            registry,
+            retry: cfg.retry,
+            head_timeout: cfg.limits.upstream_head_timeout,
+            idle_timeout: cfg.limits.upstream_idle_timeout,
+            clock,
+            verifier,
+            pd: cfg.pd,
+        }
+    }
+
+    pub(crate) fn client(&self) -> &UpstreamClient {
+        &self.client
+    }
+
+    pub(crate) fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    pub(crate) fn clock(&self) -> MonotonicClock {
+        self.clock
+    }
+
+    pub(crate) fn verifier(&self) -> &Arc<Verifier> {
+        &self.verifier
+    }
+
+    pub(crate) fn head_timeout(&self) -> Duration {
+        self.head_timeout
+    }
+
+    pub(crate) fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+
+    pub(crate) fn pd(&self) -> &cortex_pd::PdConfig {
+        &self.pd
     }
 
     /// Forwards `out` along `plan`, holding `permit` (the admission slot) until the response
@@ -194,6 +231,7 @@ impl Attempt<'_> {
         let uri = upstream::worker_uri(&self.worker.base, out.route.path()).map_err(|e| Failure {
             class: cortex_sched::FailureClass::ServerError,
             message: e.to_string(),
+            sent: false,
         })?;
         upstream::send(&fw.client, uri, headers, body, fw.head_timeout).await
     }

@@ -152,15 +152,8 @@ impl Gateway {
             sched,
             clock,
         );
-        let forwarder = Forwarder::new(
-            client.clone(),
-            Arc::clone(&registry),
-            cfg.retry,
-            cfg.limits.upstream_head_timeout,
-            cfg.limits.upstream_idle_timeout,
-            clock,
-            Arc::clone(&verifier),
-        );
+        let forwarder =
+            Forwarder::new(client.clone(), Arc::clone(&registry), &cfg, clock, Arc::clone(&verifier));
         let (control, events) = Control::new(ControlParts {
             mode: cfg.mode,
             probes: cfg.probes,
@@ -321,8 +314,12 @@ impl Gateway {
         let (parts, body) = req.into_parts();
         let body = read_body(body, &self.limits).await?;
         let ask = Ask::new(request::parse(route, &body)?, &parts.headers)?;
-        let plan = self.planner.plan(&ask, Role::Regular).await?;
         let out = Outgoing { route, facts: &ask.facts, headers: &parts.headers, body, rid };
+        if self.planner.disaggregated(&ask)? {
+            let plan = self.planner.plan_pd(&ask).await?;
+            return self.forwarder.forward_pd(out, plan, permit).await;
+        }
+        let plan = self.planner.plan(&ask, Role::Regular).await?;
         self.forwarder.forward(out, plan, permit).await
     }
 
@@ -344,8 +341,27 @@ impl Gateway {
         let body = read_body(body, &self.limits).await?;
         let route = debug::route_of(&query, &body)?;
         let ask = Ask::new(request::parse(route, &body)?, &parts.headers)?;
-        let explained = self.planner.explain(&ask, Role::Regular).await?;
-        Ok(json_response(StatusCode::OK, &debug::route(&explained, self.control.registry())))
+        let registry = self.control.registry();
+        if !self.planner.disaggregated(&ask)? {
+            let explained = self.planner.explain(&ask, Role::Regular).await?;
+            return Ok(json_response(StatusCode::OK, &debug::route(&explained, registry)));
+        }
+        // Disaggregated: the prefill choice at the top (it decides the cache hit), the decode and
+        // regular (fallback) pools under `pd`. A pinned rank is refused as the request would be.
+        if let Some(r) = ask.pinned {
+            return Err(ProxyError::InvalidRequest(format!(
+                "the request pins data-parallel rank {}, but its model is served disaggregated",
+                r.0
+            )));
+        }
+        let mut v = debug::route(&self.planner.explain(&ask, Role::Prefill).await?, registry);
+        let decode = debug::route(&self.planner.explain(&ask, Role::Decode).await?, registry);
+        let regular = match self.planner.explain(&ask, Role::Regular).await? {
+            e if e.ranking.all().next().is_some() => debug::route(&e, registry),
+            _ => serde_json::Value::Null,
+        };
+        v["pd"] = json!({"prefill_policy": v["policy"], "decode": decode, "regular": regular});
+        Ok(json_response(StatusCode::OK, &v))
     }
 
     fn list_models(&self) -> serde_json::Value {

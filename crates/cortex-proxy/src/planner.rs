@@ -25,7 +25,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cortex_hash::kv::DpRank;
+use cortex_hash::kv::{DpRank, HolderId};
 use cortex_hash::{SeqHash, Token};
 use cortex_radix::{Ledger, OverlapScores, QueryOptions};
 use cortex_sched::{
@@ -108,6 +108,47 @@ pub struct Plan {
     pub first_page: Vec<Token>,
     /// The cluster view the decision used (bookings and retries use the same).
     pub snapshot: Arc<Snapshot>,
+}
+
+/// What planning decided for a disaggregated request: the rankings of the model's prefill,
+/// decode and (if any) regular pools, decided once on one snapshot and one ledger answer, for the
+/// PD state machine to pick its pair — and its single-worker fallback — from.
+#[derive(Debug)]
+pub struct PdPlan {
+    /// The served model or adapter.
+    pub model: Arc<ModelRoute>,
+    /// The prefill pool, best first (empty when the model has no prefill worker).
+    pub prefill: Ranking,
+    /// The decode pool, best first (empty when the model has no decode worker).
+    pub decode: Ranking,
+    /// The regular pool, when the model has regular workers too (the fallback's first choice).
+    pub regular: Option<Ranking>,
+    /// Prompt tokens (an estimate when the prompt could not be tokenized).
+    pub prompt_tokens: u32,
+    /// The prompt's block identities (empty when untrusted).
+    pub seq: Vec<SeqHash>,
+    /// The tokens of the prompt's first block, for the alignment checks (empty without one).
+    pub first_page: Vec<Token>,
+    /// The cluster view the decisions used (bookings and retries use the same).
+    pub snapshot: Arc<Snapshot>,
+}
+
+impl PdPlan {
+    /// The ranking `role`'s pool got (`None` for a regular pool the model does not have).
+    #[must_use]
+    pub fn ranking(&self, role: Role) -> Option<&Ranking> {
+        match role {
+            Role::Prefill => Some(&self.prefill),
+            Role::Decode => Some(&self.decode),
+            Role::Regular => self.regular.as_ref(),
+        }
+    }
+
+    /// `holder`'s candidate in `role`'s ranking, if it was ranked there.
+    #[must_use]
+    pub fn candidate(&self, role: Role, holder: HolderId) -> Option<&Candidate> {
+        self.ranking(role)?.all().find(|c| c.holder == holder)
+    }
 }
 
 /// A dry run: the plan a request would get, with the whole ranking behind it.
@@ -236,6 +277,65 @@ impl Planner {
         Ok(Explanation { plan, ranking, untrusted, pinned: ask.pinned, model })
     }
 
+    /// Whether `ask`'s model is served disaggregated: it has prefill or decode workers and the
+    /// gateway routes (`proxy_only` never disaggregates).
+    ///
+    /// # Errors
+    /// [`ProxyError::UnknownModel`].
+    pub fn disaggregated(&self, ask: &Ask) -> Result<bool, ProxyError> {
+        if self.mode == Mode::ProxyOnly {
+            return Ok(false);
+        }
+        let model = self.model_for(&ask.facts)?;
+        let snapshot = self.cluster.load();
+        let base = model.base_model();
+        Ok(snapshot.serves(base, Role::Prefill) || snapshot.serves(base, Role::Decode))
+    }
+
+    /// Plans a disaggregated request: the prompt tokenized and hashed once, the ledger asked
+    /// once, and the prefill, decode and regular pools ranked on the same snapshot.
+    ///
+    /// # Errors
+    /// [`ProxyError::UnknownModel`]; [`ProxyError::InvalidRequest`] when the client pins a
+    /// data-parallel rank (Cortex chooses both legs' ranks, and tells each engine which).
+    pub async fn plan_pd(&self, ask: &Ask) -> Result<PdPlan, ProxyError> {
+        if let Some(r) = ask.pinned {
+            return Err(ProxyError::InvalidRequest(format!(
+                "the request pins data-parallel rank {}, but its model is served disaggregated: Cortex \
+                 chooses the prefill and decode workers' ranks itself",
+                r.0
+            )));
+        }
+        let p = self.prepare(&ask.facts).await?;
+        let snapshot = self.cluster.load();
+        let started = Instant::now();
+        let mut overlap = OverlapScores::with_capacity(16);
+        self.query(&p, &mut overlap);
+        let base = p.model.base_model();
+        let rank = |role: Role| {
+            let mut ranking = Ranking::with_capacity(8);
+            // A pool without an admissible holder is an empty ranking: the PD machine falls back.
+            let _ = self.rank(&p, ask, role, &snapshot, &overlap, &mut ranking);
+            ranking
+        };
+        let prefill = rank(Role::Prefill);
+        let decode = rank(Role::Decode);
+        let regular = snapshot.serves(base, Role::Regular).then(|| rank(Role::Regular));
+        metrics::histogram!(t::ROUTING_SECONDS).record(started.elapsed().as_secs_f64());
+        let block = p.model.block_size() as usize;
+        let first_page = if p.seq.is_empty() { Vec::new() } else { p.tokens[..block].to_vec() };
+        Ok(PdPlan {
+            model: p.model,
+            prefill,
+            decode,
+            regular,
+            prompt_tokens: p.prompt_tokens,
+            seq: p.seq,
+            first_page,
+            snapshot,
+        })
+    }
+
     /// Forgets `manual` assignments idle past their `max_idle`; returns how many.
     pub fn sweep_sticky(&self, now: Timestamp) -> usize {
         self.sched.sweep_sticky(now)
@@ -294,12 +394,30 @@ impl Planner {
         overlap: &mut OverlapScores,
         ranking: &mut Ranking,
     ) -> Result<(), SchedError> {
+        self.query(p, overlap);
+        self.rank(p, ask, role, snapshot, overlap, ranking)
+    }
+
+    /// The ledger's answer for the prompt (nothing when its tokens cannot be trusted).
+    fn query(&self, p: &Prepared, overlap: &mut OverlapScores) {
+        if p.untrusted.is_none() {
+            self.ledger.query(&p.seq, QueryOptions::default(), overlap);
+        }
+    }
+
+    /// The scheduler's ranking of `role`'s pool on the ledger's answer `overlap`, into `ranking`.
+    fn rank(
+        &self,
+        p: &Prepared,
+        ask: &Ask,
+        role: Role,
+        snapshot: &Snapshot,
+        overlap: &OverlapScores,
+        ranking: &mut Ranking,
+    ) -> Result<(), SchedError> {
         let cache = match &p.untrusted {
             Some((u, _)) => CacheView::Untrusted(*u),
-            None => {
-                self.ledger.query(&p.seq, QueryOptions::default(), overlap);
-                CacheView::Overlap { scores: overlap, block_tokens: p.model.block_size() }
-            }
+            None => CacheView::Overlap { scores: overlap, block_tokens: p.model.block_size() },
         };
         let req = SchedRequest {
             model: p.model.base_model(),

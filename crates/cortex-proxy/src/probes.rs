@@ -142,6 +142,9 @@ impl Probes {
                 discovery::vllm_discovery(&metrics, sources.as_ref(), served, &w.host)
             }
         };
+        if let Some(conflict) = d.pd.role_conflict(w.config.role) {
+            return Err(conflict);
+        }
         if let Some(o) = &w.config.events {
             discovery::apply_events_override(&mut d, o, &w.host);
         }

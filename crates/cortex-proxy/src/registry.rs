@@ -28,8 +28,8 @@ pub struct WorkerConfig {
     pub engine: Engine,
     /// The served model (a configured model's name).
     pub model: String,
-    /// Its pool. Only [`Role::Regular`] is served until PD orchestration exists; the other roles
-    /// are refused when a worker is added.
+    /// Its pool: regular workers serve whole requests; a model with prefill and decode workers
+    /// is served disaggregated (`cortex_pd`).
     pub role: Role,
     /// The engine's limit on running requests per DP rank, when configured: overrides what the
     /// engine reports. vLLM reports none (`--max-num-seqs` is only in its dev-mode endpoints), so
@@ -42,6 +42,10 @@ pub struct WorkerConfig {
     /// names unregistered LoRA adapters; vLLM before 0.17 has no `extra_keys`) are never counted,
     /// instead of being read as plain base-model blocks. For workers that serve such traffic.
     pub unlabeled_stores_unknown: bool,
+    /// SGLang prefill workers: the bootstrap port to send when the worker's `/server_info` does
+    /// not report one (a Kubernetes pod's `sglang.ai/bootstrap-port` annotation, the file's or
+    /// the admin API's `bootstrap_port`).
+    pub bootstrap_port: Option<u16>,
 }
 
 /// The running-request limit a worker counts when neither its configuration nor its engine says:
@@ -49,19 +53,16 @@ pub struct WorkerConfig {
 /// `get_batch_defaults`; 1024 on H100-class and larger GPUs).
 pub const DEFAULT_MAX_RUNNING_REQUESTS: u32 = 256;
 
-/// Why prefill and decode roles are refused.
-pub const PD_NOT_AVAILABLE: &str =
-    "PD orchestration is not available yet: prefill and decode workers would never get a request";
-
 /// A worker's `role` as the YAML file and the admin API spell it (absent: `regular`).
 ///
 /// # Errors
-/// `prefill` and `decode` ([`PD_NOT_AVAILABLE`]); any other word, named in the message.
+/// Any word but `regular`, `prefill` or `decode`, named in the message.
 pub fn parse_role(s: Option<&str>) -> Result<Role, String> {
     match s {
         None | Some("regular") => Ok(Role::Regular),
-        Some(r @ ("prefill" | "decode")) => Err(format!("`{r}`: {PD_NOT_AVAILABLE}")),
-        Some(o) => Err(format!("must be regular, not `{o}`")),
+        Some("prefill") => Ok(Role::Prefill),
+        Some("decode") => Ok(Role::Decode),
+        Some(o) => Err(format!("must be regular, prefill or decode, not `{o}`")),
     }
 }
 
@@ -157,6 +158,11 @@ pub struct WorkerStatus {
     pub max_running: MaxRunning,
     /// The last probe or discovery error.
     pub last_error: Option<String>,
+    /// SGLang prefill workers: the bootstrap port `/server_info` reported.
+    pub bootstrap_port: Option<u16>,
+    /// SGLang decode workers: whether the decode side keeps a radix cache (what its reported
+    /// cached tokens and published blocks mean, `cortex_pd::alignment`).
+    pub decode_radix_cache: bool,
 }
 
 /// Where a worker's running-request limit came from.
@@ -310,6 +316,8 @@ impl Registry {
                 capacity_blocks: 0,
                 max_running,
                 last_error: None,
+                bootstrap_port: None,
+                decode_radix_cache: false,
             }),
         });
         let mut next = HashMap::clone(&guard);
@@ -368,6 +376,7 @@ mod tests {
             max_running_requests: None,
             events: None,
             unlabeled_stores_unknown: false,
+            bootstrap_port: None,
         };
         assert!(r.add(cfg("a", "http://127.0.0.1:8000")).is_ok());
         assert_eq!(
@@ -380,14 +389,13 @@ mod tests {
     }
 
     #[test]
-    fn roles_other_than_regular_are_refused_until_pd_exists() {
+    fn roles_are_regular_prefill_or_decode() {
         assert_eq!(parse_role(None), Ok(Role::Regular));
         assert_eq!(parse_role(Some("regular")), Ok(Role::Regular));
-        for r in ["prefill", "decode"] {
-            let e = parse_role(Some(r)).unwrap_err();
-            assert!(e.contains(r) && e.contains("PD orchestration is not available yet"), "{e}");
-        }
-        assert!(parse_role(Some("leader")).unwrap_err().contains("leader"));
+        assert_eq!(parse_role(Some("prefill")), Ok(Role::Prefill));
+        assert_eq!(parse_role(Some("decode")), Ok(Role::Decode));
+        let e = parse_role(Some("leader")).unwrap_err();
+        assert!(e.contains("leader") && e.contains("prefill"), "{e}");
     }
 
     #[test]

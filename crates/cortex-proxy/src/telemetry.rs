@@ -68,6 +68,21 @@ pub const EVENT_APPLY_LAG: &str = "cortex_event_apply_lag_seconds";
 /// Gauge: the largest such lag seen, by `worker` and `rank`.
 pub const EVENT_APPLY_LAG_MAX: &str = "cortex_event_apply_lag_max_seconds";
 
+/// Counter: disaggregated requests by `outcome` (`served`, `failed`, `client_gone`) and `pd`
+/// (`disaggregated`, `fallback_single`; `none` when nothing was served).
+pub const PD_REQUESTS: &str = "cortex_pd_requests_total";
+/// Histogram: seconds from a disaggregated request's first dispatch to the first byte the
+/// client gets (the decode leg's first output).
+pub const PD_FIRST_BYTE_SECONDS: &str = "cortex_pd_first_byte_seconds";
+/// Histogram: seconds a prefill leg took, from dispatch to its complete answer.
+pub const PD_PREFILL_SECONDS: &str = "cortex_pd_prefill_seconds";
+/// Counter: PD legs that failed before the first byte, by `leg` (`prefill`, `decode`,
+/// `decode_local`, `regular`) and `class`.
+pub const PD_LEG_FAILURES: &str = "cortex_pd_leg_failures_total";
+/// Counter: disaggregated requests served by one worker instead, by `reason`
+/// (`transfer_failed`, `no_transfer_params`, `prefill_unavailable`, `decode_unavailable`).
+pub const PD_FALLBACKS: &str = "cortex_pd_fallbacks_total";
+
 /// Registers descriptions for every metric (call once after installing a recorder).
 pub fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram};
@@ -113,4 +128,13 @@ pub fn describe() {
         "Engine batch timestamp to visible in the ledger, last batch"
     );
     describe_gauge!(EVENT_APPLY_LAG_MAX, metrics::Unit::Seconds, "Largest apply lag seen");
+    describe_counter!(PD_REQUESTS, "Disaggregated requests by outcome and how they were served");
+    describe_histogram!(
+        PD_FIRST_BYTE_SECONDS,
+        metrics::Unit::Seconds,
+        "First dispatch to the client's first byte (the decode leg's first output)"
+    );
+    describe_histogram!(PD_PREFILL_SECONDS, metrics::Unit::Seconds, "Prefill leg duration");
+    describe_counter!(PD_LEG_FAILURES, "PD legs failed before the first byte, by leg and class");
+    describe_counter!(PD_FALLBACKS, "Disaggregated requests served by one worker, by reason");
 }

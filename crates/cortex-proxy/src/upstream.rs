@@ -77,6 +77,9 @@ pub struct Failure {
     /// What happened, for logs and the client; when the worker answered, its status and the
     /// start of its own error message, so the client loses nothing the worker said.
     pub message: String,
+    /// Whether the request may have reached the worker (false: the connection was never
+    /// established, so nothing was sent and nothing can have run).
+    pub sent: bool,
 }
 
 /// What a worker answered.
@@ -119,12 +122,14 @@ pub async fn send(
             return Err(Failure {
                 class: FailureClass::Timeout,
                 message: format!("no response head within {head_timeout:?}"),
+                sent: true,
             });
         }
         Ok(Err(e)) => {
             return Err(Failure {
                 class: FailureClass::ServerError,
                 message: format!("worker unreachable: {e}"),
+                sent: !e.is_connect(),
             });
         }
         Ok(Ok(r)) => r,
@@ -147,7 +152,7 @@ pub async fn send(
     let headers = end_to_end(&parts.headers);
     match classify(status, &body) {
         Some(class) if crate::error::retry_elsewhere(class) => {
-            Err(Failure { class, message: worker_said(status, &body) })
+            Err(Failure { class, message: worker_said(status, &body), sent: true })
         }
         class => Ok(Answer::Reject { status, headers, body, class }),
     }
@@ -227,7 +232,11 @@ enum RelayState {
 
 /// The response body relayed to the client. See the module docs.
 pub struct RelayBody {
-    inner: Incoming,
+    /// Bytes read from the worker before the relay started (a disaggregated answer's held
+    /// preamble and first output), sent first.
+    prefix: Option<Bytes>,
+    /// The rest of the worker's body (`None`: the prefix was all of it).
+    inner: Option<Incoming>,
     booking: Option<Booking>,
     clock: MonotonicClock,
     sse: bool,
@@ -241,6 +250,9 @@ pub struct RelayBody {
     /// The admission slot: a request counts against the gateway's concurrency until its body
     /// has been relayed to the end (or the client left).
     _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Whatever must live exactly as long as the relay (a disaggregated request's prefill leg,
+    /// aborted when the client's answer ends or the client leaves).
+    _guard: Option<Box<dyn std::any::Any + Send>>,
 }
 
 impl RelayBody {
@@ -255,7 +267,8 @@ impl RelayBody {
         on_complete: OnComplete,
     ) -> Self {
         RelayBody {
-            inner,
+            prefix: None,
+            inner: Some(inner),
             booking: Some(booking),
             clock,
             sse,
@@ -267,7 +280,44 @@ impl RelayBody {
             state: RelayState::Streaming,
             on_complete: Some(on_complete),
             _permit: None,
+            _guard: None,
         }
+    }
+
+    /// Relays `prefix` (bytes already read from the worker), then `rest` if the body goes on.
+    #[must_use]
+    pub fn resumed(
+        prefix: Bytes,
+        rest: Option<Incoming>,
+        booking: Booking,
+        clock: MonotonicClock,
+        sse: bool,
+        idle_timeout: Duration,
+        on_complete: OnComplete,
+    ) -> Self {
+        RelayBody {
+            prefix: Some(prefix),
+            inner: rest,
+            booking: Some(booking),
+            clock,
+            sse,
+            first_frame: true,
+            idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            idle_timeout,
+            tail: BytesMut::new(),
+            tail_overflowed: false,
+            state: RelayState::Streaming,
+            on_complete: Some(on_complete),
+            _permit: None,
+            _guard: None,
+        }
+    }
+
+    /// Keeps `guard` alive until the relay is dropped.
+    #[must_use]
+    pub fn guarding(mut self, guard: Box<dyn std::any::Any + Send>) -> Self {
+        self._guard = Some(guard);
+        self
     }
 
     /// Keeps `permit` until the relay ends.
@@ -341,7 +391,26 @@ impl HttpBody for RelayBody {
         if matches!(this.state, RelayState::Done) {
             return Poll::Ready(None);
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
+        if let Some(prefix) = this.prefix.take()
+            && !prefix.is_empty()
+        {
+            this.first_frame = false;
+            if let Some(b) = this.booking.as_mut() {
+                b.first_token(this.clock.now());
+            }
+            this.keep_tail(&prefix);
+            if this.inner.as_ref().is_none_or(HttpBody::is_end_stream) {
+                this.state = RelayState::Done;
+                this.finish();
+            }
+            return Poll::Ready(Some(Ok(Frame::data(prefix))));
+        }
+        let Some(polled) = this.inner.as_mut().map(|inner| Pin::new(inner).poll_frame(cx)) else {
+            this.state = RelayState::Done;
+            this.finish();
+            return Poll::Ready(None);
+        };
+        match polled {
             Poll::Ready(Some(Ok(frame))) => {
                 if let Some(data) = frame.data_ref() {
                     if this.first_frame && !data.is_empty() {
@@ -355,7 +424,7 @@ impl HttpBody for RelayBody {
                 }
                 let deadline = tokio::time::Instant::now() + this.idle_timeout;
                 this.idle.as_mut().reset(deadline);
-                if this.inner.is_end_stream() {
+                if this.inner.as_ref().is_some_and(HttpBody::is_end_stream) {
                     // A body of known length is complete with its last byte: hyper will not poll
                     // again, so the relay ends here.
                     this.state = RelayState::Done;
@@ -387,7 +456,9 @@ impl HttpBody for RelayBody {
 
     fn size_hint(&self) -> SizeHint {
         match self.state {
-            RelayState::Streaming if !self.sse => self.inner.size_hint(),
+            RelayState::Streaming if !self.sse && self.prefix.is_none() => {
+                self.inner.as_ref().map_or_else(|| SizeHint::with_exact(0), HttpBody::size_hint)
+            }
             _ => SizeHint::default(),
         }
     }

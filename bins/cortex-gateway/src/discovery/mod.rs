@@ -44,8 +44,8 @@ pub struct Discovered {
     pub name: String,
     /// `http://host:port` of its engine.
     pub url: String,
-    /// SGLang's bootstrap port (prefill pods' `sglang.ai/bootstrap-port` annotation). Carried
-    /// for PD orchestration; nothing reads it while prefill and decode selectors are refused.
+    /// SGLang's bootstrap port (prefill pods' `sglang.ai/bootstrap-port` annotation): sent when
+    /// the engine's `/server_info` reports none.
     pub bootstrap_port: Option<u16>,
 }
 
@@ -131,6 +131,7 @@ impl Membership {
             max_running_requests: None,
             events: None,
             unlabeled_stores_unknown: self.template.unlabeled_stores_unknown,
+            bootstrap_port: d.bootstrap_port,
         };
         let taken = self.gateway.control().registry().by_name(&name).is_some();
         match self.gateway.control().join(config) {

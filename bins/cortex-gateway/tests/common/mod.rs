@@ -94,8 +94,13 @@ pub(crate) async fn harness_with(
     let sims: Vec<SimWorker> = sims.into_iter().map(|c| SimWorker::start(c).unwrap()).collect();
     let mut workers = String::from(if sims.is_empty() { " []\n" } else { "\n" });
     for (i, s) in sims.iter().enumerate() {
+        let role = match s.config().role {
+            cortex_sim::Role::Unified => "regular",
+            cortex_sim::Role::Prefill => "prefill",
+            cortex_sim::Role::Decode => "decode",
+        };
         workers.push_str(&format!(
-            "  - {{name: w{i}, url: '{}', engine: {engine}, model: {MODEL}}}\n",
+            "  - {{name: w{i}, url: '{}', engine: {engine}, model: {MODEL}, role: {role}}}\n",
             s.base_url()
         ));
     }

@@ -635,6 +635,7 @@ pub(crate) async fn start(opts: Options) -> Harness {
                 max_running_requests: configured,
                 events: None,
                 unlabeled_stores_unknown: false,
+                bootstrap_port: None,
             })
             .unwrap();
         fake.shared.worker.set(id).unwrap();
