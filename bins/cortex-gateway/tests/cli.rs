@@ -93,3 +93,45 @@ fn check_config_prints_one_json_line_on_stdout() {
     assert_eq!(summary["ok"], true, "{summary}");
     assert_eq!(summary["workers"], 1, "{summary}");
 }
+
+/// `--demo --pd` works as printed: the banner's request, sent as its curl sends it, is served by
+/// a prefill and a decode worker, and the headers it greps show both.
+#[test]
+fn the_pd_demo_serves_its_printed_request_disaggregated() {
+    let child = Command::new(BIN)
+        .args(["--demo", "--pd", "--listen", "127.0.0.1:0", "--sim-speed", "0", "--workers-per-engine", "1"])
+        .args(["--log", "warn"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut running = Running(child);
+    let stdout = running.0.stdout.take().unwrap();
+    let (mut addr, mut body) = (None, None);
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("Cortex gateway listening on http://") {
+            addr = Some(rest.trim().to_owned());
+        }
+        if let Some(rest) = line.trim().strip_prefix("-d '") {
+            body = rest.split_once("' |").map(|(b, _)| b.to_owned());
+            break;
+        }
+    }
+    let (addr, body) = (addr.expect("the demo prints its address"), body.expect("the demo prints a curl"));
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut r = String::new();
+    s.read_to_string(&mut r).unwrap();
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    let lower = r.to_ascii_lowercase();
+    assert!(lower.contains("x-cortex-pd: disaggregated"), "{r}");
+    assert!(lower.contains("x-cortex-prefill-worker: sim-vllm-prefill-0"), "{r}");
+    assert!(lower.contains("x-cortex-assigned-worker: sim-vllm-decode-0"), "{r}");
+}

@@ -917,16 +917,16 @@ impl Forwarder {
 /// An SGLang `/generate` stream with the prefill's `meta_info.input_token_logprobs` prepended
 /// to every event's own, as SGLang's routers merge them (the prefill's first event carries
 /// them). Events that are not JSON objects (`[DONE]`) pass as they are.
-struct MergeLogprobs {
-    inner: RelayBody,
+struct MergeLogprobs<B> {
+    inner: B,
     prefill: Bytes,
     pending: BytesMut,
     out: Vec<u8>,
     done: bool,
 }
 
-impl MergeLogprobs {
-    fn new(inner: RelayBody, prefill: Bytes) -> Self {
+impl<B> MergeLogprobs<B> {
+    fn new(inner: B, prefill: Bytes) -> Self {
         MergeLogprobs { inner, prefill, pending: BytesMut::new(), out: Vec::new(), done: false }
     }
 
@@ -952,7 +952,10 @@ impl MergeLogprobs {
     }
 }
 
-impl HttpBody for MergeLogprobs {
+impl<B> HttpBody for MergeLogprobs<B>
+where
+    B: HttpBody<Data = Bytes, Error = crate::error::BodyError> + Unpin,
+{
     type Data = Bytes;
     type Error = crate::error::BodyError;
 
@@ -978,6 +981,7 @@ impl HttpBody for MergeLogprobs {
                 Poll::Ready(Some(Err(e))) => return Poll::Ready(Some(Err(e))),
                 Poll::Ready(Some(Ok(frame))) => {
                     let Ok(data) = frame.into_data() else { continue };
+                    let data: Bytes = data;
                     this.pending.extend_from_slice(&data);
                     let merged = this.drain_events();
                     if !merged.is_empty() {
@@ -1005,6 +1009,52 @@ mod tests {
         assert!(sse_has_error(bad));
         assert_eq!(first_event_data(ok), Some(&b"{\"text\":\"a\",\"meta_info\":{}}"[..]));
         assert_eq!(first_event_data(b"data: {\"x\":1}"), None, "an incomplete event is not one");
+    }
+
+    /// The prefill's prompt logprobs go in front of every event's own, across chunk boundaries
+    /// that split events; `[DONE]` and an unfinished tail pass as they are.
+    #[tokio::test]
+    async fn logprobs_are_merged_into_every_event() {
+        let events = [
+            "data: {\"text\":\"a\",\"meta_info\":{\"input_token_logprobs\":[[-0.5,3,null]]}}\n\n",
+            "data: {\"text\":\"ab\",\"meta_info\":{\"input_token_logprobs\":[]}}\n\n",
+            "data: [DONE]\n\n",
+        ]
+        .concat();
+        let (a, b) = events.split_at(30);
+        let inner = Chunks(vec![Bytes::from(b.to_owned()), Bytes::from(a.to_owned())]);
+        let prefill =
+            Bytes::from_static(b"{\"meta_info\":{\"input_token_logprobs\":[[-1.0,1,null],[-2.0,2,null]]}}");
+        let out = MergeLogprobs::new(inner, prefill).collect().await.unwrap().to_bytes();
+        let text = String::from_utf8(out.to_vec()).unwrap();
+        let datas: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+        assert_eq!(datas.len(), 3, "{text}");
+        let first: serde_json::Value = serde_json::from_str(datas[0].trim_start_matches("data: ")).unwrap();
+        assert_eq!(
+            first["meta_info"]["input_token_logprobs"],
+            serde_json::json!([[-1.0, 1, null], [-2.0, 2, null], [-0.5, 3, null]])
+        );
+        let second: serde_json::Value = serde_json::from_str(datas[1].trim_start_matches("data: ")).unwrap();
+        assert_eq!(
+            second["meta_info"]["input_token_logprobs"],
+            serde_json::json!([[-1.0, 1, null], [-2.0, 2, null]])
+        );
+        assert_eq!(datas[2], "data: [DONE]");
+    }
+
+    /// A body of `chunks`, last first.
+    struct Chunks(Vec<Bytes>);
+
+    impl HttpBody for Chunks {
+        type Data = Bytes;
+        type Error = crate::error::BodyError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+            std::task::Poll::Ready(self.0.pop().map(|b| Ok(hyper::body::Frame::data(b))))
+        }
     }
 
     #[test]
