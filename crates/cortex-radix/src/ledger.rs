@@ -328,7 +328,9 @@ impl DetIndex {
     }
 }
 
-struct Inner {
+/// What the [`Ledger`] handle and every [`HolderWriter`] share: the head table and the holder
+/// slots queries read, the registry of holders, the deterministic index and the counters.
+struct LedgerShared {
     cfg: LedgerConfig,
     table: SlotTable,
     slots: Slots,
@@ -340,14 +342,14 @@ struct Inner {
 
 /// The KV ledger. Shared as `Arc<Ledger>`; see the crate documentation.
 pub struct Ledger {
-    inner: Arc<Inner>,
+    shared: Arc<LedgerShared>,
 }
 
 /// The only handle that writes one holder's blocks. Exactly one exists per registered holder;
 /// it is `Send` (the ingest runtime moves it to the thread that owns the holder's events) and
 /// not `Clone`.
 pub struct HolderWriter {
-    inner: Arc<Inner>,
+    shared: Arc<LedgerShared>,
     me: Arc<HolderShared>,
 }
 
@@ -359,7 +361,7 @@ impl std::fmt::Debug for HolderWriter {
 
 impl std::fmt::Debug for Ledger {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ledger").field("cfg", &self.inner.cfg).field("stats", &self.stats()).finish()
+        f.debug_struct("Ledger").field("cfg", &self.shared.cfg).field("stats", &self.stats()).finish()
     }
 }
 
@@ -376,7 +378,7 @@ impl Ledger {
     #[must_use]
     pub fn new(cfg: LedgerConfig) -> Arc<Ledger> {
         Arc::new(Ledger {
-            inner: Arc::new(Inner {
+            shared: Arc::new(LedgerShared {
                 cfg,
                 table: SlotTable::new(),
                 slots: Slots::new(MAX_HOLDERS),
@@ -403,12 +405,12 @@ impl Ledger {
         if cfg.capacity_blocks == 0 {
             return Err(LedgerError::ZeroCapacity(holder));
         }
-        let inner = &self.inner;
-        let mut reg = inner.registry.lock();
+        let shared = &self.shared;
+        let mut reg = shared.registry.lock();
         if reg.by_id.contains_key(&holder) {
             return Err(LedgerError::HolderExists(holder));
         }
-        let slot = match inner.free_slots.lock().pop() {
+        let slot = match shared.free_slots.lock().pop() {
             Some(s) => s,
             None if reg.next_slot < MAX_HOLDERS => {
                 reg.next_slot += 1;
@@ -417,8 +419,8 @@ impl Ledger {
             None => return Err(LedgerError::TooManyHolders),
         };
         let cap = cfg.capacity_blocks as usize;
-        let limit = cap + cap * inner.cfg.capacity_slack_percent as usize / 100;
-        let shared = Arc::new(HolderShared {
+        let limit = cap + cap * shared.cfg.capacity_slack_percent as usize / 100;
+        let h = Arc::new(HolderShared {
             id: holder,
             slot,
             cfg,
@@ -433,15 +435,15 @@ impl Ledger {
             mail: AtomicBool::new(false),
             applied: AtomicU64::new(0),
         });
-        inner.slots.publish(slot, encode_id(holder));
+        shared.slots.publish(slot, encode_id(holder));
         if reg.by_slot.len() <= slot as usize {
             reg.by_slot.resize(slot as usize + 1, None);
         }
-        reg.by_slot[slot as usize] = Some(shared.clone());
-        reg.by_id.insert(holder, shared.clone());
+        reg.by_slot[slot as usize] = Some(h.clone());
+        reg.by_id.insert(holder, h.clone());
         // Relaxed: a statistics counter; nothing is published through it.
-        inner.counters.capacity.fetch_add(u64::from(cfg.capacity_blocks), StdOrdering::Relaxed);
-        Ok(HolderWriter { inner: inner.clone(), me: shared })
+        shared.counters.capacity.fetch_add(u64::from(cfg.capacity_blocks), StdOrdering::Relaxed);
+        Ok(HolderWriter { shared: shared.clone(), me: h })
     }
 
     /// For every holder, how many leading blocks of `seq` it holds contiguously, on GPU and on
@@ -451,7 +453,7 @@ impl Ledger {
     /// `Namespace::seq_hashes` makes it). A block being written concurrently may be missed (an
     /// under-count); a block is counted only if its holder had it at some instant during the query.
     pub fn query(&self, seq: &[SeqHash], opts: QueryOptions, out: &mut OverlapScores) {
-        let inner = &*self.inner;
+        let shared = &*self.shared;
         let n = seq.len();
         out.begin(n as u32);
         if seq.is_empty() {
@@ -461,8 +463,8 @@ impl Ledger {
         // Per counted group: (group, GPU-alive bits, any-alive bits).
         let mut states: [(u32, u32, u32); GROUPS] = [(0, 0, 0); GROUPS];
         let mut n_states = 0;
-        for g in 0..inner.slots.groups() {
-            let mask = inner.slots.counted(g, opts.holders == HolderFilter::Ready);
+        for g in 0..shared.slots.groups() {
+            let mask = shared.slots.counted(g, opts.holders == HolderFilter::Ready);
             if mask != 0 {
                 states[n_states] = (g as u32, mask, mask);
                 n_states += 1;
@@ -488,7 +490,7 @@ impl Ledger {
         let ahead = if opts.early_exit == EarlyExit::Never { PATH } else { 2 };
         let emit = |out: &mut OverlapScores, g: u32, b: u32, gpu: u32, any: u32| {
             if any > 0 {
-                let id = decode_id(inner.slots.id(g * GROUP + b));
+                let id = decode_id(shared.slots.id(g * GROUP + b));
                 out.push(Overlap { holder: id, gpu_blocks: gpu, any_tier_blocks: any });
             }
         };
@@ -502,7 +504,7 @@ impl Ledger {
             let mut len_path = 0;
             let mut p = i;
             while p < n && len_path < ahead {
-                let v = inner.table.get(head_key(seq[p].to_bits()), &guard);
+                let v = shared.table.get(head_key(seq[p].to_bits()), &guard);
                 if v == 0 {
                     break;
                 }
@@ -635,7 +637,7 @@ impl Ledger {
     /// the control plane, not the request path.
     #[must_use]
     pub fn readiness(&self, holder: HolderId) -> Option<Readiness> {
-        let reg = self.inner.registry.lock();
+        let reg = self.shared.registry.lock();
         // Relaxed: a status read, ordered by the registry lock against registration.
         reg.by_id.get(&holder).map(|h| Readiness::from_u8(h.readiness.load(Ordering::Relaxed)))
     }
@@ -644,9 +646,9 @@ impl Ledger {
     /// dropped, and their writers' later applies are refused with [`LedgerError::Revoked`].
     /// Waits for an apply in progress on one of them to finish.
     pub fn remove_worker(&self, worker: WorkerId) {
-        let inner = &self.inner;
+        let shared = &self.shared;
         let victims: Vec<Arc<HolderShared>> = {
-            let mut reg = inner.registry.lock();
+            let mut reg = shared.registry.lock();
             let ids: Vec<HolderId> = reg.by_id.keys().filter(|h| h.worker == worker).copied().collect();
             let mut v = Vec::new();
             for id in ids {
@@ -659,32 +661,32 @@ impl Ledger {
         };
         for h in victims {
             h.revoked.store(true, Ordering::SeqCst);
-            inner.slots.retract(h.slot);
+            shared.slots.retract(h.slot);
             let mut p = h.private.lock();
             let guard = epoch::pin();
             let mut out = ApplyOutcome::default();
-            let mut cx = Cx { inner, me: &h, guard: &guard, out: &mut out };
+            let mut apply = Apply { shared, me: &h, guard: &guard, out: &mut out };
             let before = (p.entries.len(), p.countable, p.orphans.len());
-            cx.clear(&mut p);
+            apply.clear(&mut p);
             p.namespaces = Vec::new();
-            cx.report(&mut p, before);
+            apply.report(&mut p, before);
             drop(p);
             for gr in std::mem::take(&mut *h.mailbox.lock()) {
-                release(inner, unpack(gr.loc).0, &guard);
+                release(shared, unpack(gr.loc).0, &guard);
             }
             // Relaxed: a statistics counter; nothing is published through it.
-            inner.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
+            shared.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
             {
-                let mut waits = inner.det.waits.lock();
+                let mut waits = shared.det.waits.lock();
                 waits.retain(|_, v| {
                     v.retain(|&s| s != h.slot);
                     !v.is_empty()
                 });
                 // Relaxed: a hint read under the waits lock or rechecked by it.
-                inner.det.waiting.store(waits.len(), StdOrdering::Relaxed);
+                shared.det.waiting.store(waits.len(), StdOrdering::Relaxed);
             }
             // The slot is reused only after every query that may still read it has ended.
-            let free = inner.free_slots.clone();
+            let free = shared.free_slots.clone();
             let slot = h.slot;
             guard.defer(move || free.lock().push(slot));
             guard.flush();
@@ -697,7 +699,7 @@ impl Ledger {
     /// hashes the gateway predicted for a request.
     #[must_use]
     pub fn block(&self, holder: HolderId, engine: cortex_hash::kv::EngineHash) -> Option<DumpBlock> {
-        let h = self.inner.registry.lock().by_id.get(&holder).cloned()?;
+        let h = self.shared.registry.lock().by_id.get(&holder).cloned()?;
         let p = h.private.lock();
         let e = p.entries.get(&engine.to_u64())?;
         Some(DumpBlock {
@@ -720,7 +722,7 @@ impl Ledger {
     /// (waits for an apply in progress): for debugging and tests.
     #[must_use]
     pub fn dump(&self, holder: HolderId) -> Option<HolderDump> {
-        let h = self.inner.registry.lock().by_id.get(&holder).cloned()?;
+        let h = self.shared.registry.lock().by_id.get(&holder).cloned()?;
         let p = h.private.lock();
         let mut blocks: Vec<DumpBlock> = p
             .entries
@@ -753,13 +755,13 @@ impl Ledger {
     /// Current counters.
     #[must_use]
     pub fn stats(&self) -> LedgerStats {
-        let i = &self.inner;
+        let i = &self.shared;
         let c = &i.counters;
         // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
         let table_bytes = i.table.counters.bytes.load(r) + c.run_bytes.load(r);
         LedgerStats {
-            live_bytes: self.inner.live_bytes(),
+            live_bytes: self.shared.live_bytes(),
             table_bytes,
             holder_bytes: c.private_bytes.load(r),
             deterministic_index_bytes: c.det_bytes.load(r),
@@ -825,7 +827,7 @@ fn early_exit(run: Run, states: &[(u32, u32, u32)], i: usize, m: usize) -> Optio
     (alive > 0 && first > second && second < m).then_some((i + second + 1) as u32)
 }
 
-impl Inner {
+impl LedgerShared {
     fn live_bytes(&self) -> usize {
         // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
@@ -833,7 +835,7 @@ impl Inner {
             + self.counters.run_bytes.load(r)
             + self.counters.private_bytes.load(r)
             + self.counters.det_bytes.load(r)
-            + std::mem::size_of::<Inner>()
+            + std::mem::size_of::<LedgerShared>()
             + self.slots.heap_bytes()
     }
 
@@ -873,54 +875,56 @@ enum Ident {
     Uncountable,
 }
 
-/// A writer's context: the ledger, the holder and a pinned guard.
-struct Cx<'a> {
-    inner: &'a Inner,
+/// One apply in progress on holder `me` — its events, a clear, the grafts of its mailbox — by
+/// whoever holds the holder's private state (passed to each step as `p`): the ledger's shared
+/// state, an epoch guard pinned for the apply, and the outcome summed so far.
+struct Apply<'a> {
+    shared: &'a LedgerShared,
     me: &'a HolderShared,
     guard: &'a Guard,
     out: &'a mut ApplyOutcome,
 }
 
 /// Drops one reference to `run`, reclaiming it if that was the last.
-fn release(inner: &Inner, run: Run, guard: &Guard) {
+fn release(shared: &LedgerShared, run: Run, guard: &Guard) {
     if run.release() {
-        reclaim(inner, run, guard);
+        reclaim(shared, run, guard);
     }
 }
 
 /// Reclaims `run`, whose last reference was just released (see [`run::reclaim`]), and counts it.
-fn reclaim(inner: &Inner, run: Run, guard: &Guard) {
-    if run::reclaim(&inner.table, run, guard) {
+fn reclaim(shared: &LedgerShared, run: Run, guard: &Guard) {
+    if run::reclaim(&shared.table, run, guard) {
         // Relaxed: statistics counters; nothing is published through them.
-        inner.counters.run_bytes.fetch_sub(run.bytes(), StdOrdering::Relaxed);
+        shared.counters.run_bytes.fetch_sub(run.bytes(), StdOrdering::Relaxed);
         // Relaxed: as above.
-        inner.counters.runs.fetch_sub(1, StdOrdering::Relaxed);
+        shared.counters.runs.fetch_sub(1, StdOrdering::Relaxed);
         // Relaxed: as above.
-        inner.counters.run_blocks.fetch_sub(run.len() as u64, StdOrdering::Relaxed);
+        shared.counters.run_blocks.fetch_sub(run.len() as u64, StdOrdering::Relaxed);
     }
 }
 
-impl Cx<'_> {
+impl Apply<'_> {
     fn group_bit(&self) -> (u32, u32) {
         (self.me.slot / GROUP, self.me.slot % GROUP)
     }
 
     /// The run with first block `seq`, with a new reference, if there is one.
     fn find_head(&self, seq: u64) -> Option<Run> {
-        run::find(&self.inner.table, seq, self.guard)
+        run::find(&self.shared.table, seq, self.guard)
     }
 
     /// A run of `seqs` (see [`run::create`]), with a new reference, counted if new.
     fn create(&self, seqs: &[u64]) -> Run {
-        let groups = self.inner.slots.groups().max(self.group_bit().0 as usize + 1);
-        let (run, new) = run::create(&self.inner.table, seqs, groups, self.guard);
+        let groups = self.shared.slots.groups().max(self.group_bit().0 as usize + 1);
+        let (run, new) = run::create(&self.shared.table, seqs, groups, self.guard);
         if new {
             // Relaxed: statistics counters; nothing is published through them.
-            self.inner.counters.run_bytes.fetch_add(run.bytes(), StdOrdering::Relaxed);
+            self.shared.counters.run_bytes.fetch_add(run.bytes(), StdOrdering::Relaxed);
             // Relaxed: as above.
-            self.inner.counters.runs.fetch_add(1, StdOrdering::Relaxed);
+            self.shared.counters.runs.fetch_add(1, StdOrdering::Relaxed);
             // Relaxed: as above.
-            self.inner.counters.run_blocks.fetch_add(seqs.len() as u64, StdOrdering::Relaxed);
+            self.shared.counters.run_blocks.fetch_add(seqs.len() as u64, StdOrdering::Relaxed);
         }
         run
     }
@@ -954,20 +958,20 @@ impl Cx<'_> {
         for b in rest.iter().take(MAX_RUN - 1) {
             s = chain(SeqHash::from_bits(s), b.content).to_bits();
             seqs[len] = s;
-            self.inner.table.prefetch(head_key(s), self.guard);
+            self.shared.table.prefetch(head_key(s), self.guard);
             len += 1;
         }
         // A block that already starts a run (its parent's run was reclaimed while it lived on)
         // ends the new blocks: it stays in its own run.
         let mut take = 1;
-        while take < len && self.inner.table.get(head_key(seqs[take]), self.guard) == 0 {
+        while take < len && self.shared.table.get(head_key(seqs[take]), self.guard) == 0 {
             take += 1;
         }
         if let Some((run, at)) = tail {
-            let appended = run::append(&self.inner.table, run, at, &seqs[..take], self.guard);
+            let appended = run::append(&self.shared.table, run, at, &seqs[..take], self.guard);
             if appended > 0 {
                 // Relaxed: a statistics counter; nothing is published through it.
-                self.inner.counters.run_blocks.fetch_add(appended as u64, StdOrdering::Relaxed);
+                self.shared.counters.run_blocks.fetch_add(appended as u64, StdOrdering::Relaxed);
                 return (pack(run, at), false);
             }
             // Another writer appended first: `seq` may be the run's next block now.
@@ -986,7 +990,7 @@ impl Cx<'_> {
             Some(hr) => {
                 hr.entries += 1;
                 if fresh {
-                    release(self.inner, run, self.guard);
+                    release(self.shared, run, self.guard);
                 }
             }
             None => {
@@ -1010,11 +1014,11 @@ impl Cx<'_> {
         }
         self.publish(run, hr.published, 0);
         p.runs.remove(&run.bits());
-        release(self.inner, run, self.guard);
+        release(self.shared, run, self.guard);
     }
 
     /// Moves the entry at `loc` from the flags `before` to `now` in the holder's offsets of the
-    /// run; the cuts are published by [`Cx::flush`].
+    /// run; the cuts are published by [`Apply::flush`].
     fn cover(&self, p: &mut Private, loc: u64, before: (bool, bool), now: (bool, bool)) {
         if before == now {
             return;
@@ -1035,7 +1039,7 @@ impl Cx<'_> {
         let allocated = run.publish(g as usize, bit, old, new);
         if allocated > 0 {
             // Relaxed: a statistics counter; nothing is published through it.
-            self.inner.counters.run_bytes.fetch_add(allocated, StdOrdering::Relaxed);
+            self.shared.counters.run_bytes.fetch_add(allocated, StdOrdering::Relaxed);
         }
     }
 
@@ -1063,7 +1067,7 @@ impl Cx<'_> {
         }
         let ns = p.namespaces[e.ns as usize];
         let fresh = {
-            let mut m = self.inner.det.shard(ns, engine).lock();
+            let mut m = self.shared.det.shard(ns, engine).lock();
             let key = det_key(ns, engine);
             if let Some(slot) = m.get_mut(&key) {
                 slot.stamp += 1;
@@ -1079,18 +1083,18 @@ impl Cx<'_> {
                 let after = m.heap_bytes();
                 if after != before {
                     // Relaxed: a statistics counter; nothing is published through it.
-                    self.inner.counters.det_bytes.fetch_add(after, StdOrdering::Relaxed);
+                    self.shared.counters.det_bytes.fetch_add(after, StdOrdering::Relaxed);
                     // Relaxed: a statistics counter; nothing is published through it.
-                    self.inner.counters.det_bytes.fetch_sub(before, StdOrdering::Relaxed);
+                    self.shared.counters.det_bytes.fetch_sub(before, StdOrdering::Relaxed);
                 }
                 true
             }
         };
-        if fresh && self.inner.det.waiting.load(StdOrdering::SeqCst) > 0 {
+        if fresh && self.shared.det.waiting.load(StdOrdering::SeqCst) > 0 {
             let waiters = {
-                let mut w = self.inner.det.waits.lock();
+                let mut w = self.shared.det.waits.lock();
                 let v = w.remove(&(ns, engine));
-                self.inner.det.waiting.store(w.len(), StdOrdering::SeqCst);
+                self.shared.det.waiting.store(w.len(), StdOrdering::SeqCst);
                 v
             };
             for slot in waiters.into_iter().flatten() {
@@ -1109,7 +1113,7 @@ impl Cx<'_> {
         }
         let ns = p.namespaces[e.ns as usize];
         let gone = {
-            let mut m = self.inner.det.shard(ns, engine).lock();
+            let mut m = self.shared.det.shard(ns, engine).lock();
             let key = det_key(ns, engine);
             match m.get_mut(&key) {
                 Some(slot) => {
@@ -1120,13 +1124,13 @@ impl Cx<'_> {
             }
         };
         if let Some(loc) = gone {
-            release(self.inner, unpack(loc).0, self.guard);
+            release(self.shared, unpack(loc).0, self.guard);
         }
     }
 
     /// The location some deterministic holder has for `(ns, parent)`, with a new reference.
     fn det_lookup(&self, ns: u64, parent: u64) -> Option<u64> {
-        let m = self.inner.det.shard(ns, parent).lock();
+        let m = self.shared.det.shard(ns, parent).lock();
         let loc = m.get(&det_key(ns, parent)).map(|v| v.loc)?;
         // Under the index's lock its entry holds a reference, so taking another is safe.
         unpack(loc).0.acquire();
@@ -1134,31 +1138,31 @@ impl Cx<'_> {
     }
 
     fn det_wait(&self, ns: u64, parent: u64) {
-        let mut w = self.inner.det.waits.lock();
+        let mut w = self.shared.det.waits.lock();
         let v = w.entry((ns, parent)).or_default();
         if !v.contains(&self.me.slot) {
             v.push(self.me.slot);
         }
-        self.inner.det.waiting.store(w.len(), StdOrdering::SeqCst);
+        self.shared.det.waiting.store(w.len(), StdOrdering::SeqCst);
     }
 
     fn det_unwait(&self, ns: u64, parent: u64) {
-        let mut w = self.inner.det.waits.lock();
+        let mut w = self.shared.det.waits.lock();
         if let Some(v) = w.get_mut(&(ns, parent)) {
             v.retain(|&s| s != self.me.slot);
             if v.is_empty() {
                 w.remove(&(ns, parent));
             }
         }
-        self.inner.det.waiting.store(w.len(), StdOrdering::SeqCst);
+        self.shared.det.waiting.store(w.len(), StdOrdering::SeqCst);
     }
 
     /// Offers a graft to holder `slot`: into its mailbox, then applied at once if its state is
     /// free, or by whoever holds it when they unlock (see [`unlock`]).
     fn deliver(&self, slot: u32, graft: Graft) {
-        let target = self.inner.registry.lock().by_slot.get(slot as usize).cloned().flatten();
+        let target = self.shared.registry.lock().by_slot.get(slot as usize).cloned().flatten();
         let Some(target) = target else {
-            release(self.inner, unpack(graft.loc).0, self.guard);
+            release(self.shared, unpack(graft.loc).0, self.guard);
             return;
         };
         target.mailbox.lock().push(graft);
@@ -1167,7 +1171,7 @@ impl Cx<'_> {
         // after its own fence sees the mail flag (see `unlock`).
         fence(Ordering::SeqCst);
         if let Some(p) = target.private.try_lock() {
-            unlock(self.inner, &target, self.guard, p);
+            unlock(self.shared, &target, self.guard, p);
         }
     }
 
@@ -1177,7 +1181,7 @@ impl Cx<'_> {
         let grafts = std::mem::take(&mut *self.me.mailbox.lock());
         for gr in grafts {
             self.apply_graft(p, gr);
-            release(self.inner, unpack(gr.loc).0, self.guard);
+            release(self.shared, unpack(gr.loc).0, self.guard);
         }
         self.flush(p);
     }
@@ -1336,7 +1340,7 @@ impl Cx<'_> {
             let engine = b.engine.to_u64();
             self.store_one(p, engine, ident, gpu);
             if let Some(run) = borrowed {
-                release(self.inner, run, self.guard);
+                release(self.shared, run, self.guard);
             }
             parent = next.unwrap_or_else(|| self.parent_of(p, engine));
             self.out.stored += 1;
@@ -1407,7 +1411,7 @@ impl Cx<'_> {
                 self.det_unregister(p, engine, &old);
                 self.det_register(p, engine, &new);
                 // Relaxed: a statistics counter; nothing is published through it.
-                self.inner.counters.conflicts.fetch_add(1, StdOrdering::Relaxed);
+                self.shared.counters.conflicts.fetch_add(1, StdOrdering::Relaxed);
             }
             (ORPHAN, Ident::Countable { loc, fresh, ns }) => {
                 bump(e, gpu);
@@ -1445,7 +1449,7 @@ impl Cx<'_> {
                 self.sync(p, before, &e);
                 if let Ident::Countable { loc, fresh: true, .. } = ident {
                     // The same block again: the holder already holds its run.
-                    release(self.inner, unpack(loc).0, self.guard);
+                    release(self.shared, unpack(loc).0, self.guard);
                 }
             }
         }
@@ -1523,7 +1527,7 @@ impl Cx<'_> {
             // SAFETY: the holder has the run, so it holds a reference to it.
             let run = unsafe { Run::from_bits(key) };
             self.publish(run, hr.published, 0);
-            release(self.inner, run, self.guard);
+            release(self.shared, run, self.guard);
         }
         p.dirty.clear();
         let countable: Vec<(u64, Entry)> =
@@ -1567,16 +1571,16 @@ impl Cx<'_> {
         if p.entries.len() > self.me.limit {
             let n = self.evict(p, self.me.cfg.capacity_blocks as usize);
             // Relaxed: a statistics counter; nothing is published through it.
-            self.inner.counters.evictions_capacity.fetch_add(n, StdOrdering::Relaxed);
+            self.shared.counters.evictions_capacity.fetch_add(n, StdOrdering::Relaxed);
         }
-        let budget = self.inner.budget_blocks(self.me.cfg.capacity_blocks);
+        let budget = self.shared.budget_blocks(self.me.cfg.capacity_blocks);
         if p.entries.len() > budget {
             // Down to the share less the slack, as for the capacity: one selection pass per
             // slack's worth of stores, not one per store.
-            let slack = self.inner.cfg.capacity_slack_percent as usize;
+            let slack = self.shared.cfg.capacity_slack_percent as usize;
             let n = self.evict(p, budget * 100 / (100 + slack));
             // Relaxed: a statistics counter; nothing is published through it.
-            self.inner.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
+            self.shared.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
             // Give the memory back: the map was sized for the capacity, not the budget.
             if p.entries.capacity() > 2 * budget {
                 p.entries.shrink_to(budget * 100 / (100 + slack));
@@ -1606,7 +1610,7 @@ impl Cx<'_> {
     fn report(&self, p: &mut Private, before: (usize, usize, usize)) {
         // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
-        let c = &self.inner.counters;
+        let c = &self.shared.counters;
         let bytes = p.heap_bytes();
         // Relaxed: a statistics counter; nothing is published through it.
         c.private_bytes.fetch_add(bytes, r);
@@ -1639,17 +1643,22 @@ fn bump(e: &mut Entry, gpu: bool) {
 
 /// Releases a holder's state, then applies grafts other holders left in its mailbox meanwhile.
 /// Returns the orphans grafted from the mailbox.
-fn unlock<'a>(inner: &Inner, me: &'a HolderShared, guard: &Guard, mut p: MutexGuard<'a, Private>) -> u64 {
+fn unlock<'a>(
+    shared: &LedgerShared,
+    me: &'a HolderShared,
+    guard: &Guard,
+    mut p: MutexGuard<'a, Private>,
+) -> u64 {
     let mut grafted = 0;
     loop {
         if me.mail.load(Ordering::SeqCst) && !me.revoked.load(Ordering::SeqCst) {
             let mut out = ApplyOutcome::default();
-            let mut cx = Cx { inner, me, guard, out: &mut out };
+            let mut apply = Apply { shared, me, guard, out: &mut out };
             let before = (p.entries.len(), p.countable, p.orphans.len());
-            cx.drain_mail(&mut p);
-            cx.report(&mut p, before);
+            apply.drain_mail(&mut p);
+            apply.report(&mut p, before);
             // Relaxed: a statistics counter; nothing is published through it.
-            inner.counters.grafts.fetch_add(out.grafted, StdOrdering::Relaxed);
+            shared.counters.grafts.fetch_add(out.grafted, StdOrdering::Relaxed);
             grafted += out.grafted;
         }
         drop(p);
@@ -1673,33 +1682,33 @@ impl HolderWriter {
         self.me.id
     }
 
-    fn run(&mut self, f: impl FnOnce(&mut Cx<'_>, &mut Private)) -> Result<ApplyOutcome, LedgerError> {
+    fn run(&mut self, f: impl FnOnce(&mut Apply<'_>, &mut Private)) -> Result<ApplyOutcome, LedgerError> {
         let p = self.me.private.lock();
         if self.me.revoked.load(Ordering::SeqCst) {
             // Relaxed: a statistics counter; nothing is published through it.
-            self.inner.counters.refused.fetch_add(1, StdOrdering::Relaxed);
+            self.shared.counters.refused.fetch_add(1, StdOrdering::Relaxed);
             return Err(LedgerError::Revoked(self.me.id));
         }
         let guard = epoch::pin();
         let mut out = ApplyOutcome::default();
         let mut p = p;
         {
-            let mut cx = Cx { inner: &self.inner, me: &self.me, guard: &guard, out: &mut out };
+            let mut apply = Apply { shared: &self.shared, me: &self.me, guard: &guard, out: &mut out };
             let before = (p.entries.len(), p.countable, p.orphans.len());
-            if cx.me.mail.load(Ordering::SeqCst) {
-                cx.drain_mail(&mut p);
+            if apply.me.mail.load(Ordering::SeqCst) {
+                apply.drain_mail(&mut p);
             }
-            f(&mut cx, &mut p);
-            cx.report(&mut p, before);
+            f(&mut apply, &mut p);
+            apply.report(&mut p, before);
         }
-        let c = &self.inner.counters;
+        let c = &self.shared.counters;
         // Relaxed: a statistics counter; nothing is published through it.
         c.unknown_removes.fetch_add(out.unknown_removes, StdOrdering::Relaxed);
         // Relaxed: a statistics counter; nothing is published through it.
         c.grafts.fetch_add(out.grafted, StdOrdering::Relaxed);
         // Relaxed: a counter only this writer increments; readers poll it.
         self.me.applied.fetch_add(out.events, Ordering::Relaxed);
-        out.grafted += unlock(&self.inner, &self.me, &guard, p);
+        out.grafted += unlock(&self.shared, &self.me, &guard, p);
         Ok(out)
     }
 
@@ -1708,7 +1717,7 @@ impl HolderWriter {
     /// # Errors
     /// [`LedgerError::Revoked`] once the holder's worker was removed (nothing is written).
     pub fn apply(&mut self, event: &KvEvent) -> Result<ApplyOutcome, LedgerError> {
-        self.run(|cx, p| cx.event(p, event))
+        self.run(|apply, p| apply.event(p, event))
     }
 
     /// Applies a batch's events in order.
@@ -1716,9 +1725,9 @@ impl HolderWriter {
     /// # Errors
     /// [`LedgerError::Revoked`] once the holder's worker was removed (nothing is written).
     pub fn apply_batch(&mut self, batch: &EventBatch) -> Result<ApplyOutcome, LedgerError> {
-        self.run(|cx, p| {
+        self.run(|apply, p| {
             for ev in &batch.events {
-                cx.event(p, ev);
+                apply.event(p, ev);
             }
         })
     }
@@ -1726,9 +1735,9 @@ impl HolderWriter {
     /// Drops every block of the holder (`AllBlocksCleared`, engine restart, resync). A revoked
     /// writer has nothing left to clear.
     pub fn clear(&mut self) {
-        let _ = self.run(|cx, p| {
-            cx.clear(p);
-            cx.out.events += 1;
+        let _ = self.run(|apply, p| {
+            apply.clear(p);
+            apply.out.events += 1;
         });
     }
 
@@ -1740,7 +1749,7 @@ impl HolderWriter {
         }
         // Relaxed: the status value itself; queries read the ready mask below.
         self.me.readiness.store(r.to_u8(), Ordering::Relaxed);
-        self.inner.slots.set_ready(self.me.slot, r == Readiness::Ready);
+        self.shared.slots.set_ready(self.me.slot, r == Readiness::Ready);
     }
 
     /// Events applied so far (clears included): a monotone counter tests and the ingest runtime
@@ -1761,7 +1770,7 @@ fn seq_at(loc: u64) -> u64 {
 // A run's mask word per group is `L << 32 | holders`: one bit per holder of the group.
 const _: () = assert!(GROUP == 32);
 
-impl Drop for Inner {
+impl Drop for LedgerShared {
     fn drop(&mut self) {
         // No query or writer is left: free every run still referenced (by a holder, the
         // deterministic index or a pending graft) directly, each once.
