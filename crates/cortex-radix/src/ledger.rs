@@ -1192,13 +1192,16 @@ impl Apply<'_> {
             return;
         }
         let Some(children) = p.waiting.get(&gr.parent).cloned() else { return };
-        let parent = Parent::Known { seq: unpack(gr.loc).0.hash(unpack(gr.loc).1), loc: gr.loc };
+        let (run, off) = unpack(gr.loc);
+        let seq = run.hash(off);
         let mut left = Vec::new();
         for c in children {
             match p.orphans.get(&c).copied() {
                 Some(info) if info.ns == gr.ns => {
                     p.orphans.remove(&c);
-                    self.make_countable(p, c, parent, info);
+                    if let Some(next) = self.graft(p, c, info, seq, gr.loc) {
+                        self.cascade(p, c, next);
+                    }
                 }
                 Some(_) => left.push(c),
                 None => {}
@@ -1211,18 +1214,25 @@ impl Apply<'_> {
         }
     }
 
-    /// Turns orphan `engine` (its info already removed) into a countable block, the child of
-    /// `parent`, and grafts its waiting descendants.
-    fn make_countable(&mut self, p: &mut Private, engine: u64, parent: Parent, info: OrphanInfo) {
-        let Parent::Known { seq, loc } = parent else { return };
-        let ns_idx = if self.me.cfg.content_deterministic { p.ns_index(info.ns) } else { NS_NONE };
-        if p.entries.get(&engine).is_none() {
-            return;
-        }
+    /// The graft step: orphan `engine` (its info already removed) becomes a countable block, the
+    /// child of the countable block `seq` at `loc`, placed, attached, counted and published like
+    /// a stored one. Returns what it now is as a parent (for its own waiting children), `None` if
+    /// the holder does not have it.
+    fn graft(
+        &mut self,
+        p: &mut Private,
+        engine: u64,
+        info: OrphanInfo,
+        seq: u64,
+        loc: u64,
+    ) -> Option<Parent> {
+        // Nothing is placed for a block the holder does not have.
+        p.entries.get(&engine)?;
         let child = chain(SeqHash::from_bits(seq), BlockHash::from_bits(info.content)).to_bits();
+        let ns_idx = self.ns_idx(p, info.ns);
         let (cloc, fresh) = self.place(loc, child, &[]);
         self.attach(p, cloc, fresh);
-        let Some(e) = p.entries.get_mut(&engine) else { return };
+        let e = p.entries.get_mut(&engine)?;
         let before = e.flags();
         e.state = COUNTABLE;
         e.loc = cloc;
@@ -1232,10 +1242,11 @@ impl Apply<'_> {
         p.countable += 1;
         self.out.grafted += 1;
         self.det_register(p, engine, &e);
-        self.cascade(p, engine, Parent::Known { seq: child, loc: cloc });
+        Some(Parent::Known { seq: child, loc: cloc })
     }
 
-    /// Resolves the orphans waiting on `parent`, which just became countable or uncountable.
+    /// Resolves the orphans waiting on `parent`, which just became countable or uncountable,
+    /// and theirs, transitively.
     fn cascade(&mut self, p: &mut Private, parent: u64, how: Parent) {
         if !p.waiting.contains_key(&parent) {
             return;
@@ -1251,26 +1262,9 @@ impl Apply<'_> {
                 }
                 match how {
                     Parent::Known { seq, loc } => {
-                        if p.entries.get(&c).is_none() {
-                            continue;
+                        if let Some(next) = self.graft(p, c, info, seq, loc) {
+                            stack.push((c, next));
                         }
-                        let child =
-                            chain(SeqHash::from_bits(seq), BlockHash::from_bits(info.content)).to_bits();
-                        let ns_idx =
-                            if self.me.cfg.content_deterministic { p.ns_index(info.ns) } else { NS_NONE };
-                        let (cloc, fresh) = self.place(loc, child, &[]);
-                        self.attach(p, cloc, fresh);
-                        let Some(e) = p.entries.get_mut(&c) else { continue };
-                        let before = e.flags();
-                        e.state = COUNTABLE;
-                        e.loc = cloc;
-                        e.ns = ns_idx;
-                        let e = *e;
-                        self.sync(p, before, &e);
-                        p.countable += 1;
-                        self.out.grafted += 1;
-                        self.det_register(p, c, &e);
-                        stack.push((c, Parent::Known { seq: child, loc: cloc }));
                     }
                     _ => {
                         if let Some(e) = p.entries.get_mut(&c) {
