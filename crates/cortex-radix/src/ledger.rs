@@ -16,7 +16,8 @@ use std::sync::atomic::{AtomicU64 as StdAtomicU64, AtomicUsize as StdAtomicUsize
 use cortex_hash::kv::{BlockRemoved, BlockStored, EventBatch, HolderId, KvEvent, WorkerId};
 use cortex_hash::{BlockHash, SeqHash, chain};
 
-use crate::holder::{COUNTABLE, Entry, HolderRun, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE, mix64};
+use crate::deterministic::DeterministicIndex;
+use crate::holder::{COUNTABLE, Entry, HolderRun, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE};
 use crate::overlap::{Overlap, OverlapScores};
 use crate::run::{self, GROUPS, MAX_RUN, Run, head_key, pack, unpack};
 use crate::slots::{GROUP, Slots};
@@ -260,7 +261,6 @@ struct Counters {
     runs: StdAtomicUsize,
     run_blocks: StdAtomicU64,
     private_bytes: StdAtomicUsize,
-    det_bytes: StdAtomicUsize,
     blocks: StdAtomicU64,
     countable: StdAtomicU64,
     orphans: StdAtomicU64,
@@ -302,32 +302,6 @@ struct Registry {
     next_slot: u32,
 }
 
-/// `det_key(ns, engine) → (location in the entry's loc, holders in its stamp)`: an [`EngineMap`]
-/// (no tombstones, so churn does not grow it). Each entry holds a reference to its run.
-type DetMap = crate::holder::EngineMap;
-
-/// The deterministic index's key: the engine hash XOR a mix of the namespace (a bijection for
-/// each namespace; two namespaces collide with probability 2^-64, like two `SeqHash`es).
-fn det_key(ns: u64, engine: u64) -> u64 {
-    engine ^ mix64(ns ^ 0x6465_7465_726d_696e)
-}
-
-/// Countable blocks of deterministic holders by (namespace, engine hash), and the deterministic
-/// orphans waiting on a parent nobody had yet.
-struct DetIndex {
-    /// Sharded (64 ways) so that writers of different holders rarely meet and a growing map
-    /// grows by 1/64 of the index at a time.
-    blocks: Box<[Mutex<DetMap>]>,
-    waits: Mutex<std::collections::HashMap<(u64, u64), Vec<u32>>>,
-    waiting: StdAtomicUsize,
-}
-
-impl DetIndex {
-    fn shard(&self, ns: u64, engine: u64) -> &Mutex<DetMap> {
-        &self.blocks[(mix64(ns ^ engine.rotate_left(32)) >> 58) as usize]
-    }
-}
-
 /// What the [`Ledger`] handle and every [`HolderWriter`] share: the head table and the holder
 /// slots queries read, the registry of holders, the deterministic index and the counters.
 struct LedgerShared {
@@ -336,7 +310,7 @@ struct LedgerShared {
     slots: Slots,
     registry: Mutex<Registry>,
     free_slots: Arc<Mutex<Vec<u32>>>,
-    det: DetIndex,
+    det: DeterministicIndex,
     counters: Counters,
 }
 
@@ -384,13 +358,7 @@ impl Ledger {
                 slots: Slots::new(MAX_HOLDERS),
                 registry: Mutex::new(Registry::default()),
                 free_slots: Arc::new(Mutex::new(Vec::new())),
-                det: DetIndex {
-                    blocks: (0..64)
-                        .map(|_| Mutex::new(DetMap::with_capacity_target(usize::MAX / 8)))
-                        .collect(),
-                    waits: Mutex::default(),
-                    waiting: StdAtomicUsize::new(0),
-                },
+                det: DeterministicIndex::new(),
                 counters: Counters::default(),
             }),
         })
@@ -676,15 +644,7 @@ impl Ledger {
             }
             // Relaxed: a statistics counter; nothing is published through it.
             shared.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
-            {
-                let mut waits = shared.det.waits.lock();
-                waits.retain(|_, v| {
-                    v.retain(|&s| s != h.slot);
-                    !v.is_empty()
-                });
-                // Relaxed: a hint read under the waits lock or rechecked by it.
-                shared.det.waiting.store(waits.len(), StdOrdering::Relaxed);
-            }
+            shared.det.forget_waits_of(h.slot);
             // The slot is reused only after every query that may still read it has ended.
             let free = shared.free_slots.clone();
             let slot = h.slot;
@@ -764,7 +724,7 @@ impl Ledger {
             live_bytes: self.shared.live_bytes(),
             table_bytes,
             holder_bytes: c.private_bytes.load(r),
-            deterministic_index_bytes: c.det_bytes.load(r),
+            deterministic_index_bytes: i.det.heap_bytes(),
             holders: i.registry.lock().by_id.len(),
             blocks: c.blocks.load(r),
             countable_blocks: c.countable.load(r),
@@ -779,8 +739,8 @@ impl Ledger {
             conflicts: c.conflicts.load(r),
             grafts: c.grafts.load(r),
             refused_applies: c.refused.load(r),
-            deterministic_waits: i.det.waits.lock().values().map(Vec::len).sum(),
-            deterministic_blocks: i.det.blocks.iter().map(|m| m.lock().len()).sum(),
+            deterministic_waits: i.det.waits(),
+            deterministic_blocks: i.det.blocks(),
         }
     }
 }
@@ -834,7 +794,7 @@ impl LedgerShared {
         self.table.counters.bytes.load(r)
             + self.counters.run_bytes.load(r)
             + self.counters.private_bytes.load(r)
-            + self.counters.det_bytes.load(r)
+            + self.det.heap_bytes()
             + std::mem::size_of::<LedgerShared>()
             + self.slots.heap_bytes()
     }
@@ -1061,100 +1021,35 @@ impl Apply<'_> {
         }
     }
 
+    /// Registers countable block `engine` of a deterministic holder in the deterministic index;
+    /// the first holder to have it offers a graft to every holder waiting on it.
     fn det_register(&self, p: &Private, engine: u64, e: &Entry) {
         if !self.me.cfg.content_deterministic || e.ns == NS_NONE || e.state != COUNTABLE {
             return;
         }
         let ns = p.namespaces[e.ns as usize];
-        let fresh = {
-            let mut m = self.shared.det.shard(ns, engine).lock();
-            let key = det_key(ns, engine);
-            if let Some(slot) = m.get_mut(&key) {
-                slot.stamp += 1;
-                false
-            } else {
-                let before = m.heap_bytes();
-                // The index's own reference (the holder has the run, so it holds one).
+        if !self.shared.det.insert(ns, engine, e.loc) {
+            return;
+        }
+        for slot in self.shared.det.take_waiters(ns, engine) {
+            if slot != self.me.slot {
+                // The graft's reference, taken while this holder holds one.
                 unpack(e.loc).0.acquire();
-                m.insert_new(
-                    key,
-                    Entry { loc: e.loc, stamp: 1, gpu: 0, low: 0, state: COUNTABLE, ns: NS_NONE },
-                );
-                let after = m.heap_bytes();
-                if after != before {
-                    // Relaxed: a statistics counter; nothing is published through it.
-                    self.shared.counters.det_bytes.fetch_add(after, StdOrdering::Relaxed);
-                    // Relaxed: a statistics counter; nothing is published through it.
-                    self.shared.counters.det_bytes.fetch_sub(before, StdOrdering::Relaxed);
-                }
-                true
-            }
-        };
-        if fresh && self.shared.det.waiting.load(StdOrdering::SeqCst) > 0 {
-            let waiters = {
-                let mut w = self.shared.det.waits.lock();
-                let v = w.remove(&(ns, engine));
-                self.shared.det.waiting.store(w.len(), StdOrdering::SeqCst);
-                v
-            };
-            for slot in waiters.into_iter().flatten() {
-                if slot != self.me.slot {
-                    // The graft's reference, taken while this holder holds one.
-                    unpack(e.loc).0.acquire();
-                    self.deliver(slot, Graft { ns, parent: engine, loc: e.loc });
-                }
+                self.deliver(slot, Graft { ns, parent: engine, loc: e.loc });
             }
         }
     }
 
+    /// Unregisters countable block `engine` of a deterministic holder from the deterministic
+    /// index, releasing the index's reference to its run with the last holder.
     fn det_unregister(&self, p: &Private, engine: u64, e: &Entry) {
         if !self.me.cfg.content_deterministic || e.ns == NS_NONE || e.state != COUNTABLE {
             return;
         }
         let ns = p.namespaces[e.ns as usize];
-        let gone = {
-            let mut m = self.shared.det.shard(ns, engine).lock();
-            let key = det_key(ns, engine);
-            match m.get_mut(&key) {
-                Some(slot) => {
-                    slot.stamp -= 1;
-                    if slot.stamp == 0 { m.remove(&key).map(|d| d.loc) } else { None }
-                }
-                None => None,
-            }
-        };
-        if let Some(loc) = gone {
+        if let Some(loc) = self.shared.det.remove(ns, engine) {
             release(self.shared, unpack(loc).0, self.guard);
         }
-    }
-
-    /// The location some deterministic holder has for `(ns, parent)`, with a new reference.
-    fn det_lookup(&self, ns: u64, parent: u64) -> Option<u64> {
-        let m = self.shared.det.shard(ns, parent).lock();
-        let loc = m.get(&det_key(ns, parent)).map(|v| v.loc)?;
-        // Under the index's lock its entry holds a reference, so taking another is safe.
-        unpack(loc).0.acquire();
-        Some(loc)
-    }
-
-    fn det_wait(&self, ns: u64, parent: u64) {
-        let mut w = self.shared.det.waits.lock();
-        let v = w.entry((ns, parent)).or_default();
-        if !v.contains(&self.me.slot) {
-            v.push(self.me.slot);
-        }
-        self.shared.det.waiting.store(w.len(), StdOrdering::SeqCst);
-    }
-
-    fn det_unwait(&self, ns: u64, parent: u64) {
-        let mut w = self.shared.det.waits.lock();
-        if let Some(v) = w.get_mut(&(ns, parent)) {
-            v.retain(|&s| s != self.me.slot);
-            if v.is_empty() {
-                w.remove(&(ns, parent));
-            }
-        }
-        self.shared.det.waiting.store(w.len(), StdOrdering::SeqCst);
     }
 
     /// Offers a graft to holder `slot`: into its mailbox, then applied at once if its state is
@@ -1258,7 +1153,7 @@ impl Apply<'_> {
                 let Some(info) = p.orphans.remove(&c) else { continue };
                 if self.me.cfg.content_deterministic {
                     // Nobody waits on `par` here any more: drop the cross-holder wait too.
-                    self.det_unwait(info.ns, par);
+                    self.shared.det.unwait(info.ns, par, self.me.slot);
                 }
                 match how {
                     Parent::Known { seq, loc } => {
@@ -1315,7 +1210,11 @@ impl Apply<'_> {
                     Ident::Countable { loc, fresh, ns: self.ns_idx(p, ns) }
                 }
                 (Parent::Waiting(par), Some(ns)) => {
-                    let det = if self.me.cfg.content_deterministic { self.det_lookup(ns, par) } else { None };
+                    let det = if self.me.cfg.content_deterministic {
+                        self.shared.det.lookup(ns, par)
+                    } else {
+                        None
+                    };
                     match det {
                         Some(ploc) => {
                             borrowed = Some(unpack(ploc).0);
@@ -1380,7 +1279,7 @@ impl Apply<'_> {
                     p.waiting.entry(info.parent).or_default().push(engine);
                     self.out.orphaned += 1;
                     if self.me.cfg.content_deterministic {
-                        self.det_wait(info.ns, info.parent);
+                        self.shared.det.wait(info.ns, info.parent, self.me.slot);
                     }
                 }
             }
@@ -1463,7 +1362,7 @@ impl Apply<'_> {
             p.waiting.remove(&info.parent);
         }
         if self.me.cfg.content_deterministic && !same_ns_left {
-            self.det_unwait(info.ns, info.parent);
+            self.shared.det.unwait(info.ns, info.parent, self.me.slot);
         }
     }
 
@@ -1532,7 +1431,7 @@ impl Apply<'_> {
         if self.me.cfg.content_deterministic {
             let waits: Vec<(u64, u64)> = p.orphans.values().map(|o| (o.ns, o.parent)).collect();
             for (ns, parent) in waits {
-                self.det_unwait(ns, parent);
+                self.shared.det.unwait(ns, parent, self.me.slot);
             }
         }
         p.entries.clear_all();
@@ -1777,9 +1676,7 @@ impl Drop for LedgerShared {
             runs.extend(h.private.lock().runs.keys().copied());
             runs.extend(h.mailbox.lock().iter().map(|g| unpack(g.loc).0.bits()));
         }
-        for shard in self.det.blocks.iter() {
-            runs.extend(shard.lock().values().map(|e| unpack(e.loc).0.bits()));
-        }
+        self.det.collect_runs(&mut runs);
         for bits in runs {
             // SAFETY: `&mut self`: no reader or writer is left, and each run is freed once.
             unsafe { Run::from_bits(bits).free() };
