@@ -37,6 +37,7 @@
 //! that holder's single writer. See ARCHITECTURE.md (`crates/cortex-radix`) for the structure,
 //! the benchmark that chose it and the exact orphan rules.
 
+mod deterministic;
 mod holder;
 pub mod ledger;
 pub mod overlap;

@@ -1,0 +1,166 @@
+//! The deterministic index: the countable blocks of content-deterministic holders by (namespace,
+//! engine hash), and the (namespace, parent) waits of their orphans — what lets one such holder's
+//! orphan be grafted from another holder's block (orphan rule 4 in ARCHITECTURE.md).
+//!
+//! Key decision: only writers touch it (queries never do), so it is plain maps behind mutexes,
+//! sharded 64 ways so that writers of different holders rarely meet and a growing map grows by
+//! 1/64 of the index at a time. Each block entry counts the holders that have the block and
+//! holds one reference to the block's run, so a location it hands out stays valid whoever drops
+//! the block meanwhile. The index knows locations and holder slots, not holders: what to do with
+//! a block found or a waiter woken is the writer's.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize as StdAtomicUsize, Ordering as StdOrdering};
+
+use crate::holder::{COUNTABLE, EngineMap, Entry, NS_NONE, mix64};
+use crate::run::unpack;
+use crate::sync::Mutex;
+
+/// The index's key: the engine hash XOR a mix of the namespace (a bijection for each namespace;
+/// two namespaces collide with probability 2^-64, like two `SeqHash`es).
+fn key(ns: u64, engine: u64) -> u64 {
+    engine ^ mix64(ns ^ 0x6465_7465_726d_696e)
+}
+
+/// Countable blocks of deterministic holders by (namespace, engine hash), and the deterministic
+/// orphans waiting on a parent nobody had yet.
+pub(crate) struct DeterministicIndex {
+    /// `key(ns, engine) → (location in the entry's loc, holders in its stamp)`: [`EngineMap`]s
+    /// (no tombstones, so churn does not grow them), 64 shards by a mix of the key's parts.
+    blocks: Box<[Mutex<EngineMap>]>,
+    /// `(ns, parent engine hash) → slots of the holders with an orphan waiting on it`.
+    waits: Mutex<HashMap<(u64, u64), Vec<u32>>>,
+    /// How many (ns, parent) pairs are waited on: read without the lock, so that registering a
+    /// block takes the waits' lock only when someone waits.
+    waiting: StdAtomicUsize,
+    /// Heap bytes of the block maps.
+    bytes: StdAtomicUsize,
+}
+
+impl DeterministicIndex {
+    /// An empty index (allocates its 64 shards' locks, not their maps).
+    pub(crate) fn new() -> DeterministicIndex {
+        DeterministicIndex {
+            blocks: (0..64).map(|_| Mutex::new(EngineMap::with_capacity_target(usize::MAX / 8))).collect(),
+            waits: Mutex::default(),
+            waiting: StdAtomicUsize::new(0),
+            bytes: StdAtomicUsize::new(0),
+        }
+    }
+
+    fn shard(&self, ns: u64, engine: u64) -> &Mutex<EngineMap> {
+        &self.blocks[(mix64(ns ^ engine.rotate_left(32)) >> 58) as usize]
+    }
+
+    /// Counts one more holder with block `(ns, engine)`, which is at `loc`. The first one takes
+    /// the index's own reference to the run (the caller, whose holder has the block, holds one).
+    /// Returns whether the block is new to the index.
+    pub(crate) fn insert(&self, ns: u64, engine: u64, loc: u64) -> bool {
+        let mut m = self.shard(ns, engine).lock();
+        let key = key(ns, engine);
+        if let Some(slot) = m.get_mut(&key) {
+            slot.stamp += 1;
+            return false;
+        }
+        let before = m.heap_bytes();
+        // The index's own reference (the caller's holder has the run, so it holds one).
+        unpack(loc).0.acquire();
+        m.insert_new(key, Entry { loc, stamp: 1, gpu: 0, low: 0, state: COUNTABLE, ns: NS_NONE });
+        let after = m.heap_bytes();
+        if after != before {
+            // Relaxed: a statistics counter; nothing is published through it.
+            self.bytes.fetch_add(after, StdOrdering::Relaxed);
+            // Relaxed: a statistics counter; nothing is published through it.
+            self.bytes.fetch_sub(before, StdOrdering::Relaxed);
+        }
+        true
+    }
+
+    /// Counts one holder fewer with block `(ns, engine)`. When it was the last, the entry is
+    /// gone and its location is returned: the caller releases the reference the entry held.
+    pub(crate) fn remove(&self, ns: u64, engine: u64) -> Option<u64> {
+        let mut m = self.shard(ns, engine).lock();
+        let key = key(ns, engine);
+        let slot = m.get_mut(&key)?;
+        slot.stamp -= 1;
+        if slot.stamp == 0 { m.remove(&key).map(|d| d.loc) } else { None }
+    }
+
+    /// The location some deterministic holder has for block `(ns, engine)`, with a new
+    /// reference to its run for the caller.
+    pub(crate) fn lookup(&self, ns: u64, engine: u64) -> Option<u64> {
+        let m = self.shard(ns, engine).lock();
+        let loc = m.get(&key(ns, engine)).map(|v| v.loc)?;
+        // Under the shard's lock the entry holds a reference, so taking another is safe.
+        unpack(loc).0.acquire();
+        Some(loc)
+    }
+
+    /// The slots of the holders waiting on `(ns, engine)`, which are no longer waiting: the
+    /// block was just registered. Empty (and no lock taken) when nobody waits on anything.
+    pub(crate) fn take_waiters(&self, ns: u64, engine: u64) -> Vec<u32> {
+        if self.waiting.load(StdOrdering::SeqCst) == 0 {
+            return Vec::new();
+        }
+        let mut w = self.waits.lock();
+        let v = w.remove(&(ns, engine));
+        self.waiting.store(w.len(), StdOrdering::SeqCst);
+        v.unwrap_or_default()
+    }
+
+    /// Holder `slot` has an orphan waiting on `(ns, parent)`.
+    pub(crate) fn wait(&self, ns: u64, parent: u64, slot: u32) {
+        let mut w = self.waits.lock();
+        let v = w.entry((ns, parent)).or_default();
+        if !v.contains(&slot) {
+            v.push(slot);
+        }
+        self.waiting.store(w.len(), StdOrdering::SeqCst);
+    }
+
+    /// Holder `slot` no longer waits on `(ns, parent)`.
+    pub(crate) fn unwait(&self, ns: u64, parent: u64, slot: u32) {
+        let mut w = self.waits.lock();
+        if let Some(v) = w.get_mut(&(ns, parent)) {
+            v.retain(|&s| s != slot);
+            if v.is_empty() {
+                w.remove(&(ns, parent));
+            }
+        }
+        self.waiting.store(w.len(), StdOrdering::SeqCst);
+    }
+
+    /// Drops every wait of holder `slot` (its worker was removed).
+    pub(crate) fn forget_waits_of(&self, slot: u32) {
+        let mut waits = self.waits.lock();
+        waits.retain(|_, v| {
+            v.retain(|&s| s != slot);
+            !v.is_empty()
+        });
+        // Relaxed: a hint read under the waits lock or rechecked by it.
+        self.waiting.store(waits.len(), StdOrdering::Relaxed);
+    }
+
+    /// Heap bytes of the block maps.
+    pub(crate) fn heap_bytes(&self) -> usize {
+        // Relaxed: a statistics counter; nothing is published through it.
+        self.bytes.load(StdOrdering::Relaxed)
+    }
+
+    /// (holder, namespace, parent) waits.
+    pub(crate) fn waits(&self) -> usize {
+        self.waits.lock().values().map(Vec::len).sum()
+    }
+
+    /// Distinct blocks.
+    pub(crate) fn blocks(&self) -> usize {
+        self.blocks.iter().map(|m| m.lock().len()).sum()
+    }
+
+    /// Adds the runs the entries hold references to (as `Run::bits`) to `runs`.
+    pub(crate) fn collect_runs(&self, runs: &mut HashSet<u64>) {
+        for shard in self.blocks.iter() {
+            runs.extend(shard.lock().values().map(|e| unpack(e.loc).0.bits()));
+        }
+    }
+}

@@ -1,0 +1,924 @@
+//! The writer: how a holder's events change the ledger — a store's blocks placed in runs or kept
+//! as orphans, grafts, removes, clears, the capacity and budget evictions — and how a
+//! content-deterministic holder's new block reaches the orphans other such holders keep waiting
+//! on it.
+//!
+//! Key decision: every write is one [`Apply`], made by whoever holds the holder's mutex (its
+//! [`HolderWriter`]; rarely `remove_worker`, or another holder's writer applying the grafts it
+//! left). It changes the holder's private state ([`Private`]) freely, and what queries read only
+//! through the holder's cuts, published once per event for the runs whose offsets changed, and
+//! through run references, taken and released here (the last release reclaims the run). A graft
+//! for another holder never waits for that holder's mutex: it goes to the holder's mailbox and is
+//! applied at once if the mutex is free, else by the write holding it when it unlocks (`deliver`
+//! and [`unlock`] pair through `SeqCst` fences); one that meets the mutex held by a read
+//! (`Ledger::dump`, `HolderWriter::set_readiness`) waits for the holder's next apply.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering as StdOrdering;
+
+use cortex_hash::kv::{BlockRemoved, BlockStored, EventBatch, HolderId, KvEvent, StoredBlock};
+use cortex_hash::{BlockHash, SeqHash, chain};
+
+use super::{ApplyOutcome, HolderShared, LedgerError, LedgerShared, Readiness};
+use crate::holder::{COUNTABLE, Entry, HolderRun, NS_NONE, ORPHAN, OrphanInfo, Private, UNCOUNTABLE};
+use crate::run::{self, MAX_RUN, Run, head_key, pack, unpack};
+use crate::slots::GROUP;
+use crate::sync::epoch::{self, Guard};
+use crate::sync::{MutexGuard, Ordering, fence};
+
+/// The only handle that writes one holder's blocks. Exactly one exists per registered holder;
+/// it is `Send` (the ingest runtime moves it to the thread that owns the holder's events) and
+/// not `Clone`.
+pub struct HolderWriter {
+    shared: Arc<LedgerShared>,
+    me: Arc<HolderShared>,
+}
+
+impl std::fmt::Debug for HolderWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HolderWriter").field("holder", &self.me.id).field("slot", &self.me.slot).finish()
+    }
+}
+
+impl HolderWriter {
+    /// The writer of holder `me`, just registered in `shared`.
+    pub(super) fn new(shared: Arc<LedgerShared>, me: Arc<HolderShared>) -> HolderWriter {
+        HolderWriter { shared, me }
+    }
+
+    /// The holder this writer writes.
+    #[must_use]
+    pub fn holder(&self) -> HolderId {
+        self.me.id
+    }
+
+    fn run(&mut self, f: impl FnOnce(&mut Apply<'_>, &mut Private)) -> Result<ApplyOutcome, LedgerError> {
+        let p = self.me.private.lock();
+        if self.me.revoked.load(Ordering::SeqCst) {
+            // Relaxed: a statistics counter; nothing is published through it.
+            self.shared.counters.refused.fetch_add(1, StdOrdering::Relaxed);
+            return Err(LedgerError::Revoked(self.me.id));
+        }
+        let guard = epoch::pin();
+        let mut out = ApplyOutcome::default();
+        let mut p = p;
+        {
+            let mut apply = Apply { shared: &self.shared, me: &self.me, guard: &guard, out: &mut out };
+            let before = (p.entries.len(), p.countable, p.orphans.len());
+            if apply.me.mail.load(Ordering::SeqCst) {
+                apply.drain_mail(&mut p);
+            }
+            f(&mut apply, &mut p);
+            apply.report(&mut p, before);
+        }
+        let c = &self.shared.counters;
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.unknown_removes.fetch_add(out.unknown_removes, StdOrdering::Relaxed);
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.grafts.fetch_add(out.grafted, StdOrdering::Relaxed);
+        // Relaxed: a counter only this writer increments; readers poll it.
+        self.me.applied.fetch_add(out.events, Ordering::Relaxed);
+        out.grafted += unlock(&self.shared, &self.me, &guard, p);
+        Ok(out)
+    }
+
+    /// Applies one event.
+    ///
+    /// # Errors
+    /// [`LedgerError::Revoked`] once the holder's worker was removed (nothing is written).
+    pub fn apply(&mut self, event: &KvEvent) -> Result<ApplyOutcome, LedgerError> {
+        self.run(|apply, p| apply.event(p, event))
+    }
+
+    /// Applies a batch's events in order.
+    ///
+    /// # Errors
+    /// [`LedgerError::Revoked`] once the holder's worker was removed (nothing is written).
+    pub fn apply_batch(&mut self, batch: &EventBatch) -> Result<ApplyOutcome, LedgerError> {
+        self.run(|apply, p| {
+            for ev in &batch.events {
+                apply.event(p, ev);
+            }
+        })
+    }
+
+    /// Drops every block of the holder (`AllBlocksCleared`, engine restart, resync). A revoked
+    /// writer has nothing left to clear.
+    pub fn clear(&mut self) {
+        let _ = self.run(|apply, p| {
+            apply.clear(p);
+            apply.out.events += 1;
+        });
+    }
+
+    /// Sets the holder's readiness (the ingest runtime's decision). Ignored once revoked.
+    pub fn set_readiness(&mut self, r: Readiness) {
+        let _p = self.me.private.lock();
+        if self.me.revoked.load(Ordering::SeqCst) {
+            return;
+        }
+        // Relaxed: the status value itself; queries read the ready mask below.
+        self.me.readiness.store(r.to_u8(), Ordering::Relaxed);
+        self.shared.slots.set_ready(self.me.slot, r == Readiness::Ready);
+    }
+
+    /// Events applied so far (clears included): a monotone counter tests and the ingest runtime
+    /// can wait on.
+    #[must_use]
+    pub fn applied(&self) -> u64 {
+        // Relaxed: a monotone counter.
+        self.me.applied.load(Ordering::Relaxed)
+    }
+}
+
+/// Empties holder `me`, whose worker was just removed (its writer revoked, its slot retracted),
+/// with its state `p` locked: drops every block — cuts unpublished, runs released, entries of the
+/// deterministic index and waits dropped — unlocks, and releases the grafts left in its mailbox.
+pub(super) fn empty_removed(
+    shared: &LedgerShared,
+    me: &HolderShared,
+    guard: &Guard,
+    mut p: MutexGuard<'_, Private>,
+) {
+    let mut out = ApplyOutcome::default();
+    let mut apply = Apply { shared, me, guard, out: &mut out };
+    let before = (p.entries.len(), p.countable, p.orphans.len());
+    apply.clear(&mut p);
+    p.namespaces = Vec::new();
+    apply.report(&mut p, before);
+    drop(p);
+    for gr in std::mem::take(&mut *me.mailbox.lock()) {
+        release(shared, unpack(gr.loc).0, guard);
+    }
+}
+
+/// Releases a holder's state, then applies grafts other holders left in its mailbox meanwhile.
+/// Returns the orphans grafted from the mailbox.
+fn unlock<'a>(
+    shared: &LedgerShared,
+    me: &'a HolderShared,
+    guard: &Guard,
+    mut p: MutexGuard<'a, Private>,
+) -> u64 {
+    let mut grafted = 0;
+    loop {
+        if me.mail.load(Ordering::SeqCst) && !me.revoked.load(Ordering::SeqCst) {
+            let mut out = ApplyOutcome::default();
+            let mut apply = Apply { shared, me, guard, out: &mut out };
+            let before = (p.entries.len(), p.countable, p.orphans.len());
+            apply.drain_mail(&mut p);
+            apply.report(&mut p, before);
+            // Relaxed: a statistics counter; nothing is published through it.
+            shared.counters.grafts.fetch_add(out.grafted, StdOrdering::Relaxed);
+            grafted += out.grafted;
+        }
+        drop(p);
+        // SeqCst fence: pairs with the one in `deliver` (a graft left while this thread held
+        // the lock is seen here, or its deliverer's try_lock succeeds).
+        fence(Ordering::SeqCst);
+        if !me.mail.load(Ordering::SeqCst) {
+            return grafted;
+        }
+        match me.private.try_lock() {
+            Some(again) => p = again,
+            None => return grafted,
+        }
+    }
+}
+
+/// A graft offered to a deterministic holder by another one: `(ns, parent engine)` is the block
+/// at `loc`. The graft holds a reference to that run until it is applied or dropped.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Graft {
+    /// The namespace of the block and of the orphans it grafts.
+    ns: u64,
+    /// The block's engine hash: the parent the orphans wait on.
+    parent: u64,
+    /// The block's location.
+    pub(super) loc: u64,
+}
+
+/// One apply in progress on holder `me` — its events, a clear, the grafts of its mailbox — by
+/// whoever holds the holder's private state (passed to each step as `p`): the ledger's shared
+/// state, an epoch guard pinned for the apply, and the outcome summed so far.
+struct Apply<'a> {
+    shared: &'a LedgerShared,
+    me: &'a HolderShared,
+    guard: &'a Guard,
+    out: &'a mut ApplyOutcome,
+}
+
+/// What a block's parent is, while walking a store.
+#[derive(Clone, Copy)]
+enum Parent {
+    /// Countable: its `SeqHash` and location (0 for a namespace root, which is in no run).
+    Known {
+        seq: u64,
+        loc: u64,
+    },
+    Uncountable,
+    Waiting(u64),
+}
+
+/// What a stored block is.
+#[derive(Clone, Copy)]
+enum Ident {
+    /// Countable at `loc`; `fresh`: the placement took a reference to the run for this block,
+    /// which the store hands to the holder or releases.
+    Countable {
+        loc: u64,
+        fresh: bool,
+        ns: u8,
+    },
+    Orphan(OrphanInfo, u8),
+    Uncountable,
+}
+
+/// Drops one reference to `run`, reclaiming it if that was the last.
+fn release(shared: &LedgerShared, run: Run, guard: &Guard) {
+    if run.release() {
+        reclaim(shared, run, guard);
+    }
+}
+
+/// Reclaims `run`, whose last reference was just released (see [`run::reclaim`]), and counts it.
+fn reclaim(shared: &LedgerShared, run: Run, guard: &Guard) {
+    if run::reclaim(&shared.table, run, guard) {
+        // Relaxed: statistics counters; nothing is published through them.
+        shared.counters.run_bytes.fetch_sub(run.bytes(), StdOrdering::Relaxed);
+        // Relaxed: as above.
+        shared.counters.runs.fetch_sub(1, StdOrdering::Relaxed);
+        // Relaxed: as above.
+        shared.counters.run_blocks.fetch_sub(run.len() as u64, StdOrdering::Relaxed);
+    }
+}
+
+impl Apply<'_> {
+    fn group_bit(&self) -> (u32, u32) {
+        (self.me.slot / GROUP, self.me.slot % GROUP)
+    }
+
+    /// The run with first block `seq`, with a new reference, if there is one.
+    fn find_head(&self, seq: u64) -> Option<Run> {
+        run::find(&self.shared.table, seq, self.guard)
+    }
+
+    /// A run of `seqs` (see [`run::create`]), with a new reference, counted if new.
+    fn create(&self, seqs: &[u64]) -> Run {
+        let groups = self.shared.slots.groups().max(self.group_bit().0 as usize + 1);
+        let (run, new) = run::create(&self.shared.table, seqs, groups, self.guard);
+        if new {
+            // Relaxed: statistics counters; nothing is published through them.
+            self.shared.counters.run_bytes.fetch_add(run.bytes(), StdOrdering::Relaxed);
+            // Relaxed: as above.
+            self.shared.counters.runs.fetch_add(1, StdOrdering::Relaxed);
+            // Relaxed: as above.
+            self.shared.counters.run_blocks.fetch_add(seqs.len() as u64, StdOrdering::Relaxed);
+        }
+        run
+    }
+
+    /// Where block `seq`, the child of `parent` (a location, 0 for a namespace root), goes: the
+    /// next block of the parent's run if it is `seq`, else the run that starts with `seq`, else —
+    /// with as many of the blocks chained after it (`rest`, their contents) as start no run — the
+    /// end of the parent's run if that is the parent and has room, else a new run. By the chain
+    /// property those are the only places `seq` can be. Returns the location and whether a
+    /// reference was taken for it.
+    fn place(&self, parent: u64, seq: u64, rest: &[StoredBlock]) -> (u64, bool) {
+        let mut tail = None;
+        if parent != 0 {
+            let (run, off) = unpack(parent);
+            let len = run.len();
+            if off + 1 < len {
+                if run.hash(off + 1) == seq {
+                    return (pack(run, off + 1), false);
+                }
+            } else if len < run.cap() {
+                tail = Some((run, len));
+            }
+        }
+        if let Some(run) = self.find_head(seq) {
+            return (pack(run, 0), true);
+        }
+        let mut seqs = [0u64; MAX_RUN];
+        seqs[0] = seq;
+        let mut len = 1;
+        let mut s = seq;
+        for b in rest.iter().take(MAX_RUN - 1) {
+            s = chain(SeqHash::from_bits(s), b.content).to_bits();
+            seqs[len] = s;
+            self.shared.table.prefetch(head_key(s), self.guard);
+            len += 1;
+        }
+        // A block that already starts a run (its parent's run was reclaimed while it lived on)
+        // ends the new blocks: it stays in its own run.
+        let mut take = 1;
+        while take < len && self.shared.table.get(head_key(seqs[take]), self.guard) == 0 {
+            take += 1;
+        }
+        if let Some((run, at)) = tail {
+            let appended = run::append(&self.shared.table, run, at, &seqs[..take], self.guard);
+            if appended > 0 {
+                // Relaxed: a statistics counter; nothing is published through it.
+                self.shared.counters.run_blocks.fetch_add(appended as u64, StdOrdering::Relaxed);
+                return (pack(run, at), false);
+            }
+            // Another writer appended first: `seq` may be the run's next block now.
+            if run.len() > at && run.hash(at) == seq {
+                return (pack(run, at), false);
+            }
+        }
+        (pack(self.create(&seqs[..take]), 0), true)
+    }
+
+    /// Adds an entry located at `loc` to the holder's blocks of its run; `fresh`: a reference
+    /// was taken for it (handed to the holder, or released if it already has the run).
+    fn attach(&self, p: &mut Private, loc: u64, fresh: bool) {
+        let (run, _) = unpack(loc);
+        match p.runs.get_mut(&run.bits()) {
+            Some(hr) => {
+                hr.entries += 1;
+                if fresh {
+                    release(self.shared, run, self.guard);
+                }
+            }
+            None => {
+                if !fresh {
+                    // The caller holds a reference (its parent's block, or a graft's).
+                    run.acquire();
+                }
+                p.runs.insert(run.bits(), HolderRun { entries: 1, ..HolderRun::default() });
+            }
+        }
+    }
+
+    /// Removes an entry located at `loc` (its flags already cleared); the holder's last entry in
+    /// the run unpublishes its cuts and releases the run.
+    fn detach(&self, p: &mut Private, loc: u64) {
+        let (run, _) = unpack(loc);
+        let Some(hr) = p.runs.get_mut(&run.bits()) else { return };
+        hr.entries -= 1;
+        if hr.entries > 0 {
+            return;
+        }
+        self.publish(run, hr.published, 0);
+        p.runs.remove(&run.bits());
+        release(self.shared, run, self.guard);
+    }
+
+    /// Moves the entry at `loc` from the flags `before` to `now` in the holder's offsets of the
+    /// run; the cuts are published by [`Apply::flush`].
+    fn cover(&self, p: &mut Private, loc: u64, before: (bool, bool), now: (bool, bool)) {
+        if before == now {
+            return;
+        }
+        let (run, off) = unpack(loc);
+        let Some(hr) = p.runs.get_mut(&run.bits()) else { return };
+        let bit = 1u64 << off;
+        hr.gpu = if now.0 { hr.gpu | bit } else { hr.gpu & !bit };
+        hr.any = if now.1 { hr.any | bit } else { hr.any & !bit };
+        if hr.cuts() != hr.published && p.dirty.last() != Some(&run.bits()) {
+            p.dirty.push(run.bits());
+        }
+    }
+
+    /// Publishes the holder's cuts of `run` (counting a group extension it allocates).
+    fn publish(&self, run: Run, old: u16, new: u16) {
+        let (g, bit) = self.group_bit();
+        let allocated = run.publish(g as usize, bit, old, new);
+        if allocated > 0 {
+            // Relaxed: a statistics counter; nothing is published through it.
+            self.shared.counters.run_bytes.fetch_add(allocated, StdOrdering::Relaxed);
+        }
+    }
+
+    /// Publishes the cuts of the runs whose offsets changed.
+    fn flush(&self, p: &mut Private) {
+        for key in std::mem::take(&mut p.dirty) {
+            let Some(hr) = p.runs.get_mut(&key) else { continue };
+            let (old, cuts) = (hr.published, hr.cuts());
+            hr.published = cuts;
+            // SAFETY: the holder has the run (`hr`), so it holds a reference to it.
+            self.publish(unsafe { Run::from_bits(key) }, old, cuts);
+        }
+    }
+
+    /// Moves `e` from the flags `before` to its current flags.
+    fn sync(&self, p: &mut Private, before: (bool, bool), e: &Entry) {
+        if e.state == COUNTABLE {
+            self.cover(p, e.loc, before, e.flags());
+        }
+    }
+
+    /// Registers countable block `engine` of a deterministic holder in the deterministic index;
+    /// the first holder to have it offers a graft to every holder waiting on it.
+    fn det_register(&self, p: &Private, engine: u64, e: &Entry) {
+        if !self.me.cfg.content_deterministic || e.ns == NS_NONE || e.state != COUNTABLE {
+            return;
+        }
+        let ns = p.namespaces[e.ns as usize];
+        if !self.shared.det.insert(ns, engine, e.loc) {
+            return;
+        }
+        for slot in self.shared.det.take_waiters(ns, engine) {
+            if slot != self.me.slot {
+                // The graft's reference, taken while this holder holds one.
+                unpack(e.loc).0.acquire();
+                self.deliver(slot, Graft { ns, parent: engine, loc: e.loc });
+            }
+        }
+    }
+
+    /// Unregisters countable block `engine` of a deterministic holder from the deterministic
+    /// index, releasing the index's reference to its run with the last holder.
+    fn det_unregister(&self, p: &Private, engine: u64, e: &Entry) {
+        if !self.me.cfg.content_deterministic || e.ns == NS_NONE || e.state != COUNTABLE {
+            return;
+        }
+        let ns = p.namespaces[e.ns as usize];
+        if let Some(loc) = self.shared.det.remove(ns, engine) {
+            release(self.shared, unpack(loc).0, self.guard);
+        }
+    }
+
+    /// Offers a graft to holder `slot`: into its mailbox, then applied at once if its state is
+    /// free, or by whoever holds it when they unlock (see [`unlock`]).
+    fn deliver(&self, slot: u32, graft: Graft) {
+        let target = self.shared.registry.lock().by_slot.get(slot as usize).cloned().flatten();
+        let Some(target) = target else {
+            release(self.shared, unpack(graft.loc).0, self.guard);
+            return;
+        };
+        target.mailbox.lock().push(graft);
+        target.mail.store(true, Ordering::SeqCst);
+        // SeqCst fence: either this try_lock sees the lock released, or the unlocker's check
+        // after its own fence sees the mail flag (see `unlock`).
+        fence(Ordering::SeqCst);
+        if let Some(p) = target.private.try_lock() {
+            unlock(self.shared, &target, self.guard, p);
+        }
+    }
+
+    /// Applies the grafts in this holder's mailbox (and releases their references).
+    fn drain_mail(&mut self, p: &mut Private) {
+        self.me.mail.store(false, Ordering::SeqCst);
+        let grafts = std::mem::take(&mut *self.me.mailbox.lock());
+        for gr in grafts {
+            self.apply_graft(p, gr);
+            release(self.shared, unpack(gr.loc).0, self.guard);
+        }
+        self.flush(p);
+    }
+
+    fn apply_graft(&mut self, p: &mut Private, gr: Graft) {
+        let known = p.entries.get(&gr.parent).is_some_and(|e| e.state != ORPHAN);
+        if known {
+            return;
+        }
+        let Some(children) = p.waiting.get(&gr.parent).cloned() else { return };
+        let (run, off) = unpack(gr.loc);
+        let seq = run.hash(off);
+        let mut left = Vec::new();
+        for c in children {
+            match p.orphans.get(&c).copied() {
+                Some(info) if info.ns == gr.ns => {
+                    p.orphans.remove(&c);
+                    if let Some(next) = self.graft(p, c, info, seq, gr.loc) {
+                        self.cascade(p, c, next);
+                    }
+                }
+                Some(_) => left.push(c),
+                None => {}
+            }
+        }
+        if left.is_empty() {
+            p.waiting.remove(&gr.parent);
+        } else {
+            p.waiting.insert(gr.parent, left);
+        }
+    }
+
+    /// The graft step: orphan `engine` (its info already removed) becomes a countable block, the
+    /// child of the countable block `seq` at `loc`, placed, attached, counted and published like
+    /// a stored one. Returns what it now is as a parent (for its own waiting children), `None` if
+    /// the holder does not have it.
+    fn graft(
+        &mut self,
+        p: &mut Private,
+        engine: u64,
+        info: OrphanInfo,
+        seq: u64,
+        loc: u64,
+    ) -> Option<Parent> {
+        // Nothing is placed for a block the holder does not have.
+        p.entries.get(&engine)?;
+        let child = chain(SeqHash::from_bits(seq), BlockHash::from_bits(info.content)).to_bits();
+        let ns_idx = self.ns_idx(p, info.ns);
+        let (cloc, fresh) = self.place(loc, child, &[]);
+        self.attach(p, cloc, fresh);
+        let e = p.entries.get_mut(&engine)?;
+        let before = e.flags();
+        e.state = COUNTABLE;
+        e.loc = cloc;
+        e.ns = ns_idx;
+        let e = *e;
+        self.sync(p, before, &e);
+        p.countable += 1;
+        self.out.grafted += 1;
+        self.det_register(p, engine, &e);
+        Some(Parent::Known { seq: child, loc: cloc })
+    }
+
+    /// Resolves the orphans waiting on `parent`, which just became countable or uncountable,
+    /// and theirs, transitively.
+    fn cascade(&mut self, p: &mut Private, parent: u64, how: Parent) {
+        if !p.waiting.contains_key(&parent) {
+            return;
+        }
+        let mut stack = vec![(parent, how)];
+        while let Some((par, how)) = stack.pop() {
+            let Some(children) = p.waiting.remove(&par) else { continue };
+            for c in children {
+                let Some(info) = p.orphans.remove(&c) else { continue };
+                if self.me.cfg.content_deterministic {
+                    // Nobody waits on `par` here any more: drop the cross-holder wait too.
+                    self.shared.det.unwait(info.ns, par, self.me.slot);
+                }
+                match how {
+                    Parent::Known { seq, loc } => {
+                        if let Some(next) = self.graft(p, c, info, seq, loc) {
+                            stack.push((c, next));
+                        }
+                    }
+                    _ => {
+                        if let Some(e) = p.entries.get_mut(&c) {
+                            e.state = UNCOUNTABLE;
+                        }
+                        stack.push((c, Parent::Uncountable));
+                    }
+                }
+            }
+        }
+    }
+
+    fn parent_of(&self, p: &Private, engine: u64) -> Parent {
+        match p.entries.get(&engine) {
+            Some(e) if e.state == COUNTABLE => {
+                let (run, off) = unpack(e.loc);
+                Parent::Known { seq: run.hash(off), loc: e.loc }
+            }
+            Some(e) if e.state == UNCOUNTABLE => Parent::Uncountable,
+            _ => Parent::Waiting(engine),
+        }
+    }
+
+    fn store(&mut self, p: &mut Private, ev: &BlockStored) {
+        let gpu = ev.medium.is_gpu();
+        let mut parent = match (ev.parent, ev.lineage) {
+            (_, None) => Parent::Uncountable,
+            (None, Some(l)) => Parent::Known { seq: l.root.to_bits(), loc: 0 },
+            (Some(e), Some(_)) => self.parent_of(p, e.to_u64()),
+        };
+        let ns = ev.lineage.map(|l| l.namespace.to_bits());
+        for b in &ev.blocks {
+            p.entries.prefetch(b.engine.to_u64());
+        }
+        for (j, b) in ev.blocks.iter().enumerate() {
+            let content = b.content.to_bits();
+            let rest = &ev.blocks[j + 1..];
+            // A reference to a deterministic parent's run, held until this block is placed.
+            let mut borrowed = None;
+            // A countable block ends up at its placement whatever the holder had: it is the next
+            // block's parent.
+            let mut next = None;
+            let ident = match (parent, ns) {
+                (Parent::Known { seq, loc }, Some(ns)) => {
+                    let seq = chain(SeqHash::from_bits(seq), b.content).to_bits();
+                    let (loc, fresh) = self.place(loc, seq, rest);
+                    next = Some(Parent::Known { seq, loc });
+                    Ident::Countable { loc, fresh, ns: self.ns_idx(p, ns) }
+                }
+                (Parent::Waiting(par), Some(ns)) => {
+                    let det = if self.me.cfg.content_deterministic {
+                        self.shared.det.lookup(ns, par)
+                    } else {
+                        None
+                    };
+                    match det {
+                        Some(ploc) => {
+                            borrowed = Some(unpack(ploc).0);
+                            self.out.grafted += 1;
+                            let (prun, poff) = unpack(ploc);
+                            let seq = chain(SeqHash::from_bits(prun.hash(poff)), b.content).to_bits();
+                            let (loc, fresh) = self.place(ploc, seq, rest);
+                            next = Some(Parent::Known { seq, loc });
+                            Ident::Countable { loc, fresh, ns: self.ns_idx(p, ns) }
+                        }
+                        None => Ident::Orphan(OrphanInfo { parent: par, content, ns }, self.ns_idx(p, ns)),
+                    }
+                }
+                _ => Ident::Uncountable,
+            };
+            let engine = b.engine.to_u64();
+            self.store_one(p, engine, ident, gpu);
+            if let Some(run) = borrowed {
+                release(self.shared, run, self.guard);
+            }
+            parent = next.unwrap_or_else(|| self.parent_of(p, engine));
+            self.out.stored += 1;
+        }
+    }
+
+    fn ns_idx(&self, p: &mut Private, ns: u64) -> u8 {
+        if self.me.cfg.content_deterministic { p.ns_index(ns) } else { NS_NONE }
+    }
+
+    fn store_one(&mut self, p: &mut Private, engine: u64, ident: Ident, gpu: bool) {
+        let stamp = p.next_stamp();
+        let Some(e) = p.entries.get_mut(&engine) else {
+            let mut e = Entry {
+                loc: 0,
+                stamp,
+                gpu: u8::from(gpu),
+                low: u8::from(!gpu),
+                state: UNCOUNTABLE,
+                ns: NS_NONE,
+            };
+            match ident {
+                Ident::Countable { loc, fresh, ns } => {
+                    e.state = COUNTABLE;
+                    e.loc = loc;
+                    e.ns = ns;
+                    p.entries.insert_new(engine, e);
+                    self.attach(p, loc, fresh);
+                    self.sync(p, (false, false), &e);
+                    p.countable += 1;
+                    self.det_register(p, engine, &e);
+                    self.cascade(p, engine, Parent::Known { seq: unpack(loc).0.hash(unpack(loc).1), loc });
+                }
+                Ident::Uncountable => {
+                    p.entries.insert_new(engine, e);
+                    self.cascade(p, engine, Parent::Uncountable);
+                }
+                Ident::Orphan(info, ns) => {
+                    e.state = ORPHAN;
+                    e.ns = ns;
+                    p.entries.insert_new(engine, e);
+                    p.orphans.insert(engine, info);
+                    p.waiting.entry(info.parent).or_default().push(engine);
+                    self.out.orphaned += 1;
+                    if self.me.cfg.content_deterministic {
+                        self.shared.det.wait(info.ns, info.parent, self.me.slot);
+                    }
+                }
+            }
+            return;
+        };
+        let before = e.flags();
+        e.stamp = stamp;
+        match (e.state, ident) {
+            (COUNTABLE, Ident::Countable { loc, fresh, ns }) if loc != e.loc => {
+                // A known engine hash with another identity: the new store replaces the old
+                // block, references included.
+                let old = *e;
+                e.loc = loc;
+                e.ns = ns;
+                e.gpu = u8::from(gpu);
+                e.low = u8::from(!gpu);
+                let new = *e;
+                self.attach(p, loc, fresh);
+                self.cover(p, old.loc, before, (false, false));
+                self.detach(p, old.loc);
+                self.sync(p, (false, false), &new);
+                self.det_unregister(p, engine, &old);
+                self.det_register(p, engine, &new);
+                // Relaxed: a statistics counter; nothing is published through it.
+                self.shared.counters.conflicts.fetch_add(1, StdOrdering::Relaxed);
+            }
+            (ORPHAN, Ident::Countable { loc, fresh, ns }) => {
+                bump(e, gpu);
+                let info = p.orphans.remove(&engine);
+                if let Some(info) = info {
+                    self.unlink_waiting(p, engine, info);
+                }
+                self.attach(p, loc, fresh);
+                let Some(e) = p.entries.get_mut(&engine) else { return };
+                e.state = COUNTABLE;
+                e.loc = loc;
+                e.ns = ns;
+                let e = *e;
+                self.sync(p, before, &e);
+                p.countable += 1;
+                self.out.grafted += 1;
+                self.det_register(p, engine, &e);
+                self.cascade(p, engine, Parent::Known { seq: unpack(loc).0.hash(unpack(loc).1), loc });
+            }
+            (UNCOUNTABLE, Ident::Countable { loc, fresh, ns }) => {
+                bump(e, gpu);
+                e.state = COUNTABLE;
+                e.loc = loc;
+                e.ns = ns;
+                let e = *e;
+                self.attach(p, loc, fresh);
+                self.sync(p, before, &e);
+                p.countable += 1;
+                self.det_register(p, engine, &e);
+                self.cascade(p, engine, Parent::Known { seq: unpack(loc).0.hash(unpack(loc).1), loc });
+            }
+            (_, ident) => {
+                bump(e, gpu);
+                let e = *e;
+                self.sync(p, before, &e);
+                if let Ident::Countable { loc, fresh: true, .. } = ident {
+                    // The same block again: the holder already holds its run.
+                    release(self.shared, unpack(loc).0, self.guard);
+                }
+            }
+        }
+    }
+
+    /// Removes orphan `engine` from its parent's waiting list (and the deterministic waits when
+    /// the list empties).
+    fn unlink_waiting(&self, p: &mut Private, engine: u64, info: OrphanInfo) {
+        let Some(list) = p.waiting.get_mut(&info.parent) else { return };
+        list.retain(|&c| c != engine);
+        let empty = list.is_empty();
+        // The cross-holder wait is per (namespace, parent): drop it when no orphan of that
+        // namespace waits on the parent any more. (`engine`'s own info is already removed.)
+        let same_ns_left = self.me.cfg.content_deterministic
+            && list.iter().any(|c| p.orphans.get(c).is_some_and(|o| o.ns == info.ns));
+        if empty {
+            p.waiting.remove(&info.parent);
+        }
+        if self.me.cfg.content_deterministic && !same_ns_left {
+            self.shared.det.unwait(info.ns, info.parent, self.me.slot);
+        }
+    }
+
+    /// Drops entry `engine` entirely.
+    fn drop_entry(&mut self, p: &mut Private, engine: u64) {
+        let Some(e) = p.entries.remove(&engine) else { return };
+        match e.state {
+            COUNTABLE => {
+                self.cover(p, e.loc, e.flags(), (false, false));
+                self.detach(p, e.loc);
+                p.countable -= 1;
+                self.det_unregister(p, engine, &e);
+            }
+            ORPHAN => {
+                if let Some(info) = p.orphans.remove(&engine) {
+                    self.unlink_waiting(p, engine, info);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn remove(&mut self, p: &mut Private, ev: &BlockRemoved) {
+        let gpu = ev.medium.is_gpu();
+        for h in &ev.blocks {
+            let engine = h.to_u64();
+            let Some(e) = p.entries.get_mut(&engine) else {
+                self.out.unknown_removes += 1;
+                continue;
+            };
+            if (if gpu { e.gpu } else { e.low }) == 0 {
+                self.out.unknown_removes += 1;
+                continue;
+            }
+            self.out.removed += 1;
+            if e.refs() == 1 {
+                // The last reference: drop the entry whole (its flags still say what to clear).
+                self.drop_entry(p, engine);
+            } else {
+                let before = e.flags();
+                if gpu {
+                    e.gpu -= 1;
+                } else {
+                    e.low -= 1;
+                }
+                let e = *e;
+                self.sync(p, before, &e);
+            }
+        }
+    }
+
+    fn clear(&mut self, p: &mut Private) {
+        // Unpublish and release every run first, then forget the entries.
+        for (key, hr) in std::mem::take(&mut p.runs) {
+            // SAFETY: the holder has the run, so it holds a reference to it.
+            let run = unsafe { Run::from_bits(key) };
+            self.publish(run, hr.published, 0);
+            release(self.shared, run, self.guard);
+        }
+        p.dirty.clear();
+        let countable: Vec<(u64, Entry)> =
+            p.entries.iter().filter(|(_, e)| e.state == COUNTABLE).map(|(k, e)| (*k, *e)).collect();
+        for (engine, e) in countable {
+            self.det_unregister(p, engine, &e);
+        }
+        if self.me.cfg.content_deterministic {
+            let waits: Vec<(u64, u64)> = p.orphans.values().map(|o| (o.ns, o.parent)).collect();
+            for (ns, parent) in waits {
+                self.shared.det.unwait(ns, parent, self.me.slot);
+            }
+        }
+        p.entries.clear_all();
+        p.orphans = Default::default();
+        p.waiting = Default::default();
+        p.countable = 0;
+        self.out.cleared += 1;
+    }
+
+    fn evict(&mut self, p: &mut Private, down_to: usize) -> u64 {
+        let n = p.entries.len().saturating_sub(down_to);
+        if n == 0 {
+            return 0;
+        }
+        for engine in p.oldest(n) {
+            self.drop_entry(p, engine);
+        }
+        if p.entries.capacity() > 4 * p.entries.len().max(16) {
+            p.entries.shrink_to(p.entries.len());
+        }
+        if p.runs.capacity() > 4 * p.runs.len().max(16) {
+            p.runs.shrink_to(2 * p.runs.len());
+        }
+        self.out.evicted += n as u64;
+        n as u64
+    }
+
+    /// Capacity and budget limits, after an event.
+    fn enforce_limits(&mut self, p: &mut Private) {
+        if p.entries.len() > self.me.limit {
+            let n = self.evict(p, self.me.cfg.capacity_blocks as usize);
+            // Relaxed: a statistics counter; nothing is published through it.
+            self.shared.counters.evictions_capacity.fetch_add(n, StdOrdering::Relaxed);
+        }
+        let budget = self.shared.budget_blocks(self.me.cfg.capacity_blocks);
+        if p.entries.len() > budget {
+            // Down to the share less the slack, as for the capacity: one selection pass per
+            // slack's worth of stores, not one per store.
+            let slack = self.shared.cfg.capacity_slack_percent as usize;
+            let n = self.evict(p, budget * 100 / (100 + slack));
+            // Relaxed: a statistics counter; nothing is published through it.
+            self.shared.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
+            // Give the memory back: the map was sized for the capacity, not the budget.
+            if p.entries.capacity() > 2 * budget {
+                p.entries.shrink_to(budget * 100 / (100 + slack));
+            }
+        }
+    }
+
+    fn event(&mut self, p: &mut Private, ev: &KvEvent) {
+        match ev {
+            KvEvent::Stored(s) => self.store(p, s),
+            // Relaxed: a statistics counter; nothing is published through it.
+            KvEvent::Removed(r) => self.remove(p, r),
+            KvEvent::AllCleared => self.clear(p),
+        }
+        if self.me.mail.load(Ordering::SeqCst) {
+            // Grafts this event caused through another deterministic holder (or that arrived
+            // meanwhile) are applied before the limits evict: an orphan is grafted, then it may
+            // be evicted, never the other way round.
+            self.drain_mail(p);
+        }
+        self.enforce_limits(p);
+        self.flush(p);
+        self.out.events += 1;
+    }
+
+    /// Publishes this holder's gauges to the ledger's counters.
+    fn report(&self, p: &mut Private, before: (usize, usize, usize)) {
+        // Relaxed: statistics counters; nothing is published through them.
+        let r = StdOrdering::Relaxed;
+        let c = &self.shared.counters;
+        let bytes = p.heap_bytes();
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.private_bytes.fetch_add(bytes, r);
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.private_bytes.fetch_sub(p.reported_bytes, r);
+        p.reported_bytes = bytes;
+        let now = (p.entries.len(), p.countable, p.orphans.len());
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.blocks.fetch_add(now.0 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.blocks.fetch_sub(before.0 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.countable.fetch_add(now.1 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.countable.fetch_sub(before.1 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.orphans.fetch_add(now.2 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.orphans.fetch_sub(before.2 as u64, r);
+    }
+}
+
+fn bump(e: &mut Entry, gpu: bool) {
+    if gpu {
+        e.gpu = e.gpu.saturating_add(1);
+    } else {
+        e.low = e.low.saturating_add(1);
+    }
+}
