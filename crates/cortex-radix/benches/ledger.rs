@@ -1,4 +1,4 @@
-//! Ledger benchmarks on the `research/dynamo-llmd.md` §4 workload (W = 8 and 64 holders, 10k
+//! Ledger benchmarks on the ledger workload of `benches/workload.rs` (W = 8 and 64 holders, 10k
 //! and 100k blocks each), against a naive baseline in the same run: query latency p50/p99,
 //! apply throughput (block-stores/s on one core) and live bytes per (holder, block), measured
 //! with a counting allocator. The report table comes first; criterion then times the query and

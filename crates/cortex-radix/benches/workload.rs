@@ -1,4 +1,4 @@
-//! The ledger benchmark workload of `research/dynamo-llmd.md` §4, shared (by `#[path]`) by the
+//! The ledger benchmark workload (`docs/perf.md`, "Ledger"), shared (by `#[path]`) by the
 //! criterion bench, the soak and the peer harness in `peers/radix-bench`, so all three measure
 //! exactly the same events and queries.
 //!
