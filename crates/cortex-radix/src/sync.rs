@@ -2,8 +2,10 @@
 //!
 //! Key decision: under `--cfg loom` (with `--cfg crossbeam_loom`, as `cargo xtask loom` sets) the
 //! shim swaps `std`'s atomics and locks for loom's, and crossbeam-epoch is built with its own loom
-//! support, so the loom models in `table.rs`, `run.rs` and `slots.rs` check the very code the ledger runs rather than a
-//! copy of it. Nothing outside this module names `std::sync::atomic`, `parking_lot` or `loom`.
+//! support, so the loom models in `table.rs`, `run.rs` and `slots.rs` check the very code the
+//! ledger runs rather than a copy of it. Outside this module, `std::sync::atomic` is named only
+//! for statistics counters (bytes, blocks, evictions) that no lock-free path orders anything by,
+//! renamed `Std*` where they are imported so they cannot be mistaken for the shim's.
 
 #[cfg(not(loom))]
 pub(crate) use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering, fence};
