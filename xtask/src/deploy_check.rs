@@ -188,7 +188,7 @@ fn gateway_command(root: &Path, exe: Option<&Path>) -> Command {
 }
 
 /// The gateway's own verdict on a rendered `cortex.yaml` (`cortex-gateway --check-config`):
-/// `Ok(shutdown_grace, listen port)` or its refusal. The model files live on a volume in the
+/// `Ok(shutdown_delay + shutdown_grace, listen port)` or its refusal. The model files live on a volume in the
 /// cluster; the repository's Qwen3 files stand in for them.
 fn gateway_config(
     root: &Path,
@@ -220,7 +220,9 @@ fn gateway_config(
     }
     let summary: Value = serde_json::from_slice(out.stdout.trim_ascii())
         .context("cortex-gateway --check-config printed no JSON summary")?;
-    let grace = summary["shutdown_grace_ms"].as_u64().context("summary: no shutdown_grace_ms")?;
+    // What the gateway may take after SIGTERM: its drain delay, then its grace for streams.
+    let grace = summary["shutdown_grace_ms"].as_u64().context("summary: no shutdown_grace_ms")?
+        + summary["shutdown_delay_ms"].as_u64().unwrap_or(0);
     let listen: std::net::SocketAddr =
         summary["listen"].as_str().context("summary: no listen")?.parse().context("summary: listen")?;
     Ok(Ok((Duration::from_millis(grace), listen.port())))
@@ -310,7 +312,7 @@ fn check_objects(root: &Path, dir: &str, objects: &[Value], gateway: &Gateway<'_
     let sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"].as_u64().unwrap_or(0);
     ensure!(
         Duration::from_secs(termination) > Duration::from_secs(sleep) + grace,
-        "terminationGracePeriodSeconds {termination}s must exceed the preStop sleep {sleep}s plus shutdown_grace {grace:?}"
+        "terminationGracePeriodSeconds {termination}s must exceed the preStop sleep {sleep}s plus shutdown_delay and shutdown_grace ({grace:?})"
     );
     // The Service reaches the container port; the ServiceMonitor scrapes a Service port.
     let service = one(objects, "Service")?;

@@ -145,6 +145,10 @@ pub struct Config {
     /// Graceful-shutdown deadline.
     #[serde(default)]
     pub shutdown_grace: Option<Dur>,
+    /// Time after SIGTERM during which `/health/ready` answers 503 and requests are still
+    /// served, before the listeners close.
+    #[serde(default)]
+    pub shutdown_delay: Option<Dur>,
     /// Workers found by watching an orchestrator.
     #[serde(default)]
     pub discovery: DiscoveryFile,
@@ -616,6 +620,7 @@ impl Config {
             segment_cache_tokens: d.segment_cache_tokens,
             prefill_tokens_per_sec: self.scheduler.prefill_tokens_per_sec.unwrap_or(d.prefill_tokens_per_sec),
             shutdown_grace: self.shutdown_grace.map_or(d.shutdown_grace, |v| v.0),
+            shutdown_delay: self.shutdown_delay.map_or(d.shutdown_delay, |v| v.0),
             pd,
         };
         let (sched, health) = scheduler(&self.scheduler)?;

@@ -129,9 +129,16 @@ impl Running {
         self.gateway.control().ledger().readiness(holder)
     }
 
-    /// Graceful shutdown: stop accepting, let in-flight streams finish up to the configured
-    /// deadline, then stop the event plane.
+    /// Graceful shutdown: `/health/ready` answers 503 at once; requests are still served for
+    /// `shutdown_delay`; then stop accepting, let in-flight streams finish up to `shutdown_grace`,
+    /// then stop the event plane.
     pub async fn shutdown(self) {
+        let delay = self.gateway.shutdown_delay();
+        self.gateway.begin_drain();
+        if !delay.is_zero() {
+            tracing::info!(?delay, "draining: not ready, still serving");
+            tokio::time::sleep(delay).await;
+        }
         self.gateway.begin_shutdown();
         for s in self.stop {
             let _ = s.send(());

@@ -87,6 +87,7 @@ fn run(cli: Cli) -> Result<()> {
             "ok": true,
             "listen": s.listen.to_string(),
             "shutdown_grace_ms": u64::try_from(s.proxy.shutdown_grace.as_millis()).unwrap_or(u64::MAX),
+            "shutdown_delay_ms": u64::try_from(s.proxy.shutdown_delay.as_millis()).unwrap_or(u64::MAX),
             "models": s.models.names().count(),
             "workers": s.workers.len(),
         });
@@ -125,7 +126,7 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", demo::banner(running.addr, &sims));
         }
         shutdown_signal().await;
-        tracing::info!("shutting down: no new connections; in-flight streams may finish");
+        tracing::info!("shutting down: not ready at once, new connections refused after shutdown_delay, in-flight streams may finish");
         running.shutdown().await;
         drop(sims);
         Ok(())

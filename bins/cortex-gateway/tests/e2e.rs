@@ -480,6 +480,58 @@ async fn graceful_shutdown_lets_streams_finish() {
     drop(sims);
 }
 
+/// Shutdown as Kubernetes does it, in order: `/health/ready` answers 503 at once (the endpoint
+/// leaves the Service) while requests are still served during `shutdown_delay`; then the
+/// listener closes; a stream in flight all along finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_is_not_ready_at_once_then_drains_then_closes() {
+    let h =
+        harness("sglang", vec![slow_sim("sglang")], &[("shutdown_grace", "10s"), ("shutdown_delay", "10s")])
+            .await;
+    let addr = h.addr();
+    let stream = {
+        let client = h.client.clone();
+        let body = Bytes::from(
+            json!({"model": MODEL, "prompt": "a long answer", "max_tokens": 40, "stream": true}).to_string(),
+        );
+        tokio::spawn(async move {
+            let req = Request::post(format!("http://{addr}/v1/completions")).body(Full::new(body)).unwrap();
+            let resp = client.request(req).await.unwrap();
+            String::from_utf8(resp.into_body().collect().await.unwrap().to_bytes().to_vec()).unwrap()
+        })
+    };
+    h.wait("the stream is in flight", || h.sims[0].in_flight(0).unwrap_or(0) > 0).await;
+    assert_eq!(h.send("GET", "/health/ready", Bytes::new()).await.status, StatusCode::OK);
+    let caller = h.caller();
+    let Harness { sims, gw, client } = h;
+    let gateway = std::sync::Arc::clone(&gw.gateway);
+    let shutdown = tokio::spawn(gw.shutdown());
+    // Draining: not ready at once…
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    let ready = loop {
+        let r = caller.send_to("GET", &format!("http://{addr}/health/ready"), Bytes::new()).await;
+        if r.status != StatusCode::OK || tokio::time::Instant::now() > deadline {
+            break r;
+        }
+    };
+    assert_eq!(ready.status, StatusCode::SERVICE_UNAVAILABLE, "{}", ready.body);
+    assert_eq!(ready.json()["status"], "draining", "{}", ready.body);
+    // …and still serving while the listener is open: served before the delay ended.
+    let served =
+        caller.post("/v1/completions", &json!({"model": MODEL, "prompt": "late", "max_tokens": 2})).await;
+    assert_eq!(served.status, StatusCode::OK, "{}", served.body);
+    assert!(
+        !gateway.is_shutting_down(),
+        "the request was served during the drain, before the listener closed"
+    );
+    shutdown.await.unwrap();
+    let body = stream.await.unwrap();
+    assert!(body.ends_with("data: [DONE]\n\n"), "the in-flight stream finished: {body}");
+    assert!(!body.contains("\"error\""));
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "the listener is closed");
+    drop((sims, client));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_describe_routing_ledger_and_workers() {
     let h = harness_with("vllm", vec![sim("vllm")], &[], |_| {}, Some(prometheus())).await;

@@ -139,6 +139,9 @@ pub struct ProxyConfig {
     pub prefill_tokens_per_sec: u32,
     /// Time allowed for graceful shutdown before streams are cut.
     pub shutdown_grace: Duration,
+    /// Time between the start of a graceful shutdown and closing the listeners, during which
+    /// `/health/ready` answers 503 and requests are still served (zero: close at once).
+    pub shutdown_delay: Duration,
     /// Prefill/decode disaggregation: retries, fallbacks, replay, bootstrap port.
     pub pd: cortex_pd::PdConfig,
 }
@@ -154,6 +157,7 @@ impl Default for ProxyConfig {
             segment_cache_tokens: 4 << 20,
             prefill_tokens_per_sec: cortex_sched::Capacity::default().prefill_tokens_per_sec,
             shutdown_grace: Duration::from_secs(30),
+            shutdown_delay: Duration::ZERO,
             pd: cortex_pd::PdConfig::default(),
         }
     }

@@ -113,12 +113,14 @@ const LEDGER_SYNC_EVERY: Duration = Duration::from_millis(50);
 pub struct Gateway {
     limits: Limits,
     shutdown_grace: Duration,
+    shutdown_delay: Duration,
     admission: Admission,
     planner: Planner,
     forwarder: Forwarder,
     control: Arc<Control>,
     scrape: Scrape,
     shutting_down: AtomicBool,
+    draining: AtomicBool,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -170,11 +172,13 @@ impl Gateway {
             admission: Admission::new(&cfg.limits),
             limits: cfg.limits,
             shutdown_grace: cfg.shutdown_grace,
+            shutdown_delay: cfg.shutdown_delay,
             planner,
             forwarder,
             control: Arc::new(control),
             scrape: Scrape::new(parts.prometheus),
             shutting_down: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
         };
         Ok((Arc::new(gw), events))
     }
@@ -237,6 +241,20 @@ impl Gateway {
                 }
             }
         });
+    }
+
+    /// Time between the start of a graceful shutdown and closing the listeners (see
+    /// [`Gateway::begin_drain`]).
+    #[must_use]
+    pub fn shutdown_delay(&self) -> Duration {
+        self.shutdown_delay
+    }
+
+    /// Starts draining, the first step of a graceful shutdown: `/health/ready` answers 503 at
+    /// once (so a load balancer or Kubernetes takes the endpoint out), while requests are still
+    /// served until [`Gateway::begin_shutdown`].
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
     }
 
     /// Stops admitting requests (graceful shutdown); in-flight ones finish.
@@ -384,9 +402,10 @@ impl Gateway {
             .flat_map(|w| (0..w.dp_size()).map(move |r| HolderId::new(w.id, DpRank(r))))
             .filter(|h| c.ledger().readiness(*h) == Some(cortex_radix::Readiness::Ready))
             .count();
-        let ok = live > 0 && !self.is_shutting_down();
+        let draining = self.is_shutting_down() || self.draining.load(Ordering::SeqCst);
+        let ok = live > 0 && !draining;
         let body = json!({
-            "status": if ok { "ready" } else { "not_ready" },
+            "status": if draining { "draining" } else if ok { "ready" } else { "not_ready" },
             "live_workers": live,
             "ready_holders": ready_holders,
             "routing": if c.mode() == Mode::ProxyOnly { "proxy_only" }
