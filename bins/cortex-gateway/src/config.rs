@@ -379,6 +379,9 @@ pub struct PdFile {
     pub replay: Option<String>,
     /// SGLang: the bootstrap port of prefill workers whose `/server_info` reports none.
     pub bootstrap_port: Option<u16>,
+    /// vLLM: serve a request on the best decode worker alone when it lacks at most this many
+    /// prompt tokens (absent: always disaggregate).
+    pub decode_only_max_uncached: Option<u32>,
 }
 
 /// `scheduler:`
@@ -579,6 +582,7 @@ impl Config {
             max_attempts: retry.max_attempts,
             budget: retry.budget,
             default_bootstrap_port: self.pd.bootstrap_port,
+            decode_only_max_uncached: self.pd.decode_only_max_uncached,
         };
         pd.validate().context("retry")?;
         let a = &self.alignment;

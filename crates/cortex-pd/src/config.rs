@@ -74,6 +74,11 @@ pub struct PdConfig {
     /// The bootstrap port assumed for an SGLang prefill worker whose `/server_info` does not
     /// report `disaggregation_bootstrap_port` (`None`: send `null`, as SGLang's routers do).
     pub default_bootstrap_port: Option<u16>,
+    /// vLLM: send a request to the best decode worker alone — skipping the prefill leg — when
+    /// the prompt tokens that worker lacks (known from the ledger) are at most this many
+    /// (`None`: always disaggregate). SGLang decode workers refuse requests without a bootstrap
+    /// room, so this never applies to them.
+    pub decode_only_max_uncached: Option<u32>,
 }
 
 impl Default for PdConfig {
@@ -84,6 +89,7 @@ impl Default for PdConfig {
             max_attempts: 3,
             budget: Duration::from_secs(30),
             default_bootstrap_port: None,
+            decode_only_max_uncached: None,
         }
     }
 }

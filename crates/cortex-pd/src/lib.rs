@@ -63,6 +63,8 @@
 //!
 //! | when | event | action |
 //! |---|---|---|
+//! | start | vLLM, `decode_only_max_uncached` set, and the best decode worker lacks at most that many prompt tokens | that decode worker alone, prefilling locally (`decode_only`) |
+//! | before commit | the `decode_only` worker fails | blame it; disaggregate after all (a new pair, another decode worker) |
 //! | start | no admissible prefill (or decode) worker | single-worker fallback (`fallback_single`, `prefill_unavailable` / `decode_unavailable`); none at all → `NoPrefill` / `NoDecode` (blame gateway) |
 //! | before commit | prefill leg fails | cancel the decode leg at once (an SGLang survivor would wait out its bootstrap timeout), blame the prefill, new pair (another prefill, the same decode if still admissible) with a new room |
 //! | before commit | decode leg fails while the prefill is still running | cancel the prefill, blame the decode, new pair (the same prefill if admissible, another decode) with a new room |

@@ -219,6 +219,10 @@ impl FallbackCause {
 pub enum Mode {
     /// A prefill and a decode worker.
     Disaggregated,
+    /// The decode worker alone, by choice: it lacks so little of the prompt (at most
+    /// [`PdConfig::decode_only_max_uncached`] tokens) that prefilling it there beats a prefill
+    /// leg and a transfer.
+    DecodeOnly,
     /// One worker, with a cold prefill.
     FallbackSingle(FallbackCause),
 }
@@ -229,6 +233,7 @@ impl Mode {
     pub const fn as_str(self) -> &'static str {
         match self {
             Mode::Disaggregated => "disaggregated",
+            Mode::DecodeOnly => "decode_only",
             Mode::FallbackSingle(_) => "fallback_single",
         }
     }
@@ -471,6 +476,19 @@ impl PdRequest {
         r.admissible().map(|c| c.holder).find(|&h| ok(h))
     }
 
+    /// The decode worker that serves the request alone: the decode ranking's first admissible
+    /// holder, when it lacks at most [`PdConfig::decode_only_max_uncached`] prompt tokens
+    /// (vLLM only: an SGLang decode worker refuses a request without a bootstrap room).
+    fn decode_only(&self, now: Timestamp, pools: &Pools<'_>) -> Option<HolderId> {
+        let max = self.config.decode_only_max_uncached?;
+        if self.protocol != Protocol::Vllm {
+            return None;
+        }
+        let best = self.pick(pools.decode, pools, now, None)?;
+        let c = pools.decode.admissible().find(|c| c.holder == best)?;
+        (c.prefill_tokens <= max).then_some(best)
+    }
+
     /// The single worker to fall back to: a regular one, else (vLLM only: an SGLang decode
     /// worker needs a bootstrap room) a decode worker prefilling locally.
     fn single_target(&self, now: Timestamp, pools: &Pools<'_>) -> Option<(Leg, HolderId)> {
@@ -489,7 +507,20 @@ impl PdRequest {
             (Phase::Finished, _) => {}
             (Phase::Idle, Input::Start) => {
                 self.start = Some(now);
-                self.dispatch_pair(now, pools, None, out);
+                match self.decode_only(now, pools) {
+                    Some(holder) => {
+                        self.attempts += 1;
+                        self.mode = Mode::DecodeOnly;
+                        self.phase = Phase::Single(Leg::DecodeLocal, holder);
+                        self.d = LegState::Sent;
+                        out.push(Effect::SendSingle {
+                            attempt: self.attempts,
+                            leg: Leg::DecodeLocal,
+                            holder,
+                        });
+                    }
+                    None => self.dispatch_pair(now, pools, None, out),
+                }
             }
             (_, Input::Start) => {}
             (_, Input::ClientGone) => {
@@ -733,7 +764,12 @@ impl PdRequest {
                     return;
                 }
                 self.failed.push(holder);
-                let Mode::FallbackSingle(cause) = self.mode else { return };
+                let cause = match self.mode {
+                    Mode::FallbackSingle(cause) => cause,
+                    // The decode worker alone failed: disaggregate after all.
+                    Mode::DecodeOnly => return self.dispatch_pair(now, pools, None, out),
+                    Mode::Disaggregated => return,
+                };
                 match self.single_target(now, pools) {
                     Some((leg, holder)) => self.dispatch_single(leg, holder, cause, out),
                     None => {

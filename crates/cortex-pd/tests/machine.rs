@@ -582,3 +582,56 @@ fn rooms_are_in_range_distinct_and_seeded() {
     assert_eq!(Room::new(u64::MAX).get(), Room::MAX);
     assert_eq!(Room::new(Room::MAX).item(1).get(), 0);
 }
+
+fn decode_only(max: u32) -> PdConfig {
+    PdConfig { decode_only_max_uncached: Some(max), ..PdConfig::default() }
+}
+
+/// vLLM: the best decode worker lacks 100 prompt tokens (nothing cached, a 100-token prompt);
+/// at or under the threshold it serves the request alone, prefilling locally.
+#[test]
+fn vllm_a_decode_worker_lacking_little_serves_alone() {
+    let w = World::new(Engine::Vllm, 1, 2, 0);
+    let best = w.d(0);
+    let mut t = T::new(w, Protocol::Vllm, decode_only(100), Replay::Allowed, false);
+    let e = t.go(Input::Start);
+    assert_eq!(e, vec![Effect::SendSingle { attempt: 1, leg: Leg::DecodeLocal, holder: best }]);
+    assert_eq!(t.m.mode(), Mode::DecodeOnly);
+    assert_eq!(t.m.mode().as_str(), "decode_only");
+    assert_eq!(t.m.serving(), Some((Leg::DecodeLocal, best)));
+    assert_eq!(t.ev(1, Leg::DecodeLocal, LegEvent::FirstOutput), vec![Effect::Commit(Leg::DecodeLocal)]);
+    assert_eq!(t.ev(1, Leg::DecodeLocal, LegEvent::Done), vec![served(Mode::DecodeOnly, 1)]);
+}
+
+#[test]
+fn above_the_threshold_or_on_sglang_the_request_is_disaggregated() {
+    let mut t =
+        T::new(World::new(Engine::Vllm, 1, 1, 0), Protocol::Vllm, decode_only(99), Replay::Allowed, false);
+    dispatched(&t.go(Input::Start));
+    assert_eq!(t.m.mode(), Mode::Disaggregated);
+    // An SGLang decode worker refuses a request without a bootstrap room: never alone.
+    let mut t = T::new(
+        World::new(Engine::Sglang, 1, 1, 0),
+        Protocol::Sglang,
+        decode_only(10_000),
+        Replay::Allowed,
+        false,
+    );
+    dispatched(&t.go(Input::Start));
+    assert_eq!(t.m.mode(), Mode::Disaggregated);
+}
+
+/// The decode worker that was to serve alone fails before its first output: the request is
+/// disaggregated after all, on another decode worker.
+#[test]
+fn a_failed_decode_only_leg_is_disaggregated_after_all() {
+    let w = World::new(Engine::Vllm, 1, 2, 0);
+    let (first, other, prefill) = (w.d(0), w.d(1), w.p(0));
+    let mut t = T::new(w, Protocol::Vllm, decode_only(100), Replay::Allowed, false);
+    t.go(Input::Start);
+    let e = t.ev(1, Leg::DecodeLocal, fail(FailureClass::ServerError));
+    assert_eq!(e[0], Effect::Blame { holder: first, class: FailureClass::ServerError });
+    let (attempt, pair, room) = dispatched(&e);
+    assert_eq!((attempt, pair, room), (2, Pair { prefill, decode: other }, None));
+    assert_eq!(t.m.mode(), Mode::Disaggregated);
+}

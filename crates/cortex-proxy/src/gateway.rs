@@ -378,7 +378,25 @@ impl Gateway {
             e if e.ranking.all().next().is_some() => debug::route(&e, registry),
             _ => serde_json::Value::Null,
         };
-        v["pd"] = json!({"prefill_policy": v["policy"], "decode": decode, "regular": regular});
+        // The decode-only rule (vLLM): the decode ranking's best holder, if it lacks few enough
+        // prompt tokens, serves alone.
+        let pd = self.forwarder.pd();
+        let best_uncached = decode["candidates"][0]["prefill_tokens"].as_u64();
+        let vllm = self.planner.model_for(&ask.facts)?.spec().profile.engine() == cortex_hash::Engine::Vllm;
+        let decode_only = match (pd.decode_only_max_uncached, best_uncached) {
+            (Some(max), Some(u)) if vllm => u <= u64::from(max),
+            _ => false,
+        };
+        v["pd"] = json!({
+            "prefill_policy": v["policy"],
+            "decode": decode,
+            "regular": regular,
+            "decode_only": {
+                "max_uncached": pd.decode_only_max_uncached,
+                "best_decode_uncached": best_uncached,
+                "chosen": decode_only,
+            },
+        });
         Ok(json_response(StatusCode::OK, &v))
     }
 

@@ -260,11 +260,15 @@ pub struct PoolPolicies {
 
 impl Default for PoolPolicies {
     fn default() -> Self {
-        // SGLang's usual disaggregated combination: cache-aware prefill, power-of-two decode.
+        // Cache-aware in every pool. A decode worker that holds a prompt's prefix pulls only the
+        // rest (vLLM's NIXL connector; SGLang's decode side with its radix cache), so its matched
+        // blocks are transfer saved; a decode worker that publishes nothing (SGLang without the
+        // decode radix cache) matches nothing, and the same scorer chooses it by load alone.
+        // (SGLang's router uses power-of-two on the decode pool: it cannot see decode caches.)
         PoolPolicies {
             regular: PolicyConfig::CacheAware,
             prefill: PolicyConfig::CacheAware,
-            decode: PolicyConfig::PowerOfTwo,
+            decode: PolicyConfig::CacheAware,
         }
     }
 }

@@ -664,7 +664,16 @@ fn prefill_and_decode_pools_use_their_own_policies() {
     assert_eq!((f.out.policy(), f.out.mode()), (PolicyKind::CacheAware, MatchMode::ExactKvEvents));
     assert_eq!(f.out.first().expect("first").holder, h(1));
     assert_eq!(f.out.all().len(), 2, "only the prefill pool");
+    // The decode pool is cache-aware by default too: the decode worker holding the prefix
+    // would pull less of it.
     f.sched.decide(&snap, &Request::new(MODEL, Role::Decode, ms(1), PROMPT, cache), &mut f.out).expect("ok");
+    assert_eq!((f.out.policy(), f.out.mode()), (PolicyKind::CacheAware, MatchMode::ExactKvEvents));
+    assert_eq!(f.out.first().expect("first").holder, h(3));
+    assert!(f.out.all().all(|c| c.holder.worker.0 >= 2));
+    // Each pool under its own policy: power-of-two decode ignores the cache.
+    let pools = PoolPolicies { decode: PolicyConfig::PowerOfTwo, ..PoolPolicies::default() };
+    let sched = Scheduler::new(SchedConfig { pools, ..SchedConfig::default() }).expect("config");
+    sched.decide(&snap, &Request::new(MODEL, Role::Decode, ms(1), PROMPT, cache), &mut f.out).expect("ok");
     assert_eq!((f.out.policy(), f.out.mode()), (PolicyKind::PowerOfTwo, MatchMode::FallbackP2c));
     assert!(f.out.all().all(|c| c.holder.worker.0 >= 2 && c.matched_tokens == 0));
 }

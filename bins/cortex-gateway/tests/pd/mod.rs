@@ -165,6 +165,19 @@ async fn a_prefill_worker_dying_is_replaced(engine: &str) {
     h.shutdown().await;
 }
 
+/// Waits until the dry run of `body` satisfies `done`; returns it.
+async fn wait_dry(h: &Harness, body: &Value, done: impl Fn(&Value) -> bool) -> Value {
+    let deadline = tokio::time::Instant::now() + crate::common::WAIT;
+    loop {
+        let dry = h.post("/debug/route", body).await.json();
+        if done(&dry) {
+            return dry;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the dry run never got there: {dry}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 /// Waits until no worker of `h` is cooling down.
 async fn wait_no_cooldown(h: &Harness) {
     let deadline = tokio::time::Instant::now() + crate::common::WAIT;
@@ -411,5 +424,58 @@ async fn a_pinned_rank_is_refused_for_a_disaggregated_model() {
     let r = h.post("/generate", &json!({"text": "x", "routed_dp_rank": 0})).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
     assert!(r.body.contains("disaggregated"), "{}", r.body);
+    h.shutdown().await;
+}
+
+/// Cache-aware decode choice (vLLM: a decode worker pulls only the blocks it lacks, and
+/// publishes the ones it holds): a long prompt repeated goes to the decode worker that holds it,
+/// which pulls less the second time; with `pd.decode_only_max_uncached`, a decode worker that
+/// lacks at most that many tokens serves the request alone (`x-cortex-pd: decode_only`, no
+/// prefill leg), while a request it lacks more of is disaggregated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn decode_is_chosen_by_cache_and_skipped_prefill_when_little_is_missing() {
+    let h = harness(
+        "vllm",
+        vec![prefill("vllm"), prefill("vllm"), decode("vllm"), decode("vllm")],
+        &[("pd", "{decode_only_max_uncached: 64}")],
+    )
+    .await;
+    let chat = |system: &str, user: &str| json!({"model": MODEL, "max_tokens": 3, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]});
+    let pulled = |h: &Harness, w: &str| h.worker(w).pd_counters(0).unwrap().pulled_tokens;
+    // A long system prompt, first: nobody holds it, so it is disaggregated and the decode
+    // worker pulls the whole prompt.
+    let first = chat(&long_prompt("decode choice"), "First question?");
+    let r = h.post("/v1/chat/completions", &first).await;
+    assert_disaggregated(&r, "first", &["w0", "w1"], &["w2", "w3"]);
+    let d = r.header("x-cortex-assigned-worker").to_owned();
+    let first_pull = pulled(&h, &d);
+    assert!(first_pull > 300, "the first decode leg pulled the whole prompt ({first_pull})");
+    // The next turn shares the long prefix and adds a user message of more than 64 tokens: once
+    // the decode worker's announced blocks are in the ledger (and its holder READY), it is the
+    // decode choice, and it pulls only the new part.
+    let second =
+        chat(&long_prompt("decode choice"), &"Now a much longer second question, please. ".repeat(12));
+    let dry = wait_dry(&h, &second, |dry| {
+        dry["pd"]["decode"]["candidates"][0]["worker"] == d.as_str()
+            && dry["pd"]["decode"]["candidates"][0]["matched_tokens"].as_u64() > Some(0)
+    })
+    .await;
+    assert_eq!(dry["pd"]["decode_only"]["chosen"], false, "{dry}");
+    let r = h.post("/v1/chat/completions", &second).await;
+    assert_disaggregated(&r, "second", &["w0", "w1"], &[d.as_str()]);
+    let second_pull = pulled(&h, &d) - first_pull;
+    assert!(0 < second_pull && second_pull < first_pull / 2, "pulled {second_pull} after {first_pull}");
+    // The same request again: the decode worker lacks at most a block: it serves alone.
+    let prefill_legs = legs(&h, &["w0", "w1"]).0;
+    // Once the second turn's blocks are in the ledger, the dry run says the decode worker alone.
+    let dry = wait_dry(&h, &second, |dry| dry["pd"]["decode_only"]["chosen"] == true).await;
+    assert_eq!(dry["pd"]["decode"]["candidates"][0]["worker"], d.as_str(), "{dry}");
+    let r = h.post("/v1/chat/completions", &second).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.header("x-cortex-pd"), "decode_only", "{:?}", r.headers);
+    assert_eq!(r.header("x-cortex-assigned-worker"), d);
+    assert_eq!(r.header("x-cortex-prefill-worker"), "");
+    assert!(r.header("x-cortex-cache-hit-tokens").parse::<u64>().unwrap() > 0);
+    assert_eq!(legs(&h, &["w0", "w1"]).0, prefill_legs, "no prefill leg");
     h.shutdown().await;
 }
