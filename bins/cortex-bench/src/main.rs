@@ -23,7 +23,7 @@ enum Cmd {
     Bench(bench::Args),
     /// Replay a request trace open loop through each routing policy onto a simulated cluster:
     /// cache hits against the infinite-cache bound, simulated TTFT, load imbalance, failures.
-    Replay(replay::Args),
+    Replay(Box<replay::Args>),
 }
 
 fn main() -> Result<ExitCode> {

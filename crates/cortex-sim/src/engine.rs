@@ -177,6 +177,8 @@ pub(crate) struct RankStats {
     pub(crate) pulled_tokens: u64,
     /// Requests aborted because their client left (waiting, running or awaiting a transfer).
     pub(crate) cancelled: u64,
+    /// Prompt tokens computed (prefilled), all requests together: what a cache hit saves.
+    pub(crate) computed_prompt_tokens: u64,
 }
 
 /// A snapshot of a rank's load.
@@ -464,6 +466,7 @@ impl Rank {
             let c = t.prefill_overhead
                 + t.prefill_per_token.saturating_mul(u32::try_from(prefill_tokens).unwrap_or(u32::MAX));
             st.stats.prefill_busy += c;
+            st.stats.computed_prompt_tokens += prefill_tokens as u64;
             cost += c;
         }
         if transfer_tokens > 0 {

@@ -48,6 +48,9 @@ pub struct RankState {
     pub pd: PdCounters,
     /// Requests aborted because their client left before they finished.
     pub cancelled: u64,
+    /// Prompt tokens the rank computed (prefilled) so far; the rest of its requests' prompts
+    /// came from its cache or over a KV transfer.
+    pub computed_prompt_tokens: u64,
 }
 
 /// A rank's PD legs, counted as the engines' own code would see them.

@@ -75,6 +75,7 @@ impl Shared {
                 pulled_tokens: load.stats.pulled_tokens,
             },
             cancelled: load.stats.cancelled,
+            computed_prompt_tokens: load.stats.computed_prompt_tokens,
         })
     }
 

@@ -18,7 +18,7 @@ use super::text::{Piece, push_piece};
 use super::workload::Workload;
 
 /// The token-level facts of a workload.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Analysis {
     /// Prompt tokens of every request, in order.
     pub prompt_tokens: Vec<u64>,

@@ -77,6 +77,11 @@ pub struct ClusterSpec {
     pub max_running: usize,
     /// Token budget of one step (chunked prefill).
     pub max_batched_tokens: usize,
+    /// A disaggregated cluster: this many of the workers (the first ones) are prefill workers,
+    /// the rest decode workers; `None`: every worker is regular.
+    pub prefill_workers: Option<usize>,
+    /// SGLang decode workers keep a radix cache (`--disaggregation-decode-enable-radix-cache`).
+    pub decode_radix_cache: bool,
 }
 
 /// A fresh simulated cluster.
@@ -110,6 +115,12 @@ impl Sims {
             c.max_model_len = spec.max_model_len;
             c.max_running = spec.max_running;
             c.max_batched_tokens = spec.max_batched_tokens;
+            if let Some(p) = spec.prefill_workers {
+                c.role = if i < p { cortex_sim::Role::Prefill } else { cortex_sim::Role::Decode };
+                if let cortex_sim::EngineConfig::Sglang(o) = &mut c.engine {
+                    o.decode_radix_cache = spec.decode_radix_cache;
+                }
+            }
             workers.push(SimWorker::start(c).with_context(|| format!("starting simulated worker w{i}"))?);
         }
         Ok(Sims { workers })
@@ -123,8 +134,9 @@ impl Sims {
     }
 }
 
-/// Cortex's gateway in front of `sims`, with scheduler policy `policy` and the extra scheduler
-/// settings `scheduler` (YAML flow-map entries, may be empty).
+/// Cortex's gateway in front of `sims` (each with its simulated role), with scheduler policy
+/// `policy`, the extra scheduler settings `scheduler` (YAML flow-map entries, may be empty) and
+/// extra top-level sections `sections` (YAML lines, may be empty).
 ///
 /// # Errors
 /// The configuration does not validate, or the gateway does not become ready in time.
@@ -135,12 +147,18 @@ pub async fn start_cortex(
     block_size: usize,
     policy: &str,
     scheduler: &str,
+    sections: &str,
 ) -> Result<Running> {
     let extra = if scheduler.trim().is_empty() { String::new() } else { format!(", {scheduler}") };
     let mut workers = String::new();
     for (i, s) in sims.workers.iter().enumerate() {
+        let role = match s.config().role {
+            cortex_sim::Role::Unified => "regular",
+            cortex_sim::Role::Prefill => "prefill",
+            cortex_sim::Role::Decode => "decode",
+        };
         workers.push_str(&format!(
-            "  - {{name: w{i}, url: '{}', engine: {}, model: {MODEL}}}\n",
+            "  - {{name: w{i}, url: '{}', engine: {}, model: {MODEL}, role: {role}}}\n",
             s.base_url(),
             engine.name()
         ));
@@ -157,7 +175,7 @@ models:
 workers:
 {workers}scheduler: {{policy: {policy}{extra}}}
 probes: {{health_interval: 1s, load_interval: 250ms}}
-",
+{sections}",
         engine = engine.name(),
         tok = qwen.join("tokenizer.json").display(),
         cfg = qwen.join("tokenizer_config.json").display(),

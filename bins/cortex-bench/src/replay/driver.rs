@@ -52,6 +52,11 @@ pub struct Outcome {
     /// Wall clock from sending to the response head (a worker sends the head of a stream with
     /// the first token).
     pub wall_head: Duration,
+    /// Wall clock from sending to the first generated text in the stream (what a user waits for,
+    /// whatever a front end does with the response head).
+    pub wall_first_token: Option<Duration>,
+    /// Cortex: how a disaggregated request was served (`x-cortex-pd`).
+    pub pd_mode: Option<String>,
     /// How late the dispatcher sent it.
     pub late: Duration,
 }
@@ -90,6 +95,9 @@ pub struct DriverOptions {
     pub timeout: Duration,
     /// A progress line on stderr.
     pub progress: Option<String>,
+    /// Whether an answer without `x-sim-ttft-ms` fails (a front end that does not pass the
+    /// worker's headers on, or a disaggregated request, has no simulated TTFT of its own).
+    pub require_sim_ttft: bool,
 }
 
 /// Sends every request open loop and returns their outcomes in the same order.
@@ -147,9 +155,9 @@ pub async fn run(sends: &[Send], opts: &DriverOptions, seen: Option<Seen>) -> Ve
         let late = Instant::now().saturating_duration_since(due);
         let (client, s, seen) = (client.clone(), s.clone(), seen.clone());
         let (done, failed) = (Arc::clone(&done), Arc::clone(&failed));
-        let (target, timeout) = (opts.target, opts.timeout);
+        let (target, timeout, require) = (opts.target, opts.timeout, opts.require_sim_ttft);
         handles.push(tokio::spawn(async move {
-            let mut o = match tokio::time::timeout(timeout, send(&client, target, i, &s)).await {
+            let mut o = match tokio::time::timeout(timeout, send(&client, target, i, &s, require)).await {
                 Ok(o) => o,
                 Err(_) => {
                     Outcome { error: Some(format!("no answer within {timeout:?}")), ..Outcome::default() }
@@ -185,6 +193,26 @@ pub async fn run(sends: &[Send], opts: &DriverOptions, seen: Option<Seen>) -> Ve
     out
 }
 
+/// Scans the complete events of `buf` after `from` for the first with generated text (a
+/// completion chunk's non-empty `choices[0].text`), noting when it came; returns how far it
+/// scanned.
+fn first_text(buf: &[u8], from: usize, o: &mut Outcome, sent: Instant) -> usize {
+    let mut at = from;
+    while let Some(end) = buf[at..].windows(2).position(|w| w == b"\n\n") {
+        let event = &buf[at..at + end];
+        at += end + 2;
+        let Some(data) = std::str::from_utf8(event).ok().and_then(|e| e.trim().strip_prefix("data:")) else {
+            continue;
+        };
+        let v: Value = serde_json::from_str(data.trim()).unwrap_or(Value::Null);
+        if v["choices"][0]["text"].as_str().is_some_and(|t| !t.is_empty()) {
+            o.wall_first_token = Some(sent.elapsed());
+            break;
+        }
+    }
+    at
+}
+
 fn request_id(i: usize) -> String {
     format!("replay-{i}")
 }
@@ -198,6 +226,7 @@ async fn send(
     target: SocketAddr,
     i: usize,
     s: &Send,
+    require_sim_ttft: bool,
 ) -> Outcome {
     let body = json!({
         "model": MODEL,
@@ -228,16 +257,31 @@ async fn send(
         worker: header(h, "x-cortex-assigned-worker").and_then(|w| w.strip_prefix('w')?.parse().ok()),
         match_mode: header(h, "x-cortex-match-mode").map(str::to_owned),
         predicted_hit: header(h, "x-cortex-cache-hit-tokens").and_then(|v| v.parse().ok()),
+        pd_mode: header(h, "x-cortex-pd").map(str::to_owned),
         wall_head,
         ..Outcome::default()
     };
-    let bytes = match body.collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => {
-            o.error = Some(format!("body: {e}"));
-            return o;
+    let mut body = body;
+    let mut bytes = bytes::BytesMut::new();
+    let mut scanned = 0;
+    loop {
+        match body.frame().await {
+            None => break,
+            Some(Err(e)) => {
+                o.error = Some(format!("body: {e}"));
+                return o;
+            }
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    bytes.extend_from_slice(&data);
+                }
+                if o.wall_first_token.is_none() {
+                    scanned = first_text(&bytes, scanned, &mut o, sent);
+                }
+            }
         }
-    };
+    }
+    let bytes = bytes.freeze();
     if !parts.status.is_success() {
         let text = String::from_utf8_lossy(&bytes);
         o.error = Some(format!("HTTP {}: {}", o.status, text.chars().take(200).collect::<String>()));
@@ -268,7 +312,7 @@ async fn send(
         }
         None => o.error = Some("no usage in the stream".to_owned()),
     }
-    if o.sim_ttft_ms.is_none() && o.error.is_none() {
+    if require_sim_ttft && o.sim_ttft_ms.is_none() && o.error.is_none() {
         o.error = Some("no x-sim-ttft-ms header in the response".to_owned());
     }
     o

@@ -25,6 +25,7 @@ pub mod bound;
 pub mod cluster;
 pub mod driver;
 pub mod metrics;
+pub mod pd;
 pub mod report;
 pub mod svg;
 pub mod text;
@@ -51,13 +52,30 @@ pub struct Args {
     #[arg(long, value_enum, value_delimiter = ',', default_value = "mooncake,hot-spot")]
     pub workload: Vec<Kind>,
     /// Policies, each on a fresh cluster: Cortex's scheduler policies by name (cache_aware is
-    /// Cortex's default) and `sglang` for SGLang's router with its cache_aware policy.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "cache_aware,round_robin,power_of_two,least_load,sglang"
-    )]
+    /// Cortex's default) and `sglang` for SGLang's router with its cache_aware policy (default:
+    /// `cache_aware,round_robin,power_of_two,least_load,sglang`). With `--pd`: the PD front ends
+    /// `cortex`, `cortex-load-decode`, `sglang-pd` (SGLang workers) and `vllm-toy` (vLLM
+    /// workers); default: the first two and the engine's peer.
+    #[arg(long, value_delimiter = ',')]
     pub policies: Vec<String>,
+    /// A disaggregated cluster of P prefill and D decode workers (`--pd 4,4`) instead of
+    /// `--workers` regular ones, behind the PD front ends of `--policies`.
+    #[arg(long)]
+    pub pd: Option<pd::PdShape>,
+    /// With `--pd`: Cortex serves a request on the decode worker alone when it lacks at most
+    /// this many prompt tokens (vLLM; the `cortex` front end only): two pages, so only a request
+    /// whose prefill would do almost nothing skips it.
+    #[arg(long, default_value_t = 32)]
+    pub decode_only_max_uncached: u32,
+    /// With `--pd` and SGLang: decode workers without the radix cache
+    /// (`--disaggregation-decode-enable-radix-cache` off, SGLang's default; they then cache and
+    /// announce nothing, and every decode choice is by load).
+    #[arg(long)]
+    pub no_decode_radix_cache: bool,
+    /// With `--pd` and vLLM: the Python that runs vLLM's toy proxy (needs fastapi, uvicorn,
+    /// httpx); `auto`: the venv `cargo xtask pd-check` creates under `target/`, else `python3`.
+    #[arg(long, default_value = "auto")]
+    pub python: String,
     /// Extra settings of Cortex's `scheduler:` section, as YAML flow-map entries applied to every
     /// Cortex policy (for example `gamma: 2, bounded_load_epsilon: 0.5`); see
     /// docs/configuration.md.
@@ -173,6 +191,26 @@ impl Args {
         }
     }
 
+    /// The policies (or PD front ends) to run, in order.
+    #[must_use]
+    pub fn policies(&self) -> Vec<String> {
+        if !self.policies.is_empty() {
+            return self.policies.clone();
+        }
+        match self.pd {
+            Some(_) => pd::policies(self.engine),
+            None => ["cache_aware", "round_robin", "power_of_two", "least_load", "sglang"]
+                .map(str::to_owned)
+                .to_vec(),
+        }
+    }
+
+    /// Workers in the cluster.
+    #[must_use]
+    pub fn cluster_workers(&self) -> usize {
+        self.pd.map_or(self.workers, |p| p.prefill + p.decode)
+    }
+
     fn validate(&self) -> Result<()> {
         if self.workers == 0 || self.capacity_divisor == 0 || self.block_size == 0 {
             bail!("--workers, --capacity-divisor and --block-size must be positive");
@@ -183,7 +221,13 @@ impl Args {
         if self.chunk_tokens < 2 {
             bail!("--chunk-tokens must be at least 2");
         }
-        for p in &self.policies {
+        if self.pd.is_some() {
+            for p in self.policies() {
+                pd::check(&p, self.engine)?;
+            }
+            return Ok(());
+        }
+        for p in &self.policies() {
             if p != "sglang" {
                 p.parse::<cortex_sched::PolicyKind>()
                     .map_err(|e| anyhow::anyhow!("--policies: `{p}`: {e}"))?;
@@ -225,6 +269,8 @@ pub struct WorkloadRun {
     pub results: Vec<PolicyResult>,
     /// Policies skipped, with the reason.
     pub skipped: Vec<(String, String)>,
+    /// With `--pd`: per PD front end.
+    pub pd_results: Vec<pd::PdResult>,
 }
 
 /// A whole replay.
@@ -256,7 +302,8 @@ pub fn run(root: &Path, args: &Args) -> Result<Replay> {
         .context("loading the Qwen3 tokenizer")?;
     let out_dir = root.join(&args.out);
     std::fs::create_dir_all(&out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
-    let launcher = if args.policies.iter().any(|p| p == "sglang") {
+    let policies = args.policies();
+    let launcher = if policies.iter().any(|p| p == "sglang" || p == pd::SGLANG_PD) {
         Some(SglangLauncher::find(&args.sglang_router))
     } else {
         None
@@ -291,7 +338,7 @@ pub fn run(root: &Path, args: &Args) -> Result<Replay> {
         };
         let max_prompt = analysis.prompt_tokens.iter().copied().max().unwrap_or(0) as usize;
         let spec = ClusterSpec {
-            workers: args.workers,
+            workers: args.cluster_workers(),
             engine: args.engine,
             block_size: args.block_size,
             capacity_blocks,
@@ -299,6 +346,8 @@ pub fn run(root: &Path, args: &Args) -> Result<Replay> {
             max_model_len: (max_prompt + args.max_output as usize + 16).max(32_768),
             max_running: args.max_running,
             max_batched_tokens: args.max_batched_tokens(),
+            prefill_workers: args.pd.map(|p| p.prefill),
+            decode_radix_cache: !args.no_decode_radix_cache,
         };
         let sends: Vec<Send> = w
             .requests
@@ -324,6 +373,7 @@ pub fn run(root: &Path, args: &Args) -> Result<Replay> {
             span: w.requests.last().map_or(Duration::ZERO, |r| r.at),
             results: Vec::new(),
             skipped: Vec::new(),
+            pd_results: Vec::new(),
         };
         if !args.quiet {
             eprintln!(
@@ -335,7 +385,50 @@ pub fn run(root: &Path, args: &Args) -> Result<Replay> {
                 capacity_blocks
             );
         }
-        for policy in &args.policies {
+        if args.pd.is_some() {
+            let python = pd::python(root, &args.python);
+            for policy in &policies {
+                let sglang = match (policy.as_str(), &launcher) {
+                    (pd::SGLANG_PD, Some(Err(why))) => {
+                        eprintln!("  skipping SGLang's PD router: {why}");
+                        run.skipped.push((pd::label(policy, args.decode_only_max_uncached), why.clone()));
+                        continue;
+                    }
+                    (_, Some(Ok(l))) => Some(l),
+                    _ => None,
+                };
+                let pd_run = pd::PdRun {
+                    root,
+                    spec: &spec,
+                    scheduler: &args.scheduler,
+                    decode_only_max_uncached: args.decode_only_max_uncached,
+                    sglang,
+                    python: &python,
+                    log: out_dir.join(format!("{}-{policy}.log", kind.name())),
+                    timeout: Duration::from_secs(args.timeout_secs),
+                    progress: !args.quiet,
+                    compression: args.compression,
+                };
+                let result = rt.block_on(pd::run_policy(&pd_run, policy, &sends, &analysis))?;
+                if !args.quiet {
+                    eprintln!(
+                        "  {:<52} TTFT p50/p90/p99 {:.0}/{:.0}/{:.0} ms  hit {:.1}%  transferred {}  decode-only {:.0}%  failed {}",
+                        result.label,
+                        result.ttft[0],
+                        result.ttft[1],
+                        result.ttft[2],
+                        result.hit * 100.0,
+                        result.transferred_tokens,
+                        result.decode_only_share * 100.0,
+                        result.failed
+                    );
+                }
+                run.pd_results.push(result);
+            }
+            workloads.push(run);
+            continue;
+        }
+        for policy in &policies {
             let launcher = match (policy.as_str(), &launcher) {
                 ("sglang", Some(Err(why))) => {
                     eprintln!("  skipping SGLang's router: {why}");
@@ -404,7 +497,7 @@ async fn run_policy(
                     return Err(e);
                 }
             };
-            let opts = DriverOptions { target: router.addr, timeout, progress };
+            let opts = DriverOptions { target: router.addr, timeout, progress, require_sim_ttft: true };
             let t = Instant::now();
             let outcomes = driver::run(sends, &opts, Some(Arc::clone(&router.seen))).await;
             let wall = t.elapsed();
@@ -419,6 +512,7 @@ async fn run_policy(
                 args.block_size,
                 policy,
                 &args.scheduler,
+                "",
             )
             .await
             {
@@ -428,7 +522,7 @@ async fn run_policy(
                     return Err(e);
                 }
             };
-            let opts = DriverOptions { target: gw.addr, timeout, progress };
+            let opts = DriverOptions { target: gw.addr, timeout, progress, require_sim_ttft: true };
             let t = Instant::now();
             let outcomes = driver::run(sends, &opts, None).await;
             let wall = t.elapsed();
@@ -465,7 +559,14 @@ mod tests {
     fn defaults_are_the_issues() {
         let a = Args::try_parse_from(["replay"]).unwrap();
         assert_eq!(a.workload, vec![Kind::Mooncake, Kind::HotSpot]);
-        assert_eq!(a.policies, ["cache_aware", "round_robin", "power_of_two", "least_load", "sglang"]);
+        assert_eq!(a.policies(), ["cache_aware", "round_robin", "power_of_two", "least_load", "sglang"]);
+        let pd = Args::try_parse_from(["replay", "--pd", "4,4", "--engine", "vllm"]).unwrap();
+        assert_eq!(pd.policies(), ["cortex", "cortex-load-decode", "vllm-toy"]);
+        assert_eq!(pd.cluster_workers(), 8);
+        pd.validate().unwrap();
+        let bad =
+            Args::try_parse_from(["replay", "--pd", "4,4", "--policies", "sglang-pd", "--engine", "vllm"]);
+        assert!(bad.unwrap().validate().is_err());
         assert_eq!((a.workers, a.capacity_divisor, a.chunk_tokens), (8, 16, 64));
         assert!((a.compression - 10.0).abs() < f64::EPSILON);
         assert!((a.timing().speed - 0.1).abs() < 1e-12);

@@ -34,10 +34,71 @@ const DEFAULT: &str = "cortex cache_aware";
 const RR: &str = "cortex round_robin";
 const SGLANG: &str = "sglang-router cache_aware";
 
+/// The PD replay's goals: Cortex's end-to-end TTFT p50 and p99 at most 0.8× the engine's peer
+/// (SGLang's PD router, vLLM's toy proxy); on multi-turn, where decode workers cache (vLLM, SGLang
+/// with the decode radix cache), transferred tokens with cache-aware decode at most 0.7× with
+/// load-only decode.
+fn pd_goals(replay: &Replay, out: &mut Vec<Goal>) {
+    use super::pd;
+    let a = &replay.args;
+    let peer = match a.engine {
+        super::cluster::Engine::Sglang => pd::SGLANG_PD,
+        super::cluster::Engine::Vllm => pd::VLLM_TOY,
+    };
+    let (cortex, load, peer_label) = (
+        pd::label(pd::CORTEX, a.decode_only_max_uncached),
+        pd::label(pd::CORTEX_LOAD_DECODE, a.decode_only_max_uncached),
+        pd::label(peer, a.decode_only_max_uncached),
+    );
+    for w in &replay.workloads {
+        let find = |l: &str| w.pd_results.iter().find(|r| r.label == l);
+        let Some(c) = find(&cortex) else { continue };
+        let n = w.kind.name();
+        for (i, p) in [(0, "p50"), (2, "p99")] {
+            let name = format!("{n} (PD): Cortex's TTFT {p} ≤ 0.8× {peer_label}'s");
+            out.push(match find(&peer_label) {
+                Some(o) if o.ttft[i] > 0.0 => Goal {
+                    name,
+                    value: format!(
+                        "{:.0} ms vs {:.0} ms ({:.2}×)",
+                        c.ttft[i],
+                        o.ttft[i],
+                        c.ttft[i] / o.ttft[i]
+                    ),
+                    met: Some(c.ttft[i] <= 0.8 * o.ttft[i]),
+                },
+                _ => Goal { name, value: "not measured: the peer did not run".to_owned(), met: None },
+            });
+        }
+        let caches = a.engine == super::cluster::Engine::Vllm || !a.no_decode_radix_cache;
+        if w.kind == Kind::MultiTurn && caches {
+            let name =
+                format!("{n} (PD): tokens transferred with cache-aware decode ≤ 0.7× with load-only decode");
+            out.push(match find(&load) {
+                Some(o) if o.transferred_tokens > 0 => Goal {
+                    name,
+                    value: format!(
+                        "{} vs {} ({:.2}×)",
+                        c.transferred_tokens,
+                        o.transferred_tokens,
+                        c.transferred_tokens as f64 / o.transferred_tokens as f64
+                    ),
+                    met: Some(c.transferred_tokens as f64 <= 0.7 * o.transferred_tokens as f64),
+                },
+                _ => Goal { name, value: "not measured: load-only decode did not run".to_owned(), met: None },
+            });
+        }
+    }
+}
+
 /// The goals, for the workloads and policies that ran.
 #[must_use]
 pub fn goals(replay: &Replay) -> Vec<Goal> {
     let mut out = Vec::new();
+    if replay.args.pd.is_some() {
+        pd_goals(replay, &mut out);
+        return out;
+    }
     for w in &replay.workloads {
         let Some(c) = find(w, DEFAULT) else { continue };
         match w.kind {
@@ -115,10 +176,23 @@ pub fn goals(replay: &Replay) -> Vec<Goal> {
 pub fn parameters(replay: &Replay) -> String {
     let a = &replay.args;
     let t = a.timing();
+    let cluster = match a.pd {
+        Some(p) => format!(
+            "{} prefill + {} decode simulated {} workers{}",
+            p.prefill,
+            p.decode,
+            a.engine.name(),
+            match a.engine {
+                super::cluster::Engine::Sglang if a.no_decode_radix_cache =>
+                    " (decode workers without the radix cache)",
+                super::cluster::Engine::Sglang => " (decode workers with the radix cache)",
+                super::cluster::Engine::Vllm => "",
+            }
+        ),
+        None => format!("{} simulated {} workers", a.workers, a.engine.name()),
+    };
     format!(
-        "{} simulated {} workers · {}-token pages · each worker caches 1/{} of the workload's unique pages · trace time {}× faster than real time (simulator speed {}) · one {}-token text chunk per 512-token trace block · prefill {:.0} µs per text token + {} ms per step, chunked at {} tokens · decode {} ms per step + {} µs per running request · max {} running per worker · output ≤ {} tokens",
-        a.workers,
-        a.engine.name(),
+        "{cluster} · {}-token pages · each worker caches 1/{} of the workload's unique pages · trace time {}× faster than real time (simulator speed {}) · one {}-token text chunk per 512-token trace block · prefill {:.0} µs per text token + {} ms per step, chunked at {} tokens · decode {} ms per step + {} µs per running request · max {} running per worker · output ≤ {} tokens",
         a.block_size,
         a.capacity_divisor,
         a.compression,
@@ -136,6 +210,47 @@ pub fn parameters(replay: &Replay) -> String {
         a.timeout_secs,
         if a.scheduler.trim().is_empty() { "none (the defaults)" } else { a.scheduler.trim() }
     )
+}
+
+/// A PD workload's table: end-to-end TTFT, what the cache saved, what moved, and how Cortex
+/// served the requests.
+fn pd_table(s: &mut String, w: &WorkloadRun) {
+    let _ = writeln!(
+        s,
+        "| front end | answered | failed | TTFT p50 | p90 | p99 (ms, end to end) | prompt not computed | tokens transferred | decode-only |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in &w.pd_results {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {} | {:.0} | {:.0} | {:.0} | {:.1} % | {} | {:.0} % |",
+            r.label,
+            r.ok,
+            r.failed,
+            r.ttft[0],
+            r.ttft[1],
+            r.ttft[2],
+            r.hit * 100.0,
+            r.transferred_tokens,
+            r.decode_only_share * 100.0
+        );
+    }
+    for (l, why) in &w.skipped {
+        let _ = writeln!(s, "\n{l}: skipped — {why}");
+    }
+    let _ = writeln!(s, "\nDiagnostics:");
+    for r in &w.pd_results {
+        let modes: Vec<String> = r.pd_modes.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        let _ = writeln!(
+            s,
+            "- {}: wall {:.0} s; dispatch late p99 {:.1} ms{}{}",
+            r.label,
+            r.wall_secs,
+            r.late_p99_ms,
+            if modes.is_empty() { String::new() } else { format!("; served: {}", modes.join(", ")) },
+            if r.errors.is_empty() { String::new() } else { format!("; errors: {}", r.errors.join(" | ")) },
+        );
+    }
 }
 
 /// The text report.
@@ -167,6 +282,10 @@ pub fn table(replay: &Replay, goals: &[Goal]) -> String {
             w.lru_share * 100.0,
             w.balanced_cov
         );
+        if !w.pd_results.is_empty() {
+            pd_table(&mut s, w);
+            continue;
+        }
         let _ = writeln!(
             s,
             "| policy | answered | failed | shed | cache hit | of bound | TTFT p50 | p90 | p99 (ms) | load CoV | max/mean |"
@@ -258,7 +377,8 @@ pub fn to_json(replay: &Replay, goals: &[Goal], command: &str) -> Value {
     json!({
         "command": command,
         "parameters": {
-            "workers": a.workers,
+            "workers": a.cluster_workers(),
+            "pd": a.pd.map(|p| json!({"prefill": p.prefill, "decode": p.decode, "decode_only_max_uncached": a.decode_only_max_uncached, "decode_radix_cache": !a.no_decode_radix_cache})),
             "engine": a.engine.name(),
             "block_size": a.block_size,
             "capacity_divisor": a.capacity_divisor,
@@ -291,6 +411,7 @@ pub fn to_json(replay: &Replay, goals: &[Goal], command: &str) -> Value {
             "capacity_blocks": w.capacity_blocks,
             "capacity_note": w.capacity_note,
             "results": w.results.iter().map(PolicyResult::to_json).collect::<Vec<_>>(),
+            "pd_results": w.pd_results.iter().map(super::pd::PdResult::to_json).collect::<Vec<_>>(),
             "skipped": w.skipped.iter().map(|(l, why)| json!({"policy": l, "reason": why})).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         "goals": goals.iter().map(|g| json!({"goal": g.name, "value": g.value, "met": g.met})).collect::<Vec<_>>(),
@@ -314,7 +435,7 @@ pub fn write(replay: &Replay, goals: &[Goal], command: &str, dir: &Path) -> Resu
     let json = serde_json::to_string_pretty(&to_json(replay, goals, command))?;
     put("results.json".to_owned(), json + "\n")?;
     put("report.md".to_owned(), table(replay, goals))?;
-    for w in &replay.workloads {
+    for w in replay.workloads.iter().filter(|w| !w.results.is_empty()) {
         let n = w.kind.name();
         put(
             format!("{n}-hit-ratio.svg"),
