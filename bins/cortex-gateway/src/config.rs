@@ -400,6 +400,8 @@ pub struct SchedulerFile {
     pub beta: Option<f64>,
     /// γ (per millisecond of expected queue latency).
     pub gamma: Option<f64>,
+    /// `cache_aware`: milliseconds an active request adds to a holder's estimated TTFT.
+    pub per_active_ms: Option<f64>,
     /// Watermark: in-flight as a fraction of the worker's max running requests.
     pub watermark_inflight_fraction: Option<f64>,
     /// Watermark: expected queue latency.
@@ -407,7 +409,8 @@ pub struct SchedulerFile {
     /// Bounded load ε; `null` disables the bound.
     #[serde(default = "default_epsilon")]
     pub bounded_load_epsilon: Option<f64>,
-    /// `booked` (default) or `engine_reports`.
+    /// `engine_reports` (default: the engines' reports with this gateway's bookings since) or
+    /// `booked` (this gateway's bookings alone).
     pub load_signals: Option<String>,
     /// The workers' prefill throughput, prompt tokens per second per DP rank (turns booked
     /// prefill work into expected queue latency).
@@ -754,14 +757,15 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
             beta_per_request: s.beta.unwrap_or(d.weights.beta_per_request),
             gamma_per_ms: s.gamma.unwrap_or(d.weights.gamma_per_ms),
         },
+        per_active_ms: s.per_active_ms.unwrap_or(d.per_active_ms),
         watermark: Watermark {
             inflight_fraction: s.watermark_inflight_fraction.unwrap_or(d.watermark.inflight_fraction),
             queue_latency: s.watermark_queue_latency.map_or(d.watermark.queue_latency, |v| v.0),
         },
         bounded_load: s.bounded_load_epsilon.map(|epsilon| BoundedLoad { epsilon }),
         load_signals: match s.load_signals.as_deref() {
-            None | Some("booked") => LoadSignals::Booked,
-            Some("engine_reports") => LoadSignals::EngineReports {
+            Some("booked") => LoadSignals::Booked,
+            None | Some("engine_reports") => LoadSignals::EngineReports {
                 max_age: s.load_report_max_age.map_or(Duration::from_secs(5), |v| v.0),
             },
             Some(o) => bail!("scheduler.load_signals must be booked or engine_reports, not `{o}`"),

@@ -53,6 +53,9 @@ fn candidate(c: &Candidate, registry: &Registry) -> Value {
         "active_requests": c.active_requests,
         "booked_requests": c.booked_requests,
         "queue_latency_ms": c.queue_latency_ms,
+        "queue_tokens": c.queue_tokens,
+        "prefill_tokens_per_sec": c.rate_tokens_per_sec,
+        "est_ttft_ms": c.est_ttft_ms,
         "load_reported": c.load_reported,
         "kv_usage": c.kv_usage,
         "ledger": c.ledger.as_str(),
@@ -153,6 +156,11 @@ pub(crate) fn workers(c: &Control) -> Value {
                         "events": s.sources.iter().find(|e| e.rank == rank).map(|e| json!({"publish": e.publish, "replay": e.replay, "topic": e.topic})),
                         "ledger_blocks": ledger.dump(holder).map(|d| d.blocks.len()),
                         "booked_requests": load.map(|l| l.booked_requests),
+                        "learned": load.map(|l| json!({
+                            "prefill_tokens_per_sec": l.estimate.rate(),
+                            "overhead_ms": l.estimate.overhead_s * 1e3,
+                            "samples": entry.map_or(0, |e| e.state().learned_samples(rank)),
+                        })),
                         "engine": load.and_then(|l| l.engine).map(|(e, age)| json!({"running": e.running, "waiting": e.waiting, "waiting_prefill_tokens": e.waiting_prefill_tokens, "kv_usage": e.kv_usage, "age_ms": age.as_millis()})),
                     })
                 })

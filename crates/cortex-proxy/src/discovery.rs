@@ -14,7 +14,7 @@ use cortex_hash::Engine;
 use cortex_hash::kv::DpRank;
 use cortex_hash::profile::{Bigram, WorkerFacts};
 use cortex_hash::vllm::HashAlgo;
-use cortex_sched::{EngineLoad, Role};
+use cortex_sched::{EngineLoad, PrefillTotals, Role};
 use serde_json::Value;
 
 use crate::registry::{EventsOverride, RankEndpoints};
@@ -386,8 +386,20 @@ pub fn sglang_loads(v: &Value) -> Vec<RankReport> {
                 load: EngineLoad {
                     running: u32::try_from(u("num_running_reqs")).unwrap_or(u32::MAX),
                     waiting: u32::try_from(u("num_waiting_reqs")).unwrap_or(u32::MAX),
-                    waiting_prefill_tokens: u("num_waiting_uncached_tokens"),
+                    waiting_prefill_tokens: l.get("num_waiting_uncached_tokens").and_then(Value::as_u64),
                     kv_usage: l.get("token_usage").and_then(Value::as_f64).unwrap_or(0.0) as f32,
+                    // Cumulative prefill work (`LoadSnapshot.total_prefill_uncached_tokens`,
+                    // `total_prefill_busy_us`): two reports give a prefill-rate sample.
+                    prefill_totals: match (
+                        l.get("total_prefill_uncached_tokens").and_then(Value::as_u64),
+                        l.get("total_prefill_busy_us").and_then(Value::as_u64),
+                    ) {
+                        (Some(tokens), Some(us)) => Some(PrefillTotals {
+                            uncached_tokens: tokens,
+                            busy: std::time::Duration::from_micros(us),
+                        }),
+                        _ => None,
+                    },
                 },
                 max_running_requests: positive_u32(l.get("max_running_requests")),
                 max_total_num_tokens: l
@@ -517,15 +529,23 @@ mod tests {
              "num_waiting_uncached_tokens": 100, "num_used_tokens": 900, "num_total_tokens": 1000,
              "num_active_tokens": 900, "num_prealloc_ready_tokens": 0, "max_total_num_tokens": 65536,
              "max_running_requests": 64, "token_usage": 0.5, "gen_throughput": 10.0,
-             "cache_hit_rate": 0.25, "utilization": 0.5},
+             "cache_hit_rate": 0.25, "utilization": 0.5,
+             "total_prefill_uncached_tokens": 4096, "total_prefill_busy_us": 2048000},
             {"timestamp": 1.0, "dp_rank": 1, "num_running_reqs": 0, "num_waiting_reqs": 0,
              "num_waiting_uncached_tokens": 0, "max_total_num_tokens": 65536,
              "max_running_requests": 64, "token_usage": 0.0}]});
         let l = sglang_loads(&v);
         assert_eq!(l.len(), 2);
         assert_eq!(l[0].rank, DpRank(0));
-        assert_eq!((l[0].load.running, l[0].load.waiting, l[0].load.waiting_prefill_tokens), (2, 5, 100));
+        assert_eq!(
+            (l[0].load.running, l[0].load.waiting, l[0].load.waiting_prefill_tokens),
+            (2, 5, Some(100))
+        );
         assert!((l[0].load.kv_usage - 0.5).abs() < 1e-6);
+        // The cumulative prefill counters (`LoadSnapshot.total_prefill_uncached_tokens`,
+        // `total_prefill_busy_us`): absent on rank 1, as on a release without them.
+        let totals = PrefillTotals { uncached_tokens: 4096, busy: std::time::Duration::from_secs_f64(2.048) };
+        assert_eq!((l[0].load.prefill_totals, l[1].load.prefill_totals), (Some(totals), None));
         assert_eq!((l[1].max_running_requests, l[1].max_total_num_tokens), (Some(64), Some(65536)));
         assert_eq!(reported_max_running(&l), Some(64));
         // A rank without the fields (an older release) reports no limit; the others still count.

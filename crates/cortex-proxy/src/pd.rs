@@ -591,7 +591,14 @@ impl Driver<'_> {
                 metrics::histogram!(t::PD_PREFILL_SECONDS).record(sent.elapsed().as_secs_f64());
                 if let Some(mut b) = self.prefill.as_mut().and_then(|s| s.booking.take()) {
                     let now = self.fw.clock().now();
-                    b.first_token(now);
+                    // vLLM's prefill leg is a one-token answer: its end is its first token, a
+                    // sample of the worker's prefill speed. SGLang's ends when the decode
+                    // worker took the KV: it includes the other worker's time.
+                    if self.protocol == Protocol::Vllm {
+                        b.first_output(now)
+                    } else {
+                        b.first_token(now)
+                    }
                     b.succeed(now);
                 }
                 self.check_prefill(holder, &answer, sse);
@@ -889,6 +896,9 @@ impl Forwarder {
         let mut relay =
             RelayBody::resumed(bytes, rest, booking, self.clock(), sse, self.idle_timeout(), on_complete)
                 .holding(permit);
+        if pair_prefill.is_some() {
+            relay = relay.not_learning();
+        }
         if let Some(p) = d.prefill.take() {
             // Its KV has moved (or is moving) to the decode worker: let it finish, unblamed, for
             // as long as the client's answer runs.

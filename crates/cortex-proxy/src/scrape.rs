@@ -68,6 +68,8 @@ impl Scrape {
                     && let Some(l) = e.state().rank_load(rank, now)
                 {
                     metrics::gauge!(t::WORKER_INFLIGHT, &labels).set(f64::from(l.booked_requests));
+                    metrics::gauge!(t::WORKER_PREFILL_RATE, &labels).set(l.estimate.rate());
+                    metrics::gauge!(t::WORKER_PREFILL_OVERHEAD, &labels).set(l.estimate.overhead_s);
                     if let Some((engine, _age)) = l.engine {
                         metrics::gauge!(t::WORKER_RUNNING, &labels).set(f64::from(engine.running));
                         metrics::gauge!(t::WORKER_WAITING, &labels).set(f64::from(engine.waiting));

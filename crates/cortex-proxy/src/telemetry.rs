@@ -47,6 +47,10 @@ pub const WORKER_RUNNING: &str = "cortex_worker_running_requests";
 pub const WORKER_WAITING: &str = "cortex_worker_waiting_requests";
 /// Gauge: engine-reported KV usage in [0, 1], by `worker` and `rank`.
 pub const WORKER_KV_USAGE: &str = "cortex_worker_kv_usage";
+/// Gauge: the learned prefill speed, prompt tokens per second, by `worker` and `rank`.
+pub const WORKER_PREFILL_RATE: &str = "cortex_worker_prefill_tokens_per_second";
+/// Gauge: the learned fixed overhead before a first token, seconds, by `worker` and `rank`.
+pub const WORKER_PREFILL_OVERHEAD: &str = "cortex_worker_prefill_overhead_seconds";
 /// Gauge: 1 when a worker is in the live pool, by `worker`.
 pub const WORKER_LIVE: &str = "cortex_worker_live";
 /// Gauge: requests being processed by the gateway (holding an admission slot).
@@ -116,6 +120,12 @@ pub fn describe() {
     describe_gauge!(WORKER_WAITING, "Engine-reported waiting requests");
     describe_gauge!(WORKER_KV_USAGE, "Engine-reported KV cache usage");
     describe_gauge!(WORKER_LIVE, "1 when the worker is in the live pool");
+    describe_gauge!(WORKER_PREFILL_RATE, "Learned prefill speed, prompt tokens per second");
+    describe_gauge!(
+        WORKER_PREFILL_OVERHEAD,
+        metrics::Unit::Seconds,
+        "Learned fixed overhead before a first token"
+    );
     describe_gauge!(INFLIGHT, "Requests being processed by the gateway");
     describe_counter!(EVENT_BATCHES, "KV-event batches applied");
     describe_counter!(EVENT_DUPLICATES, "Duplicate KV-event batches dropped");

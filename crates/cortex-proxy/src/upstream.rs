@@ -253,6 +253,9 @@ pub struct RelayBody {
     /// Whatever must live exactly as long as the relay (a disaggregated request's prefill leg,
     /// aborted when the client's answer ends or the client leaves).
     _guard: Option<Box<dyn std::any::Any + Send>>,
+    /// Whether a streaming answer's first chunk teaches the holder's prefill speed (not for a
+    /// disaggregated pair's decode leg, whose first chunk is the prefill worker's work).
+    learn: bool,
 }
 
 impl RelayBody {
@@ -281,7 +284,15 @@ impl RelayBody {
             on_complete: Some(on_complete),
             _permit: None,
             _guard: None,
+            learn: true,
         }
+    }
+
+    /// The first chunk reached the client: a streaming answer's first chunk is the first token
+    /// (a sample of the holder's prefill speed, when `learn`); a non-streaming answer's first
+    /// byte comes after generation.
+    fn first(learn: bool, sse: bool, b: &mut Booking, clock: MonotonicClock) {
+        if learn && sse { b.first_output(clock.now()) } else { b.first_token(clock.now()) }
     }
 
     /// Relays `prefix` (bytes already read from the worker), then `rest` if the body goes on.
@@ -310,7 +321,15 @@ impl RelayBody {
             on_complete: Some(on_complete),
             _permit: None,
             _guard: None,
+            learn: true,
         }
+    }
+
+    /// Does not learn the holder's prefill speed from the first chunk.
+    #[must_use]
+    pub fn not_learning(mut self) -> Self {
+        self.learn = false;
+        self
     }
 
     /// Keeps `guard` alive until the relay is dropped.
@@ -396,7 +415,7 @@ impl HttpBody for RelayBody {
         {
             this.first_frame = false;
             if let Some(b) = this.booking.as_mut() {
-                b.first_token(this.clock.now());
+                Self::first(this.learn, this.sse, b, this.clock);
             }
             this.keep_tail(&prefix);
             if this.inner.as_ref().is_none_or(HttpBody::is_end_stream) {
@@ -416,7 +435,7 @@ impl HttpBody for RelayBody {
                     if this.first_frame && !data.is_empty() {
                         this.first_frame = false;
                         if let Some(b) = this.booking.as_mut() {
-                            b.first_token(this.clock.now());
+                            Self::first(this.learn, this.sse, b, this.clock);
                         }
                     }
                     let data = data.clone();

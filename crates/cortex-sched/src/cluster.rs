@@ -217,7 +217,9 @@ impl Snapshot {
                     .and_then(|p| p.worker(spec.id))
                     .filter(|w| w.state.dp_size() == spec.ranks())
                     .map(|w| Arc::clone(&w.state))
-                    .unwrap_or_else(|| Arc::new(WorkerState::new(spec.ranks(), policy)));
+                    .unwrap_or_else(|| {
+                        Arc::new(WorkerState::new(spec.ranks(), policy, spec.capacity.prefill_tokens_per_sec))
+                    });
                 WorkerEntry { spec: spec.clone(), health: *health, state }
             })
             .collect();
@@ -333,7 +335,10 @@ impl Snapshot {
     /// rank is not in this snapshot. Admissibility is not re-checked: the proxy books what the
     /// decision ranked, and re-checks with [`Snapshot::admissible`] before a retry.
     pub fn book(&self, candidate: &Candidate, now: Timestamp) -> Option<Booking> {
-        self.book_holder(candidate.holder, candidate.prefill_tokens, now)
+        let w = self.worker(candidate.holder.worker)?;
+        let rate = w.spec.capacity.prefill_tokens_per_sec;
+        let (prefill, queue) = (u64::from(candidate.prefill_tokens), u64::from(candidate.queue_tokens));
+        Booking::new(Arc::clone(&w.state), candidate.holder, prefill, queue, rate, now)
     }
 
     /// Books one request and `prefill_tokens` on `holder` directly (a holder chosen outside a
@@ -341,7 +346,7 @@ impl Snapshot {
     pub fn book_holder(&self, holder: HolderId, prefill_tokens: u32, now: Timestamp) -> Option<Booking> {
         let w = self.worker(holder.worker)?;
         let rate = w.spec.capacity.prefill_tokens_per_sec;
-        Booking::new(Arc::clone(&w.state), holder, u64::from(prefill_tokens), rate, now)
+        Booking::new(Arc::clone(&w.state), holder, u64::from(prefill_tokens), 0, rate, now)
     }
 
     /// Whether `holder` may take a request at `now`: present, healthy, not cooling down, breaker

@@ -86,8 +86,14 @@ pub enum UnreadyHolders {
 /// The policies, by the names SGLang's router uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PolicyKind {
-    /// `cache_aware`: the ledger's exact overlap weighed against load (the default scorer).
+    /// `cache_aware`: each candidate's estimated time to first token — the prefill work queued
+    /// ahead of the request and its own uncached tokens (exact, from the ledger), at the
+    /// holder's learned prefill speed — the shortest first (see [`crate::learn`]).
     CacheAware,
+    /// `cache_aware_v1`: the ledger's exact overlap weighed against load in prompt tokens,
+    /// `α·matched − β·active − γ·queue latency` (the first wave's default, kept selectable so that
+    /// comparisons stay reproducible).
+    CacheAwareV1,
     /// `round_robin`.
     RoundRobin,
     /// `random`.
@@ -106,8 +112,9 @@ pub enum PolicyKind {
 
 impl PolicyKind {
     /// Every policy.
-    pub const ALL: [PolicyKind; 8] = [
+    pub const ALL: [PolicyKind; 9] = [
         PolicyKind::CacheAware,
+        PolicyKind::CacheAwareV1,
         PolicyKind::RoundRobin,
         PolicyKind::Random,
         PolicyKind::PowerOfTwo,
@@ -122,6 +129,7 @@ impl PolicyKind {
     pub const fn as_str(self) -> &'static str {
         match self {
             PolicyKind::CacheAware => "cache_aware",
+            PolicyKind::CacheAwareV1 => "cache_aware_v1",
             PolicyKind::RoundRobin => "round_robin",
             PolicyKind::Random => "random",
             PolicyKind::PowerOfTwo => "power_of_two",
@@ -142,7 +150,7 @@ impl fmt::Display for PolicyKind {
 /// A policy name that is not one of [`PolicyKind::ALL`].
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "unknown routing policy (expected one of cache_aware, round_robin, random, power_of_two, least_load, consistent_hashing, manual, prefix_hash)"
+    "unknown routing policy (expected one of cache_aware, cache_aware_v1, round_robin, random, power_of_two, least_load, consistent_hashing, manual, prefix_hash)"
 )]
 pub struct UnknownPolicy;
 
@@ -196,8 +204,11 @@ impl Default for PrefixHashConfig {
 /// A policy with its settings.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum PolicyConfig {
-    /// See [`PolicyKind::CacheAware`]; weights, watermark and bound come from [`SchedConfig`].
+    /// See [`PolicyKind::CacheAware`]; watermark, bound and [`SchedConfig::per_active_ms`] come
+    /// from [`SchedConfig`].
     CacheAware,
+    /// See [`PolicyKind::CacheAwareV1`]; weights, watermark and bound come from [`SchedConfig`].
+    CacheAwareV1,
     /// See [`PolicyKind::RoundRobin`].
     RoundRobin,
     /// See [`PolicyKind::Random`].
@@ -220,6 +231,7 @@ impl PolicyConfig {
     pub const fn kind(&self) -> PolicyKind {
         match self {
             PolicyConfig::CacheAware => PolicyKind::CacheAware,
+            PolicyConfig::CacheAwareV1 => PolicyKind::CacheAwareV1,
             PolicyConfig::RoundRobin => PolicyKind::RoundRobin,
             PolicyConfig::Random => PolicyKind::Random,
             PolicyConfig::PowerOfTwo => PolicyKind::PowerOfTwo,
@@ -235,6 +247,7 @@ impl PolicyConfig {
     pub fn with_defaults(kind: PolicyKind) -> Self {
         match kind {
             PolicyKind::CacheAware => PolicyConfig::CacheAware,
+            PolicyKind::CacheAwareV1 => PolicyConfig::CacheAwareV1,
             PolicyKind::RoundRobin => PolicyConfig::RoundRobin,
             PolicyKind::Random => PolicyConfig::Random,
             PolicyKind::PowerOfTwo => PolicyConfig::PowerOfTwo,
@@ -276,8 +289,12 @@ impl Default for PoolPolicies {
 /// Everything the decision needs besides the snapshot and the request.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SchedConfig {
-    /// α, β, γ of the default scorer.
+    /// α, β, γ of `cache_aware_v1` and of the load-based policies' scores.
     pub weights: Weights,
+    /// `cache_aware`: milliseconds one more active request on a holder adds to the estimated
+    /// time to first token (its decode share of every engine step), beside the learned prefill
+    /// time.
+    pub per_active_ms: f64,
     /// The high watermark of the cache-aware policy.
     pub watermark: Watermark,
     /// Bounded loads for `cache_aware` and `least_load` (`None`: no bound).
@@ -297,6 +314,7 @@ impl Default for SchedConfig {
     fn default() -> Self {
         SchedConfig {
             weights: Weights::default(),
+            per_active_ms: 0.5,
             watermark: Watermark::default(),
             bounded_load: Some(BoundedLoad { epsilon: 0.25 }),
             load_signals: LoadSignals::Booked,
@@ -364,6 +382,9 @@ impl SchedConfig {
             if !weight_ok(v) {
                 return Err(ConfigError::Weight(name));
             }
+        }
+        if !weight_ok(self.per_active_ms) {
+            return Err(ConfigError::Weight("per_active_ms"));
         }
         if !(self.watermark.inflight_fraction.is_finite() && self.watermark.inflight_fraction > 0.0) {
             return Err(ConfigError::WatermarkFraction);

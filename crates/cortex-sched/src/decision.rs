@@ -251,10 +251,21 @@ pub struct Candidate {
     pub active_requests: u32,
     /// This gateway's bookings alone (what the load bound counts).
     pub booked_requests: u32,
-    /// Expected queue latency in milliseconds: the larger of this gateway's booked prefill work
-    /// still ahead (its virtual prefill clock) and the engine-reported waiting prefill tokens
-    /// over the holder's prefill throughput.
+    /// Expected queue latency in milliseconds. `cache_aware`: the queued prefill work
+    /// (`queue_tokens`) at the holder's learned speed. Other policies: the larger of this
+    /// gateway's booked prefill work still ahead (its virtual prefill clock at the configured
+    /// rate) and the engine-reported waiting prefill tokens at the configured rate.
     pub queue_latency_ms: f32,
+    /// Prefill tokens queued ahead of the request: what the engine last reported waiting (vLLM,
+    /// which reports requests: times the mean uncached size of this gateway's requests there)
+    /// plus what this gateway booked there since that report, or this gateway's own outstanding
+    /// bookings when those are more or no fresh report exists.
+    pub queue_tokens: u32,
+    /// The holder's learned prefill speed, tokens per second.
+    pub rate_tokens_per_sec: f32,
+    /// `cache_aware`: the estimated time to first token on this holder, milliseconds (0 for
+    /// other policies and excluded candidates).
+    pub est_ttft_ms: f32,
     /// Whether the holder's load signal counted as present (always under booked-only signals).
     pub load_reported: bool,
     /// KV usage fraction from a fresh engine report.

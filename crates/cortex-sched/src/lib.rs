@@ -95,6 +95,7 @@ pub mod cluster;
 pub mod config;
 pub mod decision;
 pub mod failure;
+pub mod learn;
 pub mod scheduler;
 pub mod scorer;
 pub mod state;
@@ -109,7 +110,8 @@ pub use decision::{
     CacheView, Candidate, Exclusion, FallbackReason, MatchMode, Ranking, Request, Score, Untrusted,
 };
 pub use failure::{BreakerConfig, BreakerState, Cooldowns, FailureClass};
+pub use learn::{Estimate, RateFit};
 pub use scheduler::{MAX_POOL_HOLDERS, RANKED, SchedError, Scheduler};
-pub use scorer::{ScoreInput, Scorer, WeightedScorer};
-pub use state::{Booking, EngineLoad, LedgerState, RankLoad, WorkerState};
+pub use scorer::{ScoreInput, Scorer, TimeScorer, WeightedScorer};
+pub use state::{Booking, EngineLoad, LedgerState, PrefillTotals, RankLoad, WorkerState};
 pub use time::{MonotonicClock, Timestamp};

@@ -28,7 +28,7 @@ use crate::config::{
 };
 use crate::decision::{CacheView, Candidate, Exclusion, FallbackReason, MatchMode, Ranking, Request, Score};
 use crate::failure::BreakerState;
-use crate::scorer::{ScoreInput, Scorer, WeightedScorer};
+use crate::scorer::{ScoreInput, Scorer, TimeScorer, WeightedScorer};
 use crate::state::LedgerState;
 use crate::time::Timestamp;
 
@@ -64,9 +64,14 @@ enum Signals {
 
 /// The scheduler: configuration, the scorer and the policies' small state (round-robin counters,
 /// random state, sticky assignments). Shared by all request tasks (`&self` everywhere).
-pub struct Scheduler<S = WeightedScorer> {
+///
+/// `S` scores `cache_aware` (default: [`TimeScorer`], the shortest estimated time to first
+/// token); `cache_aware_v1` and the load orders of `least_load`, `power_of_two` and `manual` use
+/// the config's [`WeightedScorer`].
+pub struct Scheduler<S = TimeScorer> {
     config: SchedConfig,
     scorer: S,
+    weighted: WeightedScorer,
     pools: [PoolRuntime; 3],
     rng: AtomicU64,
 }
@@ -77,13 +82,13 @@ impl<S> std::fmt::Debug for Scheduler<S> {
     }
 }
 
-impl Scheduler<WeightedScorer> {
-    /// A scheduler with the default scorer and `config`'s weights.
+impl Scheduler<TimeScorer> {
+    /// A scheduler with the default scorer and `config`'s settings.
     ///
     /// # Errors
     /// If `config` does not validate.
     pub fn new(config: SchedConfig) -> Result<Self, ConfigError> {
-        Self::with_scorer(config, WeightedScorer { weights: config.weights })
+        Self::with_scorer(config, TimeScorer { per_active_ms: config.per_active_ms })
     }
 }
 
@@ -126,7 +131,7 @@ fn desc_key(x: f32) -> u32 {
 }
 
 impl<S: Scorer> Scheduler<S> {
-    /// A scheduler with a custom scorer (the weights in `config` are then unused by scoring).
+    /// A scheduler whose `cache_aware` policy orders candidates with a custom scorer.
     ///
     /// # Errors
     /// If `config` does not validate.
@@ -137,6 +142,7 @@ impl<S: Scorer> Scheduler<S> {
         Ok(Scheduler {
             config,
             scorer,
+            weighted: WeightedScorer { weights: config.weights },
             pools: [pool(config.pools.regular), pool(config.pools.prefill), pool(config.pools.decode)],
             rng: AtomicU64::new(config.seed),
         })
@@ -188,7 +194,8 @@ impl<S: Scorer> Scheduler<S> {
         out.reset(rt.policy.kind());
         let mut pool = snap.pool(req.model, req.role).ok_or(SchedError::NoPool)?;
         pool.holders = &pool.holders[..pool.holders.len().min(MAX_POOL_HOLDERS)];
-        let (admissible, reported, booked) = self.gather(pool.holders, req, out);
+        let time = rt.policy == PolicyConfig::CacheAware;
+        let (admissible, reported, booked) = self.gather(pool.holders, req, time, out);
         if admissible == 0 {
             Self::order(out);
             return Err(SchedError::NoneAdmissible);
@@ -200,7 +207,14 @@ impl<S: Scorer> Scheduler<S> {
             LoadSignals::EngineReports { .. } => Signals::Partial,
         };
         match rt.policy {
-            PolicyConfig::CacheAware => self.cache_aware(snap, pool, req, signals, (admissible, booked), out),
+            // Time-based: a holder without a fresh report is estimated from this gateway's own
+            // bookings, so partial or missing engine reports do not degrade the decision.
+            PolicyConfig::CacheAware => {
+                self.cache_aware(snap, pool, req, Signals::Complete, (admissible, booked), true, out);
+            }
+            PolicyConfig::CacheAwareV1 => {
+                self.cache_aware(snap, pool, req, signals, (admissible, booked), false, out);
+            }
             PolicyConfig::LeastLoad => {
                 let cap = self.config.bounded_load.map(|b| Self::cap(b, admissible, booked));
                 self.least_load(pool.holders, req, signals, cap, FallbackReason::Policy, out);
@@ -244,8 +258,15 @@ impl<S: Scorer> Scheduler<S> {
     }
 
     /// The candidate filter and the load facts: one candidate per holder of the pool, in pool
-    /// order. Returns (admissible, admissible with a load signal, bookings on the admissible).
-    fn gather(&self, pool: &[HolderSlot], req: &Request<'_>, out: &mut Ranking) -> (usize, usize, u64) {
+    /// order. With `time`, queue latency is the queued work at the learned speed. Returns
+    /// (admissible, admissible with a load signal, bookings on the admissible).
+    fn gather(
+        &self,
+        pool: &[HolderSlot],
+        req: &Request<'_>,
+        time: bool,
+        out: &mut Ranking,
+    ) -> (usize, usize, u64) {
         let now = req.now;
         let max_age = match self.config.load_signals {
             LoadSignals::Booked => None,
@@ -268,6 +289,8 @@ impl<S: Scorer> Scheduler<S> {
             let mut active = booked;
             // Through i64: a single conversion instruction (backlogs are far below 2^63 ns).
             let mut queue_ms = rs.prefill_backlog_ns(now).min(i64::MAX as u64) as i64 as f64 * 1e-6;
+            let own = rs.booked_prefill_tokens();
+            let mut queue_tokens = own;
             let capacity = slot.capacity;
             let mut kv_usage = None;
             let load_reported = match max_age {
@@ -276,13 +299,21 @@ impl<S: Scorer> Scheduler<S> {
                     Some((e, _)) => {
                         active = active.max(e.running.saturating_add(e.waiting));
                         let rate = f64::from(capacity.prefill_tokens_per_sec.max(1)) / 1000.0;
-                        queue_ms = queue_ms.max(e.waiting_prefill_tokens as f64 / rate);
+                        let waiting = e
+                            .waiting_prefill_tokens
+                            .unwrap_or_else(|| u64::from(e.waiting).saturating_mul(rs.mean_booked_tokens()));
+                        queue_ms = queue_ms.max(waiting as f64 / rate);
+                        queue_tokens = own.max(waiting.saturating_add(rs.since_report_tokens()));
                         kv_usage = Some(e.kv_usage);
                         true
                     }
                     None => false,
                 },
             };
+            let est = rs.estimate();
+            if time {
+                queue_ms = est.secs_per_token * queue_tokens as f64 * 1e3;
+            }
             if excluded.is_none() {
                 admissible += 1;
                 reported += usize::from(load_reported);
@@ -296,6 +327,9 @@ impl<S: Scorer> Scheduler<S> {
                 active_requests: active,
                 booked_requests: booked,
                 queue_latency_ms: queue_ms as f32,
+                queue_tokens: u32::try_from(queue_tokens).unwrap_or(u32::MAX),
+                rate_tokens_per_sec: est.rate() as f32,
+                est_ttft_ms: 0.0,
                 load_reported,
                 kv_usage,
                 ledger: rs.ledger(),
@@ -338,15 +372,17 @@ impl<S: Scorer> Scheduler<S> {
         out.sorted = admissible <= RANKED;
     }
 
-    /// Scores every admissible candidate and keys it by score; ties are broken by a random
-    /// rotation so that equal holders share a burst. With `counted`, the score counts each
-    /// candidate's matched tokens (its `affinity_tokens`); otherwise none. Returns the index of
-    /// the best candidate.
-    fn score_all(
+    /// Scores every admissible candidate with `scorer` and keys it by score; ties are broken by a
+    /// random rotation so that equal holders share a burst. With `counted`, the score counts each
+    /// candidate's matched tokens (its `affinity_tokens`); otherwise none. With `time`, each
+    /// candidate's estimated TTFT is kept. Returns the index of the best candidate.
+    fn score_all<T: Scorer + ?Sized>(
         &self,
+        scorer: &T,
         pool: &[HolderSlot],
         req: &Request<'_>,
         counted: bool,
+        time: bool,
         out: &mut Ranking,
     ) -> Option<usize> {
         let n = out.candidates.len() as u64;
@@ -357,7 +393,8 @@ impl<S: Scorer> Scheduler<S> {
                 continue;
             }
             c.affinity_tokens = if counted { c.matched_tokens } else { 0 };
-            c.score = self.scorer.score(&ScoreInput {
+            let est = pool[i].state.rank_state(c.holder.rank).map(|r| r.estimate());
+            let input = ScoreInput {
                 holder: c.holder,
                 matched_tokens: c.affinity_tokens,
                 prompt_tokens: req.prompt_tokens,
@@ -365,7 +402,14 @@ impl<S: Scorer> Scheduler<S> {
                 queue_latency_ms: f64::from(c.queue_latency_ms),
                 kv_usage: c.kv_usage,
                 capacity: pool[i].capacity,
-            });
+                queue_tokens: c.queue_tokens,
+                secs_per_token: est.map_or(1e-4, |e| e.secs_per_token),
+                overhead_s: est.map_or(0.0, |e| e.overhead_s),
+            };
+            c.score = scorer.score(&input);
+            if time {
+                c.est_ttft_ms = input.est_ttft_ms() as f32;
+            }
             // (i + n − offset) mod n without a division: i, offset < n.
             let t = i as u64 + n - offset;
             c.key = sort_key(desc_key(c.score.total), if t >= n { t - n } else { t });
@@ -399,6 +443,7 @@ impl<S: Scorer> Scheduler<S> {
         }
     }
 
+    #[allow(clippy::too_many_arguments)] // one caller per policy; the pieces of one decision
     fn cache_aware(
         &self,
         snap: &Snapshot,
@@ -406,6 +451,7 @@ impl<S: Scorer> Scheduler<S> {
         req: &Request<'_>,
         signals: Signals,
         (mut admissible, mut booked): (usize, u64),
+        time: bool,
         out: &mut Ranking,
     ) {
         match signals {
@@ -471,7 +517,11 @@ impl<S: Scorer> Scheduler<S> {
         let over_watermark =
             best.is_some_and(|(i, _, _)| self.over_watermark(&out.candidates[i], pool.holders[i].capacity));
         let counted = distrust.is_none() && !over_watermark;
-        let top = self.score_all(pool.holders, req, counted, out);
+        let top = if time {
+            self.score_all(&self.scorer, pool.holders, req, counted, true, out)
+        } else {
+            self.score_all(&self.weighted, pool.holders, req, counted, false, out)
+        };
         let top_hit = top.is_some_and(|i| out.candidates[i].affinity_tokens > 0);
         (out.mode, out.reason) = match distrust {
             Some(r) => (MatchMode::LoadAware, Some(r)),
@@ -501,7 +551,7 @@ impl<S: Scorer> Scheduler<S> {
                 if let Some(cap) = cap {
                     Self::bound(cap, out);
                 }
-                self.score_all(pool, req, false, out);
+                self.score_all(&self.weighted, pool, req, false, false, out);
                 out.mode = MatchMode::LoadAware;
                 out.reason = Some(reason);
             }
@@ -510,7 +560,7 @@ impl<S: Scorer> Scheduler<S> {
 
     /// Power of two choices over the load score; the rest follow by score for retries.
     fn p2c(&self, pool: &[HolderSlot], req: &Request<'_>, reason: FallbackReason, out: &mut Ranking) {
-        self.score_all(pool, req, false, out);
+        self.score_all(&self.weighted, pool, req, false, false, out);
         let n = out.candidates.iter().filter(|c| c.excluded.is_none()).count() as u64;
         let r = self.random();
         let a = r % n;
@@ -579,7 +629,7 @@ impl<S: Scorer> Scheduler<S> {
         out: &mut Ranking,
     ) {
         // Load scores order the rest (and pick new assignments under `MinLoad`).
-        self.score_all(pool, req, false, out);
+        self.score_all(&self.weighted, pool, req, false, false, out);
         let mut map = rt.sticky.lock().unwrap_or_else(PoisonError::into_inner);
         let current = map
             .get(&key)

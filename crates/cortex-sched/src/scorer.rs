@@ -4,8 +4,9 @@
 //! expected queue latency, KV usage) and owns everything around the score — the candidate
 //! filter, the load bound, the watermark, the degradation chain — so a custom [`Scorer`] cannot
 //! weaken those guarantees; it only orders admissible candidates. Higher is better. The default,
-//! [`WeightedScorer`], is the design's
-//! `score(w) = α·matched_tokens(w) − β·active_requests(w) − γ·expected_queue_latency(w)`.
+//! [`TimeScorer`], is the shortest estimated time to first token; [`WeightedScorer`] is the
+//! design's `score(w) = α·matched_tokens(w) − β·active_requests(w) − γ·expected_queue_latency(w)`
+//! (`cache_aware_v1`, and the load order of the load-based policies).
 
 use cortex_hash::kv::HolderId;
 
@@ -30,6 +31,25 @@ pub struct ScoreInput {
     pub kv_usage: Option<f32>,
     /// The holder's capacity.
     pub capacity: Capacity,
+    /// Prefill tokens queued ahead of the request on the holder.
+    pub queue_tokens: u32,
+    /// The holder's learned prefill speed, seconds per token.
+    pub secs_per_token: f64,
+    /// The holder's learned fixed overhead before a first token, seconds.
+    pub overhead_s: f64,
+}
+
+impl ScoreInput {
+    /// The estimated time to first token on this holder, milliseconds: the overhead, then the
+    /// queued work and the request's uncached tokens (`prompt_tokens − matched_tokens`) at the
+    /// learned speed.
+    #[must_use]
+    #[inline]
+    pub fn est_ttft_ms(&self) -> f64 {
+        let work =
+            f64::from(self.queue_tokens) + f64::from(self.prompt_tokens.saturating_sub(self.matched_tokens));
+        (self.overhead_s + self.secs_per_token * work) * 1e3
+    }
 }
 
 /// Orders admissible candidates: higher `total` first.
@@ -62,6 +82,31 @@ impl Scorer for WeightedScorer {
     }
 }
 
+/// The shortest estimated time to first token, plus `per_active_ms` for every request already
+/// active on the holder (its share of each engine step): `score = −(est_ttft_ms + per_active_ms ·
+/// active_requests)`. The breakdown is in milliseconds: `affinity` is the prefill time the
+/// matched tokens save, `queue` the queued work's time, `load` the active requests' term.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimeScorer {
+    /// Milliseconds per active request.
+    pub per_active_ms: f64,
+}
+
+impl Scorer for TimeScorer {
+    #[inline]
+    fn score(&self, i: &ScoreInput) -> Score {
+        let load = -self.per_active_ms * f64::from(i.active_requests);
+        let queue = -i.secs_per_token * f64::from(i.queue_tokens) * 1e3;
+        let affinity = i.secs_per_token * f64::from(i.matched_tokens) * 1e3;
+        Score {
+            affinity: affinity as f32,
+            load: load as f32,
+            queue: queue as f32,
+            total: (-i.est_ttft_ms() + load) as f32,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -80,7 +125,30 @@ mod tests {
             queue_latency_ms: 10.0,
             kv_usage: None,
             capacity: Capacity::default(),
+            queue_tokens: 0,
+            secs_per_token: 0.001,
+            overhead_s: 0.0,
         });
         assert_eq!(got, Score { affinity: 200.0, load: -12.0, queue: -5.0, total: 183.0 });
+    }
+
+    #[test]
+    fn time_is_overhead_queue_and_uncached_work() {
+        let input = ScoreInput {
+            holder: HolderId::new(WorkerId(1), DpRank(0)),
+            matched_tokens: 1_000,
+            prompt_tokens: 1_500,
+            active_requests: 4,
+            queue_latency_ms: 0.0,
+            kv_usage: None,
+            capacity: Capacity::default(),
+            queue_tokens: 2_000,
+            secs_per_token: 0.001, // 1,000 tokens/s
+            overhead_s: 0.010,
+        };
+        // 10 ms + (2,000 queued + 500 uncached) ms = 2,510 ms; 4 active × 0.5 ms.
+        assert!((input.est_ttft_ms() - 2_510.0).abs() < 1e-9);
+        let s = TimeScorer { per_active_ms: 0.5 }.score(&input);
+        assert_eq!(s, Score { affinity: 1_000.0, load: -2.0, queue: -2_000.0, total: -2_512.0 });
     }
 }

@@ -14,15 +14,31 @@
 //! completion. [`Booking`] is an RAII guard so the proxy cannot leak either: dropping it releases
 //! whatever is still booked.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use cortex_hash::kv::{DpRank, HolderId};
 
 use crate::config::HealthPolicy;
 use crate::failure::{BreakerState, FailureClass};
+use crate::learn::{Estimate, RateFit};
 use crate::time::{Timestamp, duration_nanos};
+
+/// The prior of a holder's fixed prefill overhead (one engine step's fixed cost and scheduling),
+/// until its own first chunks teach it.
+pub const PRIOR_OVERHEAD: Duration = Duration::from_millis(10);
+
+/// What an engine reports it prefilled since it started (SGLang `/v1/loads`:
+/// `total_prefill_uncached_tokens`, `total_prefill_busy_us`): the difference between two reports
+/// is a sample of its prefill rate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct PrefillTotals {
+    /// Uncached prompt tokens prefilled.
+    pub uncached_tokens: u64,
+    /// Time spent prefilling.
+    pub busy: Duration,
+}
 
 /// What an engine last reported for one data-parallel rank (SGLang `/v1/loads` or its load PUB
 /// socket, vLLM `/metrics`).
@@ -32,11 +48,13 @@ pub struct EngineLoad {
     pub running: u32,
     /// Requests waiting in the engine's queue.
     pub waiting: u32,
-    /// Uncached prompt tokens waiting for prefill (SGLang `num_waiting_uncached_tokens`; 0 when
-    /// the engine does not report it).
-    pub waiting_prefill_tokens: u64,
+    /// Uncached prompt tokens waiting for prefill (SGLang `num_waiting_uncached_tokens`; `None`
+    /// when the engine does not report it: vLLM reports waiting requests only).
+    pub waiting_prefill_tokens: Option<u64>,
     /// Fraction of the KV cache in use, in [0, 1].
     pub kv_usage: f32,
+    /// Cumulative prefill counters, when the engine reports them.
+    pub prefill_totals: Option<PrefillTotals>,
 }
 
 /// The ledger state of one holder, as the ingest side last set it.
@@ -96,6 +114,10 @@ pub struct RankLoad {
     pub prefill_busy_until: Timestamp,
     /// The engine's last report and its age, if it ever reported.
     pub engine: Option<(EngineLoad, Duration)>,
+    /// The learned prefill speed: fixed overhead and seconds per token.
+    pub estimate: Estimate,
+    /// Prefill tokens this gateway booked since that report.
+    pub since_report_tokens: u64,
 }
 
 /// One data-parallel rank's atomics. `repr(C)`: the fields every decision reads come first.
@@ -113,11 +135,39 @@ pub(crate) struct RankState {
     kv_usage_ppm: AtomicU32,
     /// Nanoseconds of the last report plus one; 0 = never reported.
     reported_at: AtomicU64,
+    /// The learned TTFT line, published for decisions: fixed overhead (ns) and picoseconds per
+    /// token of prefill work.
+    est_overhead_ns: AtomicU64,
+    est_ps_per_token: AtomicU64,
+    /// Counts the engine's reports: a booking made since the last one is not in it yet.
+    report_epoch: AtomicU32,
+    /// Prefill tokens this gateway booked since the engine's last report and not yet prefilled.
+    since_report_tokens: AtomicU64,
+    /// Every booking's prefill tokens and count: the mean uncached size of a request here (what
+    /// a waiting request an engine counts but does not size is taken to be).
+    booked_total_requests: AtomicU64,
+    booked_total_tokens: AtomicU64,
+    /// The learner, and the engine's last cumulative prefill totals (updates only).
+    learn: Mutex<Learner>,
+}
+
+#[derive(Debug)]
+struct Learner {
+    fit: RateFit,
+    last_totals: Option<PrefillTotals>,
 }
 
 impl RankState {
-    fn new() -> Self {
-        RankState {
+    fn new(prior_rate: u32) -> Self {
+        let fit = RateFit::new(f64::from(prior_rate.max(1)), PRIOR_OVERHEAD.as_secs_f64());
+        let r = RankState {
+            est_overhead_ns: AtomicU64::new(0),
+            est_ps_per_token: AtomicU64::new(0),
+            report_epoch: AtomicU32::new(0),
+            since_report_tokens: AtomicU64::new(0),
+            booked_total_requests: AtomicU64::new(0),
+            booked_total_tokens: AtomicU64::new(0),
+            learn: Mutex::new(Learner { fit, last_totals: None }),
             booked_requests: AtomicU32::new(0),
             booked_prefill_tokens: AtomicU64::new(0),
             prefill_busy_until: AtomicU64::new(0),
@@ -127,7 +177,49 @@ impl RankState {
             kv_usage_ppm: AtomicU32::new(0),
             reported_at: AtomicU64::new(0),
             ledger: AtomicU8::new(LedgerState::Syncing.code()),
+        };
+        r.publish(fit.estimate());
+        r
+    }
+
+    fn publish(&self, e: Estimate) {
+        // Relaxed (both): an estimate read by decisions; a torn pair (one field of the previous
+        // estimate) is as good as either.
+        self.est_overhead_ns.store((e.overhead_s * 1e9) as u64, Ordering::Relaxed);
+        self.est_ps_per_token.store((e.secs_per_token * 1e12).max(1.0) as u64, Ordering::Relaxed);
+    }
+
+    /// The learned TTFT line.
+    #[inline]
+    pub(crate) fn estimate(&self) -> Estimate {
+        // Relaxed: see `publish`.
+        Estimate {
+            overhead_s: self.est_overhead_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            secs_per_token: self.est_ps_per_token.load(Ordering::Relaxed) as f64 * 1e-12,
         }
+    }
+
+    fn learn(&self, f: impl FnOnce(&mut Learner)) {
+        let mut l = self.learn.lock().unwrap_or_else(PoisonError::into_inner);
+        f(&mut l);
+        let e = l.fit.estimate();
+        drop(l);
+        self.publish(e);
+    }
+
+    /// Prefill tokens this gateway booked since the engine's last report and not yet prefilled.
+    #[inline]
+    pub(crate) fn since_report_tokens(&self) -> u64 {
+        // Relaxed: an estimate.
+        self.since_report_tokens.load(Ordering::Relaxed)
+    }
+
+    /// The mean prefill tokens of a request booked here (0 before any).
+    #[inline]
+    pub(crate) fn mean_booked_tokens(&self) -> u64 {
+        // Relaxed (both): an estimate.
+        let n = self.booked_total_requests.load(Ordering::Relaxed);
+        self.booked_total_tokens.load(Ordering::Relaxed).checked_div(n).unwrap_or(0)
     }
 
     // Relaxed: an independent counter read as an estimate; nothing else is published through it.
@@ -169,11 +261,13 @@ impl RankState {
             return None;
         }
         // Relaxed (all four): ordered after the Acquire load above; torn across fields is fine.
+        let tokens = self.waiting_prefill_tokens.load(Ordering::Relaxed);
         let load = EngineLoad {
             running: self.running.load(Ordering::Relaxed),
             waiting: self.waiting.load(Ordering::Relaxed),
-            waiting_prefill_tokens: self.waiting_prefill_tokens.load(Ordering::Relaxed),
+            waiting_prefill_tokens: (tokens != u64::MAX).then_some(tokens),
             kv_usage: self.kv_usage_ppm.load(Ordering::Relaxed) as f32 / 1e6,
+            prefill_totals: None,
         };
         Some((load, age))
     }
@@ -182,11 +276,27 @@ impl RankState {
         // Relaxed (four fields): published by the Release store of `reported_at` below.
         self.running.store(load.running, Ordering::Relaxed);
         self.waiting.store(load.waiting, Ordering::Relaxed);
-        self.waiting_prefill_tokens.store(load.waiting_prefill_tokens, Ordering::Relaxed);
+        self.waiting_prefill_tokens.store(load.waiting_prefill_tokens.unwrap_or(u64::MAX), Ordering::Relaxed);
         let ppm = (f64::from(load.kv_usage.clamp(0.0, 1.0)) * 1e6) as u32;
         self.kv_usage_ppm.store(ppm, Ordering::Relaxed);
+        // Relaxed (both): bookings compare the epoch as an estimate; a booking racing a report
+        // is counted in one or the other, never both for long.
+        self.report_epoch.fetch_add(1, Ordering::Relaxed);
+        self.since_report_tokens.store(0, Ordering::Relaxed);
         // Release: makes the fields above visible to a reader that Acquires the timestamp.
         self.reported_at.store(now.as_nanos().saturating_add(1), Ordering::Release);
+        if let Some(t) = load.prefill_totals {
+            self.learn(|l| {
+                if let Some(prev) = l.last_totals
+                    && t.uncached_tokens > prev.uncached_tokens
+                    && t.busy > prev.busy
+                {
+                    let tokens = (t.uncached_tokens - prev.uncached_tokens) as f64;
+                    l.fit.observe(tokens, (t.busy - prev.busy).as_secs_f64());
+                }
+                l.last_totals = Some(t);
+            });
+        }
     }
 }
 
@@ -229,10 +339,10 @@ pub struct WorkerState {
 }
 
 impl WorkerState {
-    pub(crate) fn new(dp_size: u16, policy: HealthPolicy) -> Self {
+    pub(crate) fn new(dp_size: u16, policy: HealthPolicy, prior_rate: u32) -> Self {
         WorkerState {
-            rank0: RankState::new(),
-            more_ranks: (1..dp_size.max(1)).map(|_| RankState::new()).collect(),
+            rank0: RankState::new(prior_rate),
+            more_ranks: (1..dp_size.max(1)).map(|_| RankState::new(prior_rate)).collect(),
             cooldown_until: AtomicU64::new(0),
             cooldown_class: AtomicU8::new(0),
             last_failure: AtomicU8::new(0),
@@ -282,7 +392,16 @@ impl WorkerState {
             // Relaxed: an estimate.
             prefill_busy_until: Timestamp::from_nanos(r.prefill_busy_until.load(Ordering::Relaxed)),
             engine: r.engine(now, None),
+            estimate: r.estimate(),
+            since_report_tokens: r.since_report_tokens(),
         })
+    }
+
+    /// Learned-rate samples holder `rank` has taken (first chunks and engine totals).
+    #[must_use]
+    pub fn learned_samples(&self, rank: DpRank) -> u64 {
+        self.rank_state(rank)
+            .map_or(0, |r| r.learn.lock().unwrap_or_else(PoisonError::into_inner).fit.samples())
     }
 
     /// The cooldown in force at `now`: the class that started it and when it ends.
@@ -419,28 +538,50 @@ pub struct Booking {
     /// Nanoseconds of prefill per token on this holder (from its capacity).
     ns_per_token: u64,
     first_token_seen: bool,
+    /// When it was booked (the dispatch).
+    dispatched_at: Timestamp,
+    /// The prefill work ahead of its first token at dispatch: the queue the decision saw, then
+    /// its own prefill tokens.
+    work_tokens: u64,
+    /// The engine report epoch it was booked in.
+    epoch: u32,
 }
 
 impl Booking {
-    /// Books one request and `prefill_tokens` on `holder`. `None` if the rank does not exist.
+    /// Books one request and `prefill_tokens` on `holder`, with `queue_tokens` of prefill work
+    /// ahead of it. `None` if the rank does not exist.
     pub(crate) fn new(
         state: Arc<WorkerState>,
         holder: HolderId,
         prefill_tokens: u64,
+        queue_tokens: u64,
         prefill_tokens_per_sec: u32,
         now: Timestamp,
     ) -> Option<Self> {
         let r = state.rank_state(holder.rank)?;
         let ns_per_token = 1_000_000_000 / u64::from(prefill_tokens_per_sec.max(1));
-        // Relaxed (all three): independent counters read as estimates.
+        // Relaxed (all): independent counters read as estimates.
         r.booked_requests.fetch_add(1, Ordering::Relaxed);
         r.booked_prefill_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
+        r.booked_total_requests.fetch_add(1, Ordering::Relaxed);
+        r.booked_total_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
+        let epoch = r.report_epoch.load(Ordering::Relaxed);
+        r.since_report_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
         let work = prefill_tokens.saturating_mul(ns_per_token);
         // Relaxed: an estimate (the virtual prefill clock); nothing is published through it.
         let _ = r.prefill_busy_until.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |busy| {
             Some(busy.max(now.as_nanos()).saturating_add(work))
         });
-        Some(Booking { state, holder, prefill_tokens, ns_per_token, first_token_seen: false })
+        Some(Booking {
+            state,
+            holder,
+            prefill_tokens,
+            ns_per_token,
+            first_token_seen: false,
+            dispatched_at: now,
+            work_tokens: queue_tokens.saturating_add(prefill_tokens),
+            epoch,
+        })
     }
 
     /// The holder it is booked on.
@@ -472,6 +613,13 @@ impl Booking {
         // Relaxed: see `new`.
         let left =
             r.booked_prefill_tokens.fetch_sub(self.prefill_tokens, Ordering::Relaxed) - self.prefill_tokens;
+        // Relaxed (both): an estimate. A booking from before the last report is in the report.
+        if r.report_epoch.load(Ordering::Relaxed) == self.epoch {
+            let n = self.prefill_tokens;
+            let _ = r
+                .since_report_tokens
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |s| Some(s.saturating_sub(n)));
+        }
         self.prefill_tokens = 0;
         if let Some(now) = now {
             let bound = now.as_nanos().saturating_add(left.saturating_mul(self.ns_per_token));
@@ -486,6 +634,24 @@ impl Booking {
             self.first_token_seen = true;
             self.release_prefill(Some(now));
         }
+    }
+
+    /// The first chunk of a *streaming* answer arrived: as [`Booking::first_token`], and the time
+    /// since dispatch is a sample of the holder's prefill speed for the work that was ahead of
+    /// it (see [`crate::learn`]). A non-streaming answer's first byte comes after generation:
+    /// call [`Booking::first_token`] for it.
+    pub fn first_output(&mut self, now: Timestamp) {
+        if self.first_token_seen {
+            return;
+        }
+        let ttft = now.saturating_since(self.dispatched_at).as_secs_f64();
+        if let Some(r) = self.state.rank_state(self.holder.rank) {
+            let work = self.work_tokens as f64;
+            r.learn(|l| {
+                l.fit.observe(work, ttft);
+            });
+        }
+        self.first_token(now);
     }
 
     /// The request finished well: records a success and releases the booking.
@@ -523,7 +689,7 @@ mod tests {
     }
 
     fn state(policy: HealthPolicy) -> Arc<WorkerState> {
-        Arc::new(WorkerState::new(2, policy))
+        Arc::new(WorkerState::new(2, policy, 10_000))
     }
 
     fn holder(rank: u16) -> HolderId {
@@ -533,7 +699,7 @@ mod tests {
     #[test]
     fn booking_releases_prefill_at_first_token_and_request_on_drop() {
         let s = state(HealthPolicy::default());
-        let mut b = Booking::new(s.clone(), holder(1), 500, 10_000, ms(0)).expect("rank 1");
+        let mut b = Booking::new(s.clone(), holder(1), 500, 0, 10_000, ms(0)).expect("rank 1");
         let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
         assert_eq!((load.booked_requests, load.booked_prefill_tokens), (1, 500));
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_requests, 0);
@@ -544,7 +710,7 @@ mod tests {
         drop(b);
         let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
         assert_eq!((load.booked_requests, load.booked_prefill_tokens), (0, 0));
-        assert!(Booking::new(s, holder(2), 1, 10_000, ms(0)).is_none(), "no rank 2");
+        assert!(Booking::new(s, holder(2), 1, 0, 10_000, ms(0)).is_none(), "no rank 2");
     }
 
     #[test]
@@ -552,8 +718,8 @@ mod tests {
         let s = state(HealthPolicy::default());
         let busy = |s: &WorkerState| s.rank_load(DpRank(0), ms(0)).expect("rank").prefill_busy_until;
         // 10,000 tokens/s: 1,000 tokens are 100 ms of prefill.
-        let mut a = Booking::new(s.clone(), holder(0), 1000, 10_000, ms(0)).expect("rank");
-        let mut b = Booking::new(s.clone(), holder(0), 1000, 10_000, ms(50)).expect("rank");
+        let mut a = Booking::new(s.clone(), holder(0), 1000, 0, 10_000, ms(0)).expect("rank");
+        let mut b = Booking::new(s.clone(), holder(0), 1000, 0, 10_000, ms(50)).expect("rank");
         assert_eq!(busy(&s), ms(200), "queued behind the first");
         assert_eq!(s.rank_state(DpRank(0)).expect("rank").prefill_backlog_ns(ms(150)), 50_000_000);
         // The engine is faster than nominal: the first token at 60 ms leaves 1,000 tokens booked.
@@ -563,7 +729,7 @@ mod tests {
         assert_eq!(busy(&s), ms(160));
         assert_eq!(s.rank_state(DpRank(0)).expect("rank").prefill_backlog_ns(ms(200)), 0);
         // Idle: a new booking starts from now.
-        let c = Booking::new(s.clone(), holder(0), 500, 10_000, ms(1000)).expect("rank");
+        let c = Booking::new(s.clone(), holder(0), 500, 0, 10_000, ms(1000)).expect("rank");
         assert_eq!(busy(&s), ms(1050));
         c.fail(FailureClass::Timeout, ms(1010));
         assert_eq!(busy(&s), ms(1010), "a failed request leaves the queue");
@@ -572,8 +738,8 @@ mod tests {
     #[test]
     fn dropping_before_first_token_releases_everything() {
         let s = state(HealthPolicy::default());
-        let a = Booking::new(s.clone(), holder(0), 300, 10_000, ms(0)).expect("rank");
-        let b = Booking::new(s.clone(), holder(0), 200, 10_000, ms(0)).expect("rank");
+        let a = Booking::new(s.clone(), holder(0), 300, 0, 10_000, ms(0)).expect("rank");
+        let b = Booking::new(s.clone(), holder(0), 200, 0, 10_000, ms(0)).expect("rank");
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_prefill_tokens, 500);
         a.fail(FailureClass::Timeout, ms(1));
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_prefill_tokens, 200);
@@ -652,7 +818,13 @@ mod tests {
     fn engine_reports_have_an_age_and_ledger_state_defaults_to_syncing() {
         let s = state(HealthPolicy::default());
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").engine, None);
-        let l = EngineLoad { running: 3, waiting: 2, waiting_prefill_tokens: 900, kv_usage: 0.5 };
+        let l = EngineLoad {
+            running: 3,
+            waiting: 2,
+            waiting_prefill_tokens: Some(900),
+            kv_usage: 0.5,
+            prefill_totals: None,
+        };
         assert!(s.report_load(DpRank(0), l, ms(100)));
         assert!(!s.report_load(DpRank(7), l, ms(100)));
         let (got, age) = s.rank_load(DpRank(0), ms(350)).expect("rank").engine.expect("reported");
@@ -675,7 +847,7 @@ mod tests {
                 scope.spawn(move || {
                     for i in 0..5_000u64 {
                         let mut b =
-                            Booking::new(Arc::clone(&s), holder((i % 2) as u16), 100 + t, 10_000, ms(i))
+                            Booking::new(Arc::clone(&s), holder((i % 2) as u16), 100 + t, 0, 10_000, ms(i))
                                 .expect("rank");
                         match i % 4 {
                             0 => drop(b),

@@ -102,12 +102,18 @@ fn no_bound() -> SchedConfig {
     SchedConfig { bounded_load: None, ..SchedConfig::default() }
 }
 
+/// `cache_aware_v1`: the weighted score in prompt tokens, and the degradation chain's load-signal
+/// levels.
+fn v1(c: SchedConfig) -> SchedConfig {
+    SchedConfig { pools: PoolPolicies { regular: PolicyConfig::CacheAwareV1, ..c.pools }, ..c }
+}
+
 // ---------------------------------------------------------------------------------------------
 // The degradation chain
 
 #[test]
 fn exact_kv_events_when_ready_and_hit() {
-    let mut f = Fixture::new(4, SchedConfig::default());
+    let mut f = Fixture::new(4, v1(SchedConfig::default()));
     f.hits(&[(h(2), 100), (h(1), 10)]);
     let r = f.decide();
     assert_eq!((r.mode(), r.reason()), (MatchMode::ExactKvEvents, None));
@@ -135,7 +141,7 @@ fn load_aware_when_no_hit_picks_least_loaded() {
 
 #[test]
 fn load_aware_when_the_hit_is_overruled_by_load() {
-    let mut f = Fixture::new(2, no_bound());
+    let mut f = Fixture::new(2, v1(no_bound()));
     // One block (16 tokens) of hit on w1 is worth less than 3 extra requests (β = 32 each).
     f.load(h(1), 3, 0).hits(&[(h(1), 1)]);
     let r = f.decide();
@@ -230,13 +236,19 @@ fn engine_reports() -> SchedConfig {
 }
 
 fn report(f: &Fixture, w: u32, running: u32, at: Timestamp) {
-    let l = EngineLoad { running, waiting: 0, waiting_prefill_tokens: 0, kv_usage: 0.5 };
+    let l = EngineLoad {
+        running,
+        waiting: 0,
+        waiting_prefill_tokens: Some(0),
+        kv_usage: 0.5,
+        prefill_totals: None,
+    };
     assert!(f.state(w).report_load(DpRank(0), l, at));
 }
 
 #[test]
 fn fallback_p2c_when_load_signals_are_partly_missing() {
-    let mut f = Fixture::new(3, engine_reports());
+    let mut f = Fixture::new(3, v1(engine_reports()));
     report(&f, 0, 1, ms(0));
     report(&f, 1, 1, ms(0));
     report(&f, 2, 1, ms(0));
@@ -263,7 +275,7 @@ fn fallback_p2c_when_load_signals_are_partly_missing() {
 
 #[test]
 fn fallback_round_robin_when_only_liveness_is_known() {
-    let mut f = Fixture::new(3, engine_reports());
+    let mut f = Fixture::new(3, v1(engine_reports()));
     f.hits(&[(h(1), 100)]);
     let mut firsts = Vec::new();
     for _ in 0..6 {
@@ -721,4 +733,114 @@ fn the_first_ranked_are_in_order_and_sort_all_orders_the_rest() {
     assert!(got[RANKED..].iter().all(|&l| l >= RANKED as u32), "the rest are all worse");
     f.out.sort_all();
     assert_eq!(loads(&f.out), (0..n).collect::<Vec<_>>());
+}
+
+// ---------------------------------------------------------------------------------------------
+// cache_aware: time to first token
+
+/// Equal queues: the holder with the longest exact hit has the least to prefill, so the
+/// shortest estimated TTFT; the breakdown is in milliseconds at the prior (10,000 tokens/s).
+#[test]
+fn time_the_longest_hit_is_the_shortest_ttft() {
+    let mut f = Fixture::new(4, SchedConfig::default());
+    f.hits(&[(h(2), 100), (h(1), 10)]);
+    let r = f.decide();
+    assert_eq!((r.mode(), r.reason(), r.policy()), (MatchMode::ExactKvEvents, None, PolicyKind::CacheAware));
+    let c = r.first().expect("first");
+    assert_eq!((c.holder, c.matched_tokens, c.prefill_tokens, c.queue_tokens), (h(2), 1600, 448, 0));
+    // 10 ms of overhead, then 448 tokens at 10,000 tokens/s.
+    assert!((c.est_ttft_ms - 54.8).abs() < 0.01, "{c:?}");
+    assert!((c.score.affinity - 160.0).abs() < 0.01, "1,600 tokens saved = 160 ms: {c:?}");
+    assert!((c.rate_tokens_per_sec - 10_000.0).abs() < 1.0);
+    assert_eq!(r.admissible().nth(1).expect("second").holder, h(1));
+}
+
+/// A hot holder's queue is worth waiting for only while it is shorter than recomputing the
+/// prefix elsewhere: an idle worker that holds nothing takes the request once it is not.
+#[test]
+fn time_a_queue_longer_than_the_recompute_sends_the_request_to_an_idle_worker() {
+    let mut f = Fixture::new(2, no_bound());
+    // w0 holds 1,600 of the 2,048 prompt tokens; 1,000 tokens are queued ahead on it.
+    f.load(h(0), 1, 1_000).hits(&[(h(0), 100)]);
+    let r = f.decide();
+    assert_eq!(r.first().expect("first").holder, h(0), "1,448 tokens of work beat 2,048");
+    assert_eq!(r.mode(), MatchMode::ExactKvEvents);
+    // 3,000 tokens queued: 3,448 tokens of work on w0 lose to 2,048 on the idle w1.
+    f.load(h(0), 1, 2_000);
+    let r = f.decide();
+    assert_eq!((r.first().expect("first").holder, r.mode()), (h(1), MatchMode::LoadAware));
+    assert_eq!(r.reason(), Some(FallbackReason::HitOverruled));
+}
+
+/// Engine reports are the queue, and this gateway's bookings since the report are added:
+/// SGLang reports waiting uncached tokens; vLLM reports waiting requests, sized at the mean
+/// prefill of this gateway's requests there.
+#[test]
+fn time_the_queue_is_the_report_plus_what_was_sent_since() {
+    let mut f = Fixture::new(2, engine_reports());
+    f.load(h(0), 2, 300); // booked before the report: the report covers them
+    let sglang = EngineLoad {
+        running: 1,
+        waiting: 3,
+        waiting_prefill_tokens: Some(900),
+        kv_usage: 0.2,
+        prefill_totals: None,
+    };
+    assert!(f.state(0).report_load(DpRank(0), sglang, ms(5)));
+    f.load(h(0), 1, 250); // after the report: added
+    f.hits(&[]);
+    let w0 = *f.decide().all().find(|c| c.holder == h(0)).expect("w0");
+    assert_eq!(w0.queue_tokens, 900 + 250);
+    // vLLM: 4 waiting requests × the mean booked prefill here (300, 300, 250 → 283).
+    let vllm = EngineLoad {
+        running: 1,
+        waiting: 4,
+        waiting_prefill_tokens: None,
+        kv_usage: 0.2,
+        prefill_totals: None,
+    };
+    assert!(f.state(0).report_load(DpRank(0), vllm, ms(6)));
+    let w0 = *f.decide().all().find(|c| c.holder == h(0)).expect("w0");
+    assert_eq!(
+        w0.queue_tokens,
+        4 * 283,
+        "since-report bookings reset with the report; own bookings are less"
+    );
+    // No fresh report (w1): its own outstanding bookings, and no degradation.
+    f.load(h(1), 1, 700);
+    let r = f.decide();
+    let w1 = *r.all().find(|c| c.holder == h(1)).expect("w1");
+    assert_eq!((w1.queue_tokens, w1.load_reported), (700, false));
+    assert_eq!(r.mode(), MatchMode::LoadAware);
+}
+
+/// What the engine does teaches the estimate: streaming first chunks that come 8× slower than
+/// the prior make the holder's estimated TTFT follow, and a faster holder wins.
+#[test]
+fn time_first_chunks_teach_each_holder_its_speed() {
+    let mut f = Fixture::new(2, no_bound());
+    let snap = f.cluster.load();
+    // w0's first chunks: 1,250 tokens/s and 20 ms of overhead (the prior says 10,000 and 10 ms).
+    for i in 0..64u64 {
+        let prefill = 200 + (i % 8) as u32 * 500;
+        let mut b = snap.book_holder(h(0), prefill, ms(1_000 * i)).expect("book");
+        let took = 20.0 + f64::from(prefill) / 1.25;
+        b.first_output(Timestamp::from_nanos(1_000_000_000 * i + (took * 1e6) as u64));
+        b.succeed(ms(1_000 * i + 900));
+    }
+    let learned = f.state(0).rank_load(DpRank(0), ms(0)).expect("rank").estimate;
+    assert!((learned.rate() / 1_250.0 - 1.0).abs() < 0.05, "{learned:?}");
+    assert!((learned.overhead_s - 0.02).abs() < 0.005, "{learned:?}");
+    assert_eq!(f.state(0).learned_samples(DpRank(0)), 64);
+    // A non-streaming first byte teaches nothing.
+    let mut b = snap.book_holder(h(1), 100, ms(0)).expect("book");
+    b.first_token(ms(5_000));
+    drop(b);
+    assert_eq!(f.state(1).learned_samples(DpRank(0)), 0);
+    // w0 holds half the prompt but is 8× slower: w1 (at the prior) recomputes it all faster.
+    f.hits(&[(h(0), 64)]);
+    let r = f.decide();
+    assert_eq!(r.first().expect("first").holder, h(1));
+    let w0 = r.all().find(|c| c.holder == h(0)).expect("w0");
+    assert!(w0.est_ttft_ms > 800.0 && (w0.rate_tokens_per_sec - 1_250.0).abs() < 70.0, "{w0:?}");
 }

@@ -104,8 +104,10 @@ fn policy(p: PolicyConfig) -> SchedConfig {
 
 /// The behaviour of SGLang issue #21199: follow the cache, ignore load (no load weights, no
 /// bound, a watermark that never trips). The negative control of the TTFT test.
+/// The weighted score (`cache_aware_v1`) with load weighed at nothing: the cache alone decides.
 fn cache_only() -> SchedConfig {
     SchedConfig {
+        pools: PoolPolicies { regular: PolicyConfig::CacheAwareV1, ..PoolPolicies::default() },
         weights: Weights { alpha_per_token: 1.0, beta_per_request: 0.0, gamma_per_ms: 0.0 },
         watermark: Watermark { inflight_fraction: 1e9, queue_latency: Duration::from_secs(1 << 30) },
         bounded_load: None,
@@ -204,7 +206,7 @@ impl Sim {
                 }
                 Ev::PrefillDone(i) => {
                     let (_, b) = bookings[i].as_mut().expect("booked");
-                    b.first_token(now);
+                    b.first_output(now);
                     ttft.push(t - reqs[i].arrival);
                     events.push(Reverse((t + reqs[i].output_tokens * ITL_US, Ev::Done(i))));
                 }

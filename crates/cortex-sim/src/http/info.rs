@@ -174,8 +174,10 @@ pub(super) fn loads(shared: &Shared, uri: &Uri) -> Resp {
                 "gen_throughput": 0.0,
                 "cache_hit_rate": hit_rate,
                 "utilization": l.kv_usage,
-                "total_prefill_uncached_tokens": l.stats.prefix_queries - l.stats.prefix_hits,
-                "total_prefill_busy_us": u64::try_from(l.stats.prefill_busy.as_micros()).unwrap_or(u64::MAX),
+                // What the rank prefilled, and for how long on the wall clock a real engine's
+                // counters see (virtual time runs 1/speed times faster than the wall clock).
+                "total_prefill_uncached_tokens": l.stats.computed_prompt_tokens,
+                "total_prefill_busy_us": (l.stats.prefill_busy.as_secs_f64() * shared.cfg.timing.speed * 1e6) as u64,
                 "decode_moments": null,
             })
         })
