@@ -503,7 +503,7 @@ async fn shutdown_is_not_ready_at_once_then_drains_then_closes() {
     h.wait("the stream is in flight", || h.sims[0].in_flight(0).unwrap_or(0) > 0).await;
     assert_eq!(h.send("GET", "/health/ready", Bytes::new()).await.status, StatusCode::OK);
     let caller = h.caller();
-    let Harness { sims, gw, client } = h;
+    let Harness { sims, gw, client, .. } = h;
     let gateway = std::sync::Arc::clone(&gw.gateway);
     let shutdown = tokio::spawn(gw.shutdown());
     // Draining: not ready at once…
@@ -647,5 +647,72 @@ async fn unreproducible_prompts_are_routed_by_load_and_counted() {
         }
         assert!(counted(&metrics().await) > before, "{what}: cortex_fallback_total{{reason=\"{reason}\"}}");
     }
+    h.shutdown().await;
+}
+
+/// Two gateway replicas in front of the same workers, with no protocol between them: each
+/// follows the engines' KV events itself (a prompt served through one is an exact hit through
+/// the other), and each sees the load the other put on a worker in that worker's own reports
+/// (the engines' reports are the shared truth).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_the_cache_view_and_the_load_through_the_engines() {
+    let h = harness("sglang", vec![slow_sim("sglang"), slow_sim("sglang")], &[]).await;
+    let b = h.replica().await;
+    let body = chat(&long_prompt("replicas"), false);
+    // Through replica A: served by some worker, whose blocks the events announce.
+    let first = h.post("/v1/chat/completions", &body).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+    let holder = first.header("x-cortex-assigned-worker").to_owned();
+    // Replica B never saw that request; its own ledger holds the prefix on that worker.
+    let via_b = |path: &str| format!("http://{}{path}", b.addr);
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    let dry = loop {
+        let r = h.send_to("POST", &via_b("/debug/route"), Bytes::from(body.to_string())).await;
+        let v = r.json();
+        if v["candidates"][0]["worker"] == holder.as_str() && v["mode"] == "exact_kv_events" {
+            break v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "replica B never saw the prefix: {v}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert!(dry["candidates"][0]["matched_tokens"].as_u64() > Some(0), "{dry}");
+    let second = h.send_to("POST", &via_b("/v1/chat/completions"), Bytes::from(body.to_string())).await;
+    assert_eq!(second.status, StatusCode::OK, "{}", second.body);
+    assert_eq!(second.header("x-cortex-assigned-worker"), holder);
+    assert_eq!(second.header("x-cortex-match-mode"), "exact_kv_events");
+    assert!(cached_tokens(&second) > 0, "the worker served the prefix from its cache");
+    // A long request in flight through A: B books nothing on that worker, but the worker's own
+    // load report tells B it is busy.
+    let long = json!({"model": MODEL, "prompt": "keep decoding", "max_tokens": 200, "stream": true});
+    let caller = h.caller();
+    let inflight = tokio::spawn(async move { caller.post("/v1/completions", &long).await });
+    let busy = {
+        let deadline = tokio::time::Instant::now() + common::WAIT;
+        loop {
+            let w = h.sims.iter().position(|s| s.in_flight(0).unwrap_or(0) > 0);
+            if let Some(w) = w {
+                break format!("w{w}");
+            }
+            assert!(tokio::time::Instant::now() < deadline, "the long request never started");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    };
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    loop {
+        let r = h.send_to("POST", &via_b("/debug/route"), Bytes::from(chat("load", false).to_string())).await;
+        let v = r.json();
+        let c = v["candidates"].as_array().unwrap().iter().find(|c| c["worker"] == busy.as_str()).cloned();
+        if let Some(c) = c
+            && c["active_requests"].as_u64() > Some(0)
+        {
+            assert_eq!(c["booked_requests"], 0, "B booked nothing there: {c}");
+            assert_eq!(c["load_reported"], true, "{c}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "B never saw the other replica's load: {v}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(inflight.await.unwrap().status, StatusCode::OK);
+    b.shutdown().await;
     h.shutdown().await;
 }

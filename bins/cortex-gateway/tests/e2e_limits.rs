@@ -107,7 +107,7 @@ async fn graceful_shutdown_does_not_wait_for_a_connection_that_sent_nothing() {
     // A request on a later connection: once it is answered, the silent one was accepted too.
     assert_eq!(h.send("GET", "/health/live", bytes::Bytes::new()).await.status, StatusCode::OK);
     // Nothing is in flight: shutdown has nothing to wait for.
-    let common::Harness { sims, gw, client } = h;
+    let common::Harness { sims, gw, client, .. } = h;
     drop(client);
     tokio::time::timeout(Duration::from_secs(20), gw.shutdown())
         .await

@@ -39,6 +39,8 @@ pub(crate) struct Harness {
     pub(crate) sims: Vec<SimWorker>,
     pub(crate) gw: Running,
     pub(crate) client: Client<HttpConnector, Full<Bytes>>,
+    /// The configuration the gateway was started from (another replica starts from it too).
+    pub(crate) yaml: String,
 }
 
 pub(crate) struct Reply {
@@ -131,7 +133,7 @@ workers:{workers}",
     adjust(&mut settings);
     let gw = cortex_gateway::start(settings, prometheus).await.unwrap();
     let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let h = Harness { sims, gw, client };
+    let h = Harness { sims, gw, client, yaml };
     h.wait("every worker live", || h.live_workers() >= h.sims.len()).await;
     h
 }
@@ -168,7 +170,7 @@ impl Harness {
     /// client's would be (a silent spare connection no longer holds the gateway's shutdown:
     /// `e2e_limits.rs` pins that).
     pub(crate) async fn shutdown(self) {
-        let Harness { sims, gw, client } = self;
+        let Harness { sims, gw, client, .. } = self;
         drop(client);
         gw.shutdown().await;
         drop(sims);
@@ -176,6 +178,20 @@ impl Harness {
 
     pub(crate) fn addr(&self) -> SocketAddr {
         self.gw.addr
+    }
+
+    /// Another gateway replica in front of the same workers, from the same configuration (its
+    /// own listener, ledger, event subscriptions and bookings); waits until it sees every
+    /// worker live.
+    pub(crate) async fn replica(&self) -> Running {
+        let settings = Config::parse(&self.yaml).unwrap().into_settings(&demo::repo_root()).unwrap();
+        let gw = cortex_gateway::start(settings, None).await.unwrap();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while gw.gateway.control().live_workers() < self.sims.len() {
+            assert!(tokio::time::Instant::now() < deadline, "the replica never saw every worker live");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        gw
     }
 
     pub(crate) fn live_workers(&self) -> usize {
