@@ -24,6 +24,13 @@ enum Cmd {
     /// Replay a request trace open loop through each routing policy onto a simulated cluster:
     /// cache hits against the infinite-cache bound, simulated TTFT, load imbalance, failures.
     Replay(Box<replay::Args>),
+    /// One Cortex gateway replica of `--replicas` runs (started by `replay`).
+    #[command(hide = true)]
+    Gateway {
+        /// The gateway's configuration.
+        #[arg(long)]
+        config: std::path::PathBuf,
+    },
 }
 
 fn main() -> Result<ExitCode> {
@@ -31,5 +38,6 @@ fn main() -> Result<ExitCode> {
     match Cli::parse().command {
         Cmd::Bench(args) => bench::run(&root, &args),
         Cmd::Replay(args) => replay::cli(&root, &args),
+        Cmd::Gateway { config } => replay::replicas::serve(&root, &config),
     }
 }

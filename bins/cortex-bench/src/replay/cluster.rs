@@ -149,37 +149,7 @@ pub async fn start_cortex(
     scheduler: &str,
     sections: &str,
 ) -> Result<Running> {
-    let extra = if scheduler.trim().is_empty() { String::new() } else { format!(", {scheduler}") };
-    let mut workers = String::new();
-    for (i, s) in sims.workers.iter().enumerate() {
-        let role = match s.config().role {
-            cortex_sim::Role::Unified => "regular",
-            cortex_sim::Role::Prefill => "prefill",
-            cortex_sim::Role::Decode => "decode",
-        };
-        workers.push_str(&format!(
-            "  - {{name: w{i}, url: '{}', engine: {}, model: {MODEL}, role: {role}}}\n",
-            s.base_url(),
-            engine.name()
-        ));
-    }
-    let qwen = root.join("golden/models/qwen3");
-    let yaml = format!(
-        "listen: '127.0.0.1:0'
-models:
-  - name: {MODEL}
-    engine: {engine}
-    tokenizer: '{tok}'
-    tokenizer_config: '{cfg}'
-    block_size: {block_size}
-workers:
-{workers}scheduler: {{policy: {policy}{extra}}}
-probes: {{health_interval: 1s, load_interval: 250ms}}
-{sections}",
-        engine = engine.name(),
-        tok = qwen.join("tokenizer.json").display(),
-        cfg = qwen.join("tokenizer_config.json").display(),
-    );
+    let yaml = cortex_yaml(root, sims, engine, block_size, policy, scheduler, sections);
     let settings = Config::parse(&yaml)?.into_settings(root)?;
     let running = cortex_gateway::start(settings, None).await?;
     let names: Vec<String> = (0..sims.workers.len()).map(|i| format!("w{i}")).collect();
@@ -213,6 +183,50 @@ probes: {{health_interval: 1s, load_interval: 250ms}}
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Ok(running)
+}
+
+/// The YAML configuration of a Cortex gateway in front of `sims` (see [`start_cortex`]).
+#[must_use]
+pub fn cortex_yaml(
+    root: &Path,
+    sims: &Sims,
+    engine: Engine,
+    block_size: usize,
+    policy: &str,
+    scheduler: &str,
+    sections: &str,
+) -> String {
+    let extra = if scheduler.trim().is_empty() { String::new() } else { format!(", {scheduler}") };
+    let mut workers = String::new();
+    for (i, s) in sims.workers.iter().enumerate() {
+        let role = match s.config().role {
+            cortex_sim::Role::Unified => "regular",
+            cortex_sim::Role::Prefill => "prefill",
+            cortex_sim::Role::Decode => "decode",
+        };
+        workers.push_str(&format!(
+            "  - {{name: w{i}, url: '{}', engine: {}, model: {MODEL}, role: {role}}}\n",
+            s.base_url(),
+            engine.name()
+        ));
+    }
+    let qwen = root.join("golden/models/qwen3");
+    format!(
+        "listen: '127.0.0.1:0'
+models:
+  - name: {MODEL}
+    engine: {engine}
+    tokenizer: '{tok}'
+    tokenizer_config: '{cfg}'
+    block_size: {block_size}
+workers:
+{workers}scheduler: {{policy: {policy}{extra}}}
+probes: {{health_interval: 1s, load_interval: 250ms}}
+{sections}",
+        engine = engine.name(),
+        tok = qwen.join("tokenizer.json").display(),
+        cfg = qwen.join("tokenizer_config.json").display(),
+    )
 }
 
 /// Which worker each request id went to (filled by the relays).

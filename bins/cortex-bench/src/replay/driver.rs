@@ -91,6 +91,9 @@ pub struct Send {
 pub struct DriverOptions {
     /// Where to send (`/v1/completions`).
     pub target: SocketAddr,
+    /// Several front ends (gateway replicas), request `i` to `targets[i % n]`, as a round-robin
+    /// load balancer spreads them; empty: every request to `target`.
+    pub targets: Vec<SocketAddr>,
     /// Give up on one request after this long (wall clock).
     pub timeout: Duration,
     /// A progress line on stderr.
@@ -155,7 +158,8 @@ pub async fn run(sends: &[Send], opts: &DriverOptions, seen: Option<Seen>) -> Ve
         let late = Instant::now().saturating_duration_since(due);
         let (client, s, seen) = (client.clone(), s.clone(), seen.clone());
         let (done, failed) = (Arc::clone(&done), Arc::clone(&failed));
-        let (target, timeout, require) = (opts.target, opts.timeout, opts.require_sim_ttft);
+        let target = if opts.targets.is_empty() { opts.target } else { opts.targets[i % opts.targets.len()] };
+        let (timeout, require) = (opts.timeout, opts.require_sim_ttft);
         handles.push(tokio::spawn(async move {
             let mut o = match tokio::time::timeout(timeout, send(&client, target, i, &s, require)).await {
                 Ok(o) => o,

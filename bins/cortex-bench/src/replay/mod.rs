@@ -26,6 +26,7 @@ pub mod cluster;
 pub mod driver;
 pub mod metrics;
 pub mod pd;
+pub mod replicas;
 pub mod report;
 pub mod svg;
 pub mod text;
@@ -52,7 +53,9 @@ pub struct Args {
     #[arg(long, value_enum, value_delimiter = ',', default_value = "mooncake,hot-spot")]
     pub workload: Vec<Kind>,
     /// Policies, each on a fresh cluster: Cortex's scheduler policies by name (cache_aware is
-    /// Cortex's default) and `sglang` for SGLang's router with its cache_aware policy (default:
+    /// Cortex's default; `NAME@N`: N gateway replicas in separate processes, the requests spread
+    /// across them round robin, each following the events itself and only the engines' load
+    /// reports connecting them) and `sglang` for SGLang's router with its cache_aware policy (default:
     /// `cache_aware,round_robin,power_of_two,least_load,sglang`). With `--pd`: the PD front ends
     /// `cortex`, `cortex-load-decode`, `sglang-pd` (SGLang workers) and `vllm-toy` (vLLM
     /// workers); default: the first two and the engine's peer.
@@ -229,7 +232,14 @@ impl Args {
         }
         for p in &self.policies() {
             if p != "sglang" {
-                p.parse::<cortex_sched::PolicyKind>()
+                if let Some((_, count)) = p.split_once('@')
+                    && count.parse::<usize>().ok().filter(|&c| c >= 1).is_none()
+                {
+                    bail!("--policies: `{p}`: the replica count must be a positive number");
+                }
+                replicas_of(p)
+                    .0
+                    .parse::<cortex_sched::PolicyKind>()
                     .map_err(|e| anyhow::anyhow!("--policies: `{p}`: {e}"))?;
             }
         }
@@ -286,8 +296,20 @@ pub struct Replay {
     pub wall: Duration,
 }
 
+/// A Cortex policy name and its replica count (`cache_aware@2`: two replicas).
+fn replicas_of(policy: &str) -> (&str, usize) {
+    match policy.split_once('@') {
+        Some((p, n)) => (p, n.parse().unwrap_or(1).max(1)),
+        None => (policy, 1),
+    }
+}
+
 fn label(policy: &str) -> String {
-    if policy == "sglang" { "sglang-router cache_aware".to_owned() } else { format!("cortex {policy}") }
+    match replicas_of(policy) {
+        ("sglang", _) => "sglang-router cache_aware".to_owned(),
+        (p, 1) => format!("cortex {p}"),
+        (p, n) => format!("cortex {p} ×{n} replicas"),
+    }
 }
 
 /// Runs the replay described by `args` on the workspace at `root`.
@@ -497,11 +519,42 @@ async fn run_policy(
                     return Err(e);
                 }
             };
-            let opts = DriverOptions { target: router.addr, timeout, progress, require_sim_ttft: true };
+            let opts = DriverOptions {
+                target: router.addr,
+                targets: Vec::new(),
+                timeout,
+                progress,
+                require_sim_ttft: true,
+            };
             let t = Instant::now();
             let outcomes = driver::run(sends, &opts, Some(Arc::clone(&router.seen))).await;
             let wall = t.elapsed();
             router.stop().await;
+            (outcomes, wall)
+        }
+        None if replicas_of(policy).1 > 1 => {
+            let (name, n) = replicas_of(policy);
+            let yaml =
+                cluster::cortex_yaml(root, &sims, args.engine, args.block_size, name, &args.scheduler, "");
+            let dir = log.parent().unwrap_or(root).to_path_buf();
+            let replicas = match replicas::Replicas::start(&yaml, n, sims.workers.len(), &dir).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tokio::task::spawn_blocking(move || sims.shutdown()).await?;
+                    return Err(e);
+                }
+            };
+            let opts = DriverOptions {
+                target: replicas.addrs[0],
+                targets: replicas.addrs.clone(),
+                timeout,
+                progress,
+                require_sim_ttft: true,
+            };
+            let t = Instant::now();
+            let outcomes = driver::run(sends, &opts, None).await;
+            let wall = t.elapsed();
+            replicas.stop().await;
             (outcomes, wall)
         }
         None => {
@@ -510,7 +563,7 @@ async fn run_policy(
                 &sims,
                 args.engine,
                 args.block_size,
-                policy,
+                replicas_of(policy).0,
                 &args.scheduler,
                 "",
             )
@@ -522,7 +575,13 @@ async fn run_policy(
                     return Err(e);
                 }
             };
-            let opts = DriverOptions { target: gw.addr, timeout, progress, require_sim_ttft: true };
+            let opts = DriverOptions {
+                target: gw.addr,
+                targets: Vec::new(),
+                timeout,
+                progress,
+                require_sim_ttft: true,
+            };
             let t = Instant::now();
             let outcomes = driver::run(sends, &opts, None).await;
             let wall = t.elapsed();

@@ -419,6 +419,7 @@ pub async fn run_policy(
     let label = label(policy, run.decode_only_max_uncached);
     let opts = DriverOptions {
         target: front.addr(),
+        targets: Vec::new(),
         timeout: run.timeout,
         progress: run.progress.then(|| label.clone()),
         require_sim_ttft: false,

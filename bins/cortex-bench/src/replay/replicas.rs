@@ -1,0 +1,137 @@
+//! `--replicas N`: Cortex as N gateway replicas in separate processes in front of the same
+//! simulated cluster, the requests spread across them round robin as an upstream load balancer
+//! would. Each replica is this binary's `gateway` command (the gateway library, started exactly
+//! as `cortex-gateway --config` starts it), follows the engines' KV events itself and books only
+//! its own requests; nothing connects the replicas but the engines' own load reports.
+//!
+//! Key decision: separate processes, because what a replica holds is per process (the metrics
+//! recorder is process-wide, and a replica must not see another's bookings through shared
+//! memory).
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+
+/// The line a `gateway` command prints once it listens.
+pub const LISTENING: &str = "cortex-bench gateway listening on ";
+
+/// Running replicas.
+pub struct Replicas {
+    /// Their public addresses, in order.
+    pub addrs: Vec<SocketAddr>,
+    children: Vec<Child>,
+}
+
+impl std::fmt::Debug for Replicas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replicas").field("addrs", &self.addrs).finish()
+    }
+}
+
+impl Replicas {
+    /// Starts `n` replicas of the configuration `yaml` (written to `dir`), each logging to
+    /// `dir/replica-<i>.log`, and waits until every one sees every one of `workers` workers
+    /// healthy, its profile confirmed and its ledger READY.
+    ///
+    /// # Errors
+    /// A replica cannot start or does not become ready within 60 s.
+    pub async fn start(yaml: &str, n: usize, workers: usize, dir: &Path) -> Result<Replicas> {
+        let file = dir.join("replica.cortex.yaml");
+        std::fs::write(&file, yaml).with_context(|| format!("writing {}", file.display()))?;
+        let exe = std::env::current_exe().context("this binary's path")?;
+        let mut r = Replicas { addrs: Vec::new(), children: Vec::new() };
+        for i in 0..n {
+            let log = std::fs::File::create(dir.join(format!("replica-{i}.log")))?;
+            let mut child = Command::new(&exe)
+                .args(["gateway", "--config"])
+                .arg(&file)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(log)
+                .spawn()
+                .with_context(|| format!("starting replica {i}"))?;
+            let stdout = child.stdout.take().context("the replica's stdout")?;
+            r.children.push(child);
+            let line = tokio::task::spawn_blocking(move || {
+                BufReader::new(stdout).lines().map_while(Result::ok).find(|l| l.starts_with(LISTENING))
+            })
+            .await?;
+            let Some(addr) = line.and_then(|l| l[LISTENING.len()..].trim().parse().ok()) else {
+                r.stop().await;
+                bail!(
+                    "replica {i} exited before it listened; see {}",
+                    dir.join(format!("replica-{i}.log")).display()
+                );
+            };
+            r.addrs.push(addr);
+        }
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let deadline = Instant::now() + Duration::from_secs(60);
+        for (i, addr) in r.addrs.clone().into_iter().enumerate() {
+            loop {
+                if ready(&client, addr, workers).await {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    r.stop().await;
+                    bail!("replica {i} did not see every worker ready within 60 s");
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+        Ok(r)
+    }
+
+    /// Kills every replica.
+    pub async fn stop(mut self) {
+        for mut c in self.children.drain(..) {
+            let _ = c.kill();
+            let _ = tokio::task::spawn_blocking(move || c.wait()).await;
+        }
+    }
+}
+
+/// Whether the replica at `addr` sees `workers` workers healthy, confirmed, READY.
+async fn ready(client: &Client<HttpConnector, Full<Bytes>>, addr: SocketAddr, workers: usize) -> bool {
+    let Ok(uri) = format!("http://{addr}/debug/workers").parse::<http::Uri>() else { return false };
+    let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), client.get(uri)).await else {
+        return false;
+    };
+    let Ok(body) = resp.into_body().collect().await.map(|b| b.to_bytes()) else { return false };
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let Some(ws) = v["workers"].as_array() else { return false };
+    ws.len() == workers
+        && ws.iter().all(|w| {
+            w["health"] == "healthy"
+                && w["profile"]["verdict"] == "confirmed"
+                && w["ranks"][0]["ledger"] == "ready"
+        })
+}
+
+/// The `gateway` command: the gateway of `config`, until killed.
+///
+/// # Errors
+/// The configuration does not validate or the gateway cannot start.
+#[allow(clippy::print_stdout)] // the address is the command's output
+pub fn serve(root: &Path, config: &Path) -> Result<std::process::ExitCode> {
+    let yaml = std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
+    let settings = cortex_gateway::config::Config::parse(&yaml)?.into_settings(root)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let running = cortex_gateway::start(settings, None).await?;
+        println!("{LISTENING}{}", running.addr);
+        std::future::pending::<()>().await;
+        drop(running);
+        Ok(std::process::ExitCode::SUCCESS)
+    })
+}
