@@ -28,14 +28,16 @@
 //!   `fallback_p2c` → `fallback_round_robin`, each decision with its [`FallbackReason`]. The caller
 //!   says when it cannot trust the cache ([`Untrusted`]); the scheduler then never reads an
 //!   overlap, and a holder whose ledger is not READY never gets credit: no guessed hit.
-//! - **Locality against load**: the default [`WeightedScorer`] is
-//!   `α·matched_tokens − β·active_requests − γ·expected_queue_latency`; a high watermark gives up
-//!   affinity when the best holder is saturated; a load bound (consistent hashing with bounded
-//!   loads) caps every holder at ⌈(1+ε)·mean⌉ of this gateway's requests in flight. The queue
-//!   latency is a per-rank *virtual prefill clock*: each booking adds its uncached tokens at the
-//!   holder's prefill rate, each first token pulls the clock back to what is still booked. (A
-//!   plain count of booked prefill tokens cannot tell a worker about to finish its prefill from
-//!   one that just started; the simulation showed the load terms then degenerate to a coin toss.)
+//! - **Locality against load, in time**: the default policy's [`TimeScorer`] ranks by each
+//!   candidate's estimated time to first token — its learned fixed overhead, then the prefill
+//!   work queued ahead (the engine's report plus this gateway's bookings since) and the request's
+//!   own uncached tokens, at the holder's prefill speed learned online ([`learn`]) — so cache and
+//!   load are weighed in one unit. A high watermark gives up affinity when the best holder is
+//!   saturated; a load bound (consistent hashing with bounded loads) caps every holder at
+//!   ⌈(1+ε)·mean⌉ of this gateway's requests in flight. `cache_aware_v1` keeps the first wave's
+//!   [`WeightedScorer`], `α·matched_tokens − β·active_requests − γ·expected_queue_latency` in
+//!   prompt tokens, whose queue latency is a per-rank *virtual prefill clock* at the configured
+//!   rate.
 //! - **A ranked, explained result in a lent buffer** ([`Ranking`]): every holder of the pool with
 //!   its score breakdown and exclusion reason; data-parallel ranks are candidates of their own, so
 //!   a decision names a (worker, rank). Only the first [`RANKED`] admissible candidates are put in
