@@ -196,7 +196,11 @@ pub fn cortex_yaml(
     scheduler: &str,
     sections: &str,
 ) -> String {
-    let extra = if scheduler.trim().is_empty() { String::new() } else { format!(", {scheduler}") };
+    let mut extra = if scheduler.trim().is_empty() { String::new() } else { format!(", {scheduler}") };
+    // `cache_aware_v1` is the first wave's default, which weighed this gateway's bookings alone.
+    if policy == "cache_aware_v1" && !scheduler.contains("load_signals") {
+        extra.push_str(", load_signals: booked");
+    }
     let mut workers = String::new();
     for (i, s) in sims.workers.iter().enumerate() {
         let role = match s.config().role {

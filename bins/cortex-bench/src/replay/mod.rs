@@ -53,10 +53,11 @@ pub struct Args {
     #[arg(long, value_enum, value_delimiter = ',', default_value = "mooncake,hot-spot")]
     pub workload: Vec<Kind>,
     /// Policies, each on a fresh cluster: Cortex's scheduler policies by name (cache_aware is
-    /// Cortex's default; `NAME@N`: N gateway replicas in separate processes, the requests spread
-    /// across them round robin, each following the events itself and only the engines' load
-    /// reports connecting them) and `sglang` for SGLang's router with its cache_aware policy (default:
-    /// `cache_aware,round_robin,power_of_two,least_load,sglang`). With `--pd`: the PD front ends
+    /// Cortex's default; `cache_aware_v1` the first wave's, on this gateway's bookings; `NAME@N`:
+    /// N gateway replicas in separate processes, the requests spread across them round robin,
+    /// each following the events itself and only the engines' load reports connecting them) and
+    /// `sglang` for SGLang's router with its cache_aware policy (default:
+    /// `cache_aware,cache_aware_v1,round_robin,power_of_two,least_load,sglang`). With `--pd`: the PD front ends
     /// `cortex`, `cortex-load-decode`, `sglang-pd` (SGLang workers) and `vllm-toy` (vLLM
     /// workers); default: the first two and the engine's peer.
     #[arg(long, value_delimiter = ',')]
@@ -202,7 +203,7 @@ impl Args {
         }
         match self.pd {
             Some(_) => pd::policies(self.engine),
-            None => ["cache_aware", "round_robin", "power_of_two", "least_load", "sglang"]
+            None => ["cache_aware", "cache_aware_v1", "round_robin", "power_of_two", "least_load", "sglang"]
                 .map(str::to_owned)
                 .to_vec(),
         }
@@ -618,7 +619,10 @@ mod tests {
     fn defaults_are_the_issues() {
         let a = Args::try_parse_from(["replay"]).unwrap();
         assert_eq!(a.workload, vec![Kind::Mooncake, Kind::HotSpot]);
-        assert_eq!(a.policies(), ["cache_aware", "round_robin", "power_of_two", "least_load", "sglang"]);
+        assert_eq!(
+            a.policies(),
+            ["cache_aware", "cache_aware_v1", "round_robin", "power_of_two", "least_load", "sglang"]
+        );
         let pd = Args::try_parse_from(["replay", "--pd", "4,4", "--engine", "vllm"]).unwrap();
         assert_eq!(pd.policies(), ["cortex", "cortex-load-decode", "vllm-toy"]);
         assert_eq!(pd.cluster_workers(), 8);
