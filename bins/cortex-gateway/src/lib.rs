@@ -100,7 +100,7 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
             cortex_proxy::server::serve_with(
                 listener,
                 handler,
-                limits.header_read_timeout,
+                &limits,
                 std::time::Duration::from_secs(1),
                 async {
                     let _ = rx.await;

@@ -67,6 +67,8 @@ pub const EVENT_DECODE_ERRORS: &str = "cortex_event_decode_errors_total";
 pub const EVENT_APPLY_LAG: &str = "cortex_event_apply_lag_seconds";
 /// Gauge: the largest such lag seen, by `worker` and `rank`.
 pub const EVENT_APPLY_LAG_MAX: &str = "cortex_event_apply_lag_max_seconds";
+/// Counter: connections closed at accept because `limits.max_connections` were open.
+pub const CONNECTIONS_REFUSED: &str = "cortex_connections_refused_total";
 
 /// Registers descriptions for every metric (call once after installing a recorder).
 pub fn describe() {
@@ -113,4 +115,5 @@ pub fn describe() {
         "Engine batch timestamp to visible in the ledger, last batch"
     );
     describe_gauge!(EVENT_APPLY_LAG_MAX, metrics::Unit::Seconds, "Largest apply lag seen");
+    describe_counter!(CONNECTIONS_REFUSED, "Connections closed at accept: max_connections were open");
 }
