@@ -49,7 +49,7 @@ pub struct Limits {
     pub upstream_head_timeout: Duration,
     /// Longest silence allowed between two chunks of a worker's response body.
     pub upstream_idle_timeout: Duration,
-    /// Requests processed at once.
+    /// Requests processed at once, counted from the moment their body has been read.
     pub max_concurrent: usize,
     /// Requests allowed to wait for a slot (429 beyond).
     pub max_queue: usize,

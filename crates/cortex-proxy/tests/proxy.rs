@@ -807,3 +807,59 @@ impl hyper::body::Body for Endless {
         std::task::Poll::Pending
     }
 }
+
+/// Issue 19, row 3: a request took its admission slot before its body was read, so clients
+/// sending bodies slowly starved every other request (503 `queue_timeout`). A request now asks
+/// for its slot once its body is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_body_holds_a_connection_never_a_slot() {
+    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+    opts.proxy.limits = Limits {
+        max_concurrent: 1,
+        max_queue: 4,
+        queue_timeout: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let h = start(opts).await;
+    // The slow client's handler is reading its body once hyper sends `100 Continue` (the body's
+    // first poll): on the old order it held the only slot by then.
+    let mut slow = TcpStream::connect(h.addr).await.unwrap();
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\nexpect: 100-continue\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(fake::WAIT, slow.read(&mut buf)).await.unwrap().unwrap();
+    assert!(
+        String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 100"),
+        "{}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    slow.write_all(b"{\"mo").await.unwrap();
+    let r = h.post("/v1/completions", &[], &completion("a normal request")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    drop(slow);
+    h.shutdown().await;
+}
+
+/// Issue 19, row 8: `/tokenize` was not admission-controlled. It takes a slot like a routed
+/// request (its tokenization costs the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_takes_an_admission_slot() {
+    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+    opts.proxy.limits = Limits { max_concurrent: 1, max_queue: 0, ..Limits::default() };
+    let h = start(opts).await;
+    h.fakes[0].hold();
+    let stream = json!({"model": MODEL, "prompt": "a", "stream": true});
+    let held = h.spawn_send(h.request("POST", "/v1/completions", &[], Bytes::from(stream.to_string())));
+    h.wait("the first request holds the only slot", || h.fakes[0].served().len() == 1).await;
+    let r = h.post("/tokenize", &[], &json!({"model": MODEL, "prompt": "hello world"})).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "gateway_overloaded");
+    h.fakes[0].release();
+    assert!(held.await.unwrap().body.ends_with(b"data: [DONE]\n\n"));
+    let r = h.post("/tokenize", &[], &json!({"model": MODEL, "prompt": "hello world"})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    h.shutdown().await;
+}
