@@ -843,6 +843,49 @@ async fn a_slow_body_holds_a_connection_never_a_slot() {
     h.shutdown().await;
 }
 
+/// Issue 19, row 8: token ids beyond the model's vocabulary were forwarded unchecked. They are
+/// refused with 400 before anything reaches a worker, on every route that takes ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_ids_out_of_the_vocabulary_are_refused() {
+    let h = start(Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)])).await;
+    let max = i64::from(
+        h.gateway
+            .planner()
+            .model_for(&request::parse(Route::Completions, br#"{"model":"m","prompt":"x"}"#).unwrap())
+            .unwrap()
+            .max_token_id(),
+    );
+    assert!(max > 150_000, "Qwen3's vocabulary: {max}");
+    for (path, body) in [
+        ("/v1/completions", json!({"model": MODEL, "prompt": [1, 2, max + 1], "max_tokens": 2})),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": [[1, 2], [3, 4_000_000_000_u64]], "max_tokens": 2}),
+        ),
+        (
+            "/generate",
+            json!({"model": MODEL, "input_ids": [5, max + 7], "sampling_params": {"max_new_tokens": 2}}),
+        ),
+        ("/tokenize", json!({"model": MODEL, "prompt": [max + 1]})),
+        ("/debug/route", json!({"model": MODEL, "prompt": [max + 1]})),
+    ] {
+        let r = h.post(path, &[], &body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path} {body}: {}", r.text());
+        assert_eq!(r.json()["error"]["code"], "invalid_request", "{}", r.text());
+        assert!(
+            r.json()["error"]["message"].as_str().unwrap_or_default().contains("vocabulary"),
+            "{}",
+            r.text()
+        );
+    }
+    assert!(h.fakes[0].served().is_empty(), "an out-of-vocabulary request reached the worker");
+    // The largest id is fine.
+    let r =
+        h.post("/v1/completions", &[], &json!({"model": MODEL, "prompt": [1, max], "max_tokens": 2})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    h.shutdown().await;
+}
+
 /// Issue 19, row 8: `/tokenize` was not admission-controlled. It takes a slot like a routed
 /// request (its tokenization costs the same).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
