@@ -12,7 +12,8 @@
 
 mod common;
 
-use common::{Harness, Reply, chat, harness, long_prompt};
+use bytes::Bytes;
+use common::{Harness, Reply, chat, harness, harness_with, long_prompt, metric, prometheus};
 use cortex_radix::Readiness;
 use cortex_sched::BreakerState;
 use http::StatusCode;
@@ -112,6 +113,51 @@ async fn a_worker_restarted_on_its_port_rejoins_with_a_closed_breaker_and_an_emp
         }
         i += 1;
         assert!(i < 50, "the restarted worker got no traffic");
+    }
+    h.shutdown().await;
+}
+
+/// Invariant (issue 19, row 5): a worker whose health flaps leaves and rejoins each time within a
+/// few probe periods, no request fails meanwhile (the other worker serves), and every rejoin's
+/// event-plane transition (its replay from 0) reaches `cortex_event_transitions_total`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flapping_worker_rejoins_each_time_and_every_transition_is_counted() {
+    let h = harness_with(
+        "sglang",
+        vec![common::sim("sglang"), common::sim("sglang")],
+        &sections(&[]),
+        |_| {},
+        Some(prometheus()),
+    )
+    .await;
+    let holder = h.holder("w0");
+    let rejoins = |text: &str| {
+        ["replay_ok", "cold_start"]
+            .iter()
+            .map(|r| {
+                metric(
+                    text,
+                    "cortex_event_transitions_total",
+                    &[("worker", "w0"), ("rank", "0"), ("reason", r)],
+                )
+            })
+            .sum::<f64>()
+    };
+    h.wait("READY", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
+    let mut counted = rejoins(&h.send("GET", "/metrics", Bytes::new()).await.body);
+    for flap in 0..3 {
+        h.worker("w0").set_healthy(false);
+        h.wait("w0 left the pool", || h.live_workers() == 1).await;
+        served(&h, &chat(&format!("while w0 is away {flap}"), false)).await;
+        h.worker("w0").set_healthy(true);
+        h.wait("w0 is back", || h.live_workers() == 2).await;
+        h.wait("its ledger is READY", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
+        let now = rejoins(&h.send("GET", "/metrics", Bytes::new()).await.body);
+        assert!(
+            now > counted,
+            "flap {flap}: the rejoin's transition was not counted ({now} after {counted})"
+        );
+        counted = now;
     }
     h.shutdown().await;
 }
