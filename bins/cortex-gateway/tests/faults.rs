@@ -12,8 +12,11 @@
 
 mod common;
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use common::{Harness, Reply, chat, harness, harness_with, long_prompt, metric, prometheus};
+use cortex_ingest::Reason;
 use cortex_radix::Readiness;
 use cortex_sched::BreakerState;
 use http::StatusCode;
@@ -114,6 +117,62 @@ async fn a_worker_restarted_on_its_port_rejoins_with_a_closed_breaker_and_an_emp
         i += 1;
         assert!(i < 50, "the restarted worker got no traffic");
     }
+    h.shutdown().await;
+}
+
+/// Invariant (issue 19, row 7): a ledger rebuild is not a misalignment. After a publisher
+/// restart (sequence back to 0, the engine keeping its cache) the ledger is cleared; prompts the
+/// engine still has are served as hits the rebuilt ledger does not know, and the worker never
+/// announces them again. The alignment checks must not count those against the worker: it stays
+/// aligned, and exact routing works again for what it publishes afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_restart_rebuilds_the_ledger_without_a_misalignment() {
+    let h = harness_with("vllm", vec![common::sim("vllm")], &sections(&[]), |_| {}, Some(prometheus())).await;
+    let holder = h.holder("w0");
+    let checks = |text: &str| metric(text, "cortex_alignment_checks_total", &[("worker", "w0")]);
+    let old: Vec<Value> =
+        (0..3).map(|i| chat(&long_prompt(&format!("before the restart {i}")), false)).collect();
+    for body in &old {
+        served(&h, body).await;
+        h.wait_hit_on(body, "w0").await;
+        served(&h, body).await;
+    }
+    h.wait("aligned", || h.verdict("w0") == cortex_proxy::alignment::Verdict::Aligned).await;
+    h.worker("w0").restart_publisher(0).unwrap();
+    served(&h, &chat(&long_prompt("the first batch after the restart"), false)).await;
+    h.wait("the restart was seen", || h.gw.ingest.status(holder).unwrap().transitions(Reason::Restart) >= 1)
+        .await;
+    h.wait("READY", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
+    // The engine still has the old prompts; the rebuilt ledger does not.
+    for body in &old {
+        assert_eq!(h.hit_on(body, "w0").await, 0);
+        for _ in 0..3 {
+            let r = served(&h, body).await;
+            assert!(common::cached_tokens(&r) > 0, "the engine kept its cache: {}", r.body);
+        }
+    }
+    // Fresh prompts after them: once their checks are in, the old prompts' are too (they were
+    // armed earlier, with the same settle delay).
+    let text = h.send("GET", "/metrics", Bytes::new()).await.body;
+    let before = checks(&text);
+    for i in 0..4 {
+        served(&h, &chat(&long_prompt(&format!("after the restart {i}")), false)).await;
+    }
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    while checks(&h.send("GET", "/metrics", Bytes::new()).await.body) < before + 4.0 {
+        assert!(tokio::time::Instant::now() < deadline, "the fresh prompts' checks never came");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        h.verdict("w0"),
+        cortex_proxy::alignment::Verdict::Aligned,
+        "a rebuild counted as a misalignment"
+    );
+    // Exact routing works for what the worker publishes after the rebuild.
+    let fresh = chat(&long_prompt("after the restart 0"), false);
+    h.wait_hit_on(&fresh, "w0").await;
+    let r = served(&h, &fresh).await;
+    assert_eq!(r.header("x-cortex-match-mode"), "exact_kv_events");
     h.shutdown().await;
 }
 

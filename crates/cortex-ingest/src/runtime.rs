@@ -754,6 +754,7 @@ impl LaneHolder {
                 },
                 Effect::Clear(reason) => {
                     self.writer.clear();
+                    self.writer.mark_history_lost();
                     HolderStats::add(&self.stats.clears, 1);
                     tracing::info!(holder = %self.writer.holder(), reason = reason.as_str(), "ingest: holder cleared");
                 }
@@ -771,6 +772,9 @@ impl LaneHolder {
                     }
                     self.stats.set_state(state);
                     self.stats.count_transition(reason);
+                    if state == HolderState::Ready && reason.history_lost() {
+                        self.writer.mark_history_lost();
+                    }
                     let readiness = match (state, shared.cfg.stale_routing) {
                         (HolderState::Ready, _) | (HolderState::Stale, StaleRouting::Included) => {
                             Readiness::Ready
