@@ -34,8 +34,9 @@ enum Runner {
     /// An ignored test of a workspace package: `cargo test -p <package> --features <features>
     /// --test <test> -- --ignored --exact <name>`.
     LongTest { package: &'static str, features: &'static str, test: &'static str, name: &'static str },
-    /// A cargo-fuzz target of `fuzz/`, on its corpus `fuzz/corpus/<name>`.
-    LibFuzzer { name: &'static str },
+    /// A cargo-fuzz target of `fuzz/`, on its corpus `fuzz/corpus/<name>`, with inputs of at most
+    /// `max_len` bytes.
+    LibFuzzer { name: &'static str, max_len: usize },
 }
 
 /// One fuzz target.
@@ -60,12 +61,32 @@ const TARGETS: &[Target] = &[
     Target {
         name: "vllm_decode",
         about: "vLLM KV-event decoder on arbitrary bytes (nightly, cargo-fuzz)",
-        runner: Runner::LibFuzzer { name: "vllm_decode" },
+        runner: Runner::LibFuzzer { name: "vllm_decode", max_len: 4096 },
     },
     Target {
         name: "sglang_decode",
         about: "SGLang KV-event decoder on arbitrary bytes (nightly, cargo-fuzz)",
-        runner: Runner::LibFuzzer { name: "sglang_decode" },
+        runner: Runner::LibFuzzer { name: "sglang_decode", max_len: 4096 },
+    },
+    Target {
+        name: "request_facts",
+        about: "the request-facts parser on arbitrary bytes and mutated real bodies (nightly, cargo-fuzz)",
+        runner: Runner::LibFuzzer { name: "request_facts", max_len: 4096 },
+    },
+    Target {
+        name: "dp_rank_splice",
+        about: "the DP-rank body splicer: a JSON object comes out as itself plus the rank (nightly, cargo-fuzz)",
+        runner: Runner::LibFuzzer { name: "dp_rank_splice", max_len: 4096 },
+    },
+    Target {
+        name: "usage_tail",
+        about: "the usage reader on arbitrary upstream bytes, SSE tails and JSON bodies (nightly, cargo-fuzz)",
+        runner: Runner::LibFuzzer { name: "usage_tail", max_len: 4096 },
+    },
+    Target {
+        name: "config_yaml",
+        about: "the YAML config loader, parsing and validation (nightly, cargo-fuzz)",
+        runner: Runner::LibFuzzer { name: "config_yaml", max_len: 16384 },
     },
 ];
 
@@ -94,7 +115,7 @@ impl Runner {
                 ".",
                 vec![("CORTEX_FUZZ_SECONDS".to_owned(), seconds.to_string())],
             ),
-            Runner::LibFuzzer { name } => (
+            Runner::LibFuzzer { name, max_len } => (
                 "cargo".to_owned(),
                 vec![
                     "+nightly".to_owned(),
@@ -104,7 +125,7 @@ impl Runner {
                     format!("corpus/{name}"),
                     "--".to_owned(),
                     format!("-max_total_time={seconds}"),
-                    "-max_len=4096".to_owned(),
+                    format!("-max_len={max_len}"),
                 ],
                 "fuzz",
                 Vec::new(),
@@ -188,7 +209,7 @@ mod tests {
                     let src = std::fs::read_to_string(&file).unwrap();
                     assert!(src.contains(&format!("fn {name}()")), "{} has no test {name}", file.display());
                 }
-                Runner::LibFuzzer { name } => {
+                Runner::LibFuzzer { name, .. } => {
                     let manifest = std::fs::read_to_string(root.join("fuzz/Cargo.toml")).unwrap();
                     assert!(
                         manifest.contains(&format!("name = \"{name}\"")),
@@ -206,7 +227,8 @@ mod tests {
         let (_, argv, _, env) = TARGETS[0].runner.command(120);
         assert!(argv.contains(&"--ignored".to_owned()));
         assert_eq!(env, vec![("CORTEX_FUZZ_SECONDS".to_owned(), "120".to_owned())]);
-        let lib = Runner::LibFuzzer { name: "vllm_decode" }.command(120);
+        let lib = Runner::LibFuzzer { name: "vllm_decode", max_len: 4096 }.command(120);
         assert!(lib.1.contains(&"-max_total_time=120".to_owned()));
+        assert!(lib.1.contains(&"-max_len=4096".to_owned()));
     }
 }

@@ -19,7 +19,9 @@ use cortex_hash::text::{ChatTemplate, TextTokenizer, TokenizerConfig};
 use cortex_hash::vllm::{ExtraKeyForm, HashAlgo, NoneHashSeed};
 use cortex_ingest::{IngestConfig, StaleRouting};
 use cortex_pd::{PdConfig, Replay, TransferFailure};
-use cortex_proxy::config::{AlignmentConfig, Limits, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy};
+use cortex_proxy::config::{
+    AlignmentConfig, Limits, MIN_HEADER_BYTES, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy,
+};
 use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, WorkerConfig};
 use cortex_radix::LedgerConfig;
@@ -342,8 +344,16 @@ fn one() -> u16 {
 pub struct LimitsFile {
     /// Largest request body.
     pub max_body: Option<Size>,
-    /// Time to receive request headers.
+    /// Time a connection may wait for a request's headers with no request in flight.
     pub header_read_timeout: Option<Dur>,
+    /// Largest request line and headers.
+    pub max_header_bytes: Option<Size>,
+    /// Connections open at once.
+    pub max_connections: Option<usize>,
+    /// HTTP/2 ping interval.
+    pub http2_keep_alive_interval: Option<Dur>,
+    /// HTTP/2 ping acknowledgement timeout.
+    pub http2_keep_alive_timeout: Option<Dur>,
     /// Time to receive a request body.
     pub body_read_timeout: Option<Dur>,
     /// Time for a worker's response head.
@@ -551,6 +561,14 @@ impl Config {
         let limits = Limits {
             max_body_bytes: l.max_body.map_or(d.limits.max_body_bytes, |s| s.0),
             header_read_timeout: l.header_read_timeout.map_or(d.limits.header_read_timeout, |v| v.0),
+            max_header_bytes: l.max_header_bytes.map_or(d.limits.max_header_bytes, |s| s.0),
+            max_connections: l.max_connections.unwrap_or(d.limits.max_connections),
+            http2_keep_alive_interval: l
+                .http2_keep_alive_interval
+                .map_or(d.limits.http2_keep_alive_interval, |v| v.0),
+            http2_keep_alive_timeout: l
+                .http2_keep_alive_timeout
+                .map_or(d.limits.http2_keep_alive_timeout, |v| v.0),
             body_read_timeout: l.body_read_timeout.map_or(d.limits.body_read_timeout, |v| v.0),
             upstream_head_timeout: l.upstream_head_timeout.map_or(d.limits.upstream_head_timeout, |v| v.0),
             upstream_idle_timeout: l.upstream_idle_timeout.map_or(d.limits.upstream_idle_timeout, |v| v.0),
@@ -563,6 +581,21 @@ impl Config {
         }
         if limits.max_body_bytes == 0 {
             bail!("limits.max_body must be positive");
+        }
+        if limits.header_read_timeout.is_zero() {
+            bail!("limits.header_read_timeout must be positive");
+        }
+        if !(MIN_HEADER_BYTES..=u32::MAX as usize).contains(&limits.max_header_bytes) {
+            bail!(
+                "limits.max_header_bytes must be at least {}KiB (the smallest HTTP/1.1 read buffer) and under 4GiB",
+                MIN_HEADER_BYTES / 1024
+            );
+        }
+        if limits.max_connections == 0 {
+            bail!("limits.max_connections must be at least 1");
+        }
+        if limits.http2_keep_alive_interval.is_zero() || limits.http2_keep_alive_timeout.is_zero() {
+            bail!("limits.http2_keep_alive_interval and limits.http2_keep_alive_timeout must be positive");
         }
         let retry = RetryPolicy {
             max_attempts: self.retry.max_attempts.unwrap_or(d.retry.max_attempts),
@@ -1112,6 +1145,10 @@ mod tests {
         assert!(ok.is_ok(), "{:?}", ok.err());
         for (extra, key) in [
             ("limits: {max_concurrent: 0}\n", "limits.max_concurrent"),
+            ("limits: {max_header_bytes: 4KiB}\n", "limits.max_header_bytes"),
+            ("limits: {max_connections: 0}\n", "limits.max_connections"),
+            ("limits: {header_read_timeout: 0s}\n", "limits.header_read_timeout"),
+            ("limits: {http2_keep_alive_interval: 0s}\n", "limits.http2_keep_alive_interval"),
             ("retry: {max_attempts: 0}\n", "retry.max_attempts"),
             ("scheduler: {policy: fastest}\n", "scheduler.policy"),
             ("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: other}\n", "workers[0].model"),
@@ -1199,6 +1236,53 @@ mod tests {
         }
         let err = Config::parse(&yaml("pd: {max_attempts: 2}\n")).unwrap_err().to_string();
         assert!(err.contains("unknown field `max_attempts`"), "retries are retry's: {err}");
+    }
+
+    /// The `config_yaml` fuzz target on stable: every saved corpus input (`fuzz/corpus/config_yaml`,
+    /// seeded with the example, the deploy configurations and a minimal file), then 1,000 of
+    /// them with bytes overwritten and the tail cut, from a fixed seed: parsing and validation
+    /// never panic (a file is accepted or refused with a message).
+    #[test]
+    fn the_config_fuzz_corpus_and_its_mutations_never_panic() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/config_yaml");
+        let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+        files.sort();
+        let inputs: Vec<Vec<u8>> = files.iter().map(|f| std::fs::read(f).unwrap()).collect();
+        let seeds: Vec<&Vec<u8>> = files
+            .iter()
+            .zip(&inputs)
+            .filter(|(f, _)| f.file_name().is_some_and(|n| n.to_string_lossy().starts_with("seed-")))
+            .map(|(_, d)| d)
+            .collect();
+        assert!(seeds.len() >= 4 && inputs.len() >= 50, "{} seeds, {} inputs", seeds.len(), inputs.len());
+        // The fuzz target's oracle, verbatim.
+        let check = |data: &[u8]| {
+            let Ok(text) = std::str::from_utf8(data) else { return false };
+            let Ok(cfg) = Config::parse(text) else { return false };
+            let _ = cfg.into_settings(Path::new("/nonexistent/cortex-fuzz"));
+            true
+        };
+        assert!(seeds.iter().all(|d| check(d)), "every seed is YAML the schema reads");
+        for d in &inputs {
+            check(d);
+        }
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..1000 {
+            let mut data = inputs[(next() % inputs.len() as u64) as usize].clone();
+            for _ in 0..1 + next() % 8 {
+                let i = (next() % data.len() as u64) as usize;
+                data[i] = next() as u8;
+            }
+            let keep = ((next() % (data.len() as u64 + 1)) as usize).max(data.len() / 2);
+            data.truncate(keep);
+            check(&data);
+        }
     }
 
     /// The configurations `deploy/` ships, with the repository's Qwen3 files for the model

@@ -100,7 +100,7 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
             cortex_proxy::server::serve_with(
                 listener,
                 handler,
-                limits.header_read_timeout,
+                &limits,
                 std::time::Duration::from_secs(1),
                 async {
                     let _ = rx.await;
@@ -156,19 +156,28 @@ impl Running {
 }
 
 /// The event plane's metrics, refreshed on every scrape from the ingest runtime's per-holder
-/// counters. Counters advance by what changed since the last scrape (a holder added again starts
-/// from zero, which counts as new), so they never go backwards.
+/// counters. Counters advance by what changed since the last scrape, per holder incarnation: a
+/// holder removed and added again (a worker that left and came back) counts from zero under a
+/// new incarnation, and the final counts of the one removed (taken from
+/// [`Ingest::take_retired`]) are added first, so no transition is lost and none counted twice.
 fn event_metrics(ingest: Arc<Ingest>) -> cortex_proxy::ScrapeHook {
     use cortex_proxy::telemetry as t;
-    let last: std::sync::Mutex<HashMap<(HolderId, &'static str), u64>> = std::sync::Mutex::default();
+    type Seen = (u64, HashMap<&'static str, u64>);
+    let last: std::sync::Mutex<HashMap<HolderId, Seen>> = std::sync::Mutex::default();
     Box::new(move |registry| {
         let mut last = last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        for st in ingest.statuses() {
+        let retired = ingest.take_retired();
+        let live = ingest.statuses();
+        for (st, is_live) in retired.iter().map(|s| (s, false)).chain(live.iter().map(|s| (s, true))) {
             let Some(name) = registry.name(st.holder.worker) else { continue };
             let rank = st.holder.rank.0.to_string();
+            let seen = last.entry(st.holder).or_insert_with(|| (st.incarnation, HashMap::new()));
+            if seen.0 != st.incarnation {
+                *seen = (st.incarnation, HashMap::new());
+            }
             let mut advance = |key: &'static str, now: u64, counter: metrics::Counter| {
-                let before = last.insert((st.holder, key), now).unwrap_or(0);
-                counter.increment(if now >= before { now - before } else { now });
+                let before = seen.1.insert(key, now).unwrap_or(0);
+                counter.increment(now.saturating_sub(before));
             };
             let labels = [("worker", name.clone()), ("rank", rank.clone())];
             advance("batches", st.batches, metrics::counter!(t::EVENT_BATCHES, &labels));
@@ -182,9 +191,13 @@ fn event_metrics(ingest: Arc<Ingest>) -> cortex_proxy::ScrapeHook {
                 let c = metrics::counter!(t::EVENT_DECODE_ERRORS, "worker" => name.clone(), "rank" => rank.clone(), "kind" => *kind);
                 advance(kind, st.decode_errors[i], c);
             }
-            metrics::gauge!(t::EVENT_APPLY_LAG, &labels).set(st.apply_lag_us as f64 / 1e6);
-            metrics::gauge!(t::EVENT_APPLY_LAG_MAX, &labels).set(st.apply_lag_max_us as f64 / 1e6);
+            if is_live {
+                metrics::gauge!(t::EVENT_APPLY_LAG, &labels).set(st.apply_lag_us as f64 / 1e6);
+                metrics::gauge!(t::EVENT_APPLY_LAG_MAX, &labels).set(st.apply_lag_max_us as f64 / 1e6);
+            }
         }
+        // Holders no longer followed: their final counts were taken above.
+        last.retain(|h, _| live.iter().any(|s| s.holder == *h));
     })
 }
 

@@ -366,6 +366,13 @@ impl TextTokenizer {
         hf_ids(tok, text, special)
     }
 
+    /// The largest token id of the vocabulary, added tokens included: engines refuse a prompt
+    /// with a larger one (vLLM's `max_token_id`). Builds the vocabulary map: call it once.
+    #[must_use]
+    pub fn max_token_id(&self) -> Token {
+        self.inner.get_vocab(true).into_values().max().unwrap_or(0)
+    }
+
     /// The id of a token string (special tokens included), if the vocabulary has it.
     #[must_use]
     pub fn token_to_id(&self, token: &str) -> Option<Token> {

@@ -86,10 +86,18 @@ enum LaneMsg {
     Shutdown,
 }
 
+/// Final counters of removed holders kept for [`Ingest::take_retired`] (the oldest are dropped
+/// beyond this, if nobody takes them).
+const RETIRED_MAX: usize = 4096;
+
 struct Shared {
     ledger: Arc<Ledger>,
     cfg: IngestConfig,
     holders: Mutex<HashMap<HolderId, Arc<HolderStats>>>,
+    /// Counters of removed holders, as they were at removal, until taken.
+    retired: Mutex<VecDeque<HolderStatus>>,
+    /// The next holder incarnation.
+    incarnations: AtomicU64,
     progress: Progress,
     commands: Mutex<Commander>,
     lanes: Vec<Sender<LaneMsg>>,
@@ -160,6 +168,8 @@ impl Ingest {
             ledger,
             cfg,
             holders: Mutex::new(HashMap::new()),
+            retired: Mutex::new(VecDeque::new()),
+            incarnations: AtomicU64::new(0),
             progress: Progress::default(),
             commands: Mutex::new(Commander { tx: cmd_tx, wake: wake_tx }),
             lanes: lane_txs,
@@ -205,7 +215,9 @@ impl Ingest {
                 content_deterministic: source.content_deterministic,
             },
         )?;
-        let stats = Arc::new(HolderStats::new(source.holder));
+        // Relaxed: the counter only needs to be unique and increasing.
+        let incarnation = self.shared.incarnations.fetch_add(1, Ordering::Relaxed);
+        let stats = Arc::new(HolderStats::new(source.holder, incarnation));
         self.shared
             .holders
             .lock()
@@ -251,8 +263,22 @@ impl Ingest {
             wait.recv().map_err(|_| IngestError::ShutDown)?;
         }
         self.shared.ledger.remove_worker(worker);
+        let mut gone = Vec::new();
         if let Ok(mut h) = self.shared.holders.lock() {
-            h.retain(|id, _| id.worker != worker);
+            h.retain(|id, s| {
+                let keep = id.worker != worker;
+                if !keep {
+                    gone.push(s.status());
+                }
+                keep
+            });
+        }
+        gone.sort_by_key(|s| s.holder);
+        if let Ok(mut r) = self.shared.retired.lock() {
+            r.extend(gone);
+            while r.len() > RETIRED_MAX {
+                r.pop_front();
+            }
         }
         self.shared.progress.notify();
         Ok(())
@@ -284,6 +310,14 @@ impl Ingest {
         let mut v: Vec<HolderStatus> = h.values().map(|s| s.status()).collect();
         v.sort_by_key(|s| s.holder);
         v
+    }
+
+    /// The final counters of the holders removed since the last call, in removal order: what a
+    /// holder counted between the last look at [`Ingest::statuses`] and its removal (a worker
+    /// that failed and left) is not lost to whoever turns counters into metrics.
+    #[must_use]
+    pub fn take_retired(&self) -> Vec<HolderStatus> {
+        self.shared.retired.lock().map(|mut r| r.drain(..).collect()).unwrap_or_default()
     }
 
     /// Waits until `done(status)` holds for `holder` or `timeout` passes; returns whether it
@@ -720,6 +754,7 @@ impl LaneHolder {
                 },
                 Effect::Clear(reason) => {
                     self.writer.clear();
+                    self.writer.mark_history_lost();
                     HolderStats::add(&self.stats.clears, 1);
                     tracing::info!(holder = %self.writer.holder(), reason = reason.as_str(), "ingest: holder cleared");
                 }
@@ -737,6 +772,9 @@ impl LaneHolder {
                     }
                     self.stats.set_state(state);
                     self.stats.count_transition(reason);
+                    if state == HolderState::Ready && reason.history_lost() {
+                        self.writer.mark_history_lost();
+                    }
                     let readiness = match (state, shared.cfg.stale_routing) {
                         (HolderState::Ready, _) | (HolderState::Stale, StaleRouting::Included) => {
                             Readiness::Ready

@@ -107,6 +107,22 @@ impl Reason {
             Reason::Undecodable => "undecodable",
         }
     }
+
+    /// Whether a holder made READY for this reason starts without some of its engine's earlier
+    /// events, so that the engine may hold blocks the ledger never learns of (the runtime tells
+    /// the ledger: `HolderWriter::mark_history_lost`).
+    #[must_use]
+    pub const fn history_lost(self) -> bool {
+        matches!(
+            self,
+            Reason::Gap
+                | Reason::Restart
+                | Reason::ReplayFailed
+                | Reason::ReplayTimeout
+                | Reason::ColdStart
+                | Reason::Undecodable
+        )
+    }
 }
 
 /// What the runtime must do, in order.

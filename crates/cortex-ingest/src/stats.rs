@@ -19,6 +19,7 @@ pub const DECODE_ERROR_KINDS: [&str; 4] = ["truncated", "type", "shape", "other"
 #[derive(Debug)]
 pub struct HolderStats {
     holder: HolderId,
+    incarnation: u64,
     state: AtomicU8,
     pub(crate) last_seq: AtomicU64,
     pub(crate) batches: AtomicU64,
@@ -43,6 +44,10 @@ pub struct HolderStats {
 pub struct HolderStatus {
     /// The holder.
     pub holder: HolderId,
+    /// Which addition of the holder these counters belong to: unique per [`crate::Ingest`] and
+    /// increasing, so that a holder removed and added again (a worker that left and came back)
+    /// is told apart from the one before, whose counters started from zero.
+    pub incarnation: u64,
     /// Its state.
     pub state: HolderState,
     /// Last applied sequence number (`u64::MAX` before the first).
@@ -106,9 +111,10 @@ fn state_from_u8(v: u8) -> HolderState {
 // Relaxed everywhere below: these are monotone counters and a status gauge; no other memory is
 // published through them (waiters re-read them under the progress mutex).
 impl HolderStats {
-    pub(crate) fn new(holder: HolderId) -> Self {
+    pub(crate) fn new(holder: HolderId, incarnation: u64) -> Self {
         HolderStats {
             holder,
+            incarnation,
             state: AtomicU8::new(state_to_u8(HolderState::Syncing)),
             last_seq: AtomicU64::new(u64::MAX),
             batches: AtomicU64::new(0),
@@ -157,6 +163,7 @@ impl HolderStats {
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         HolderStatus {
             holder: self.holder,
+            incarnation: self.incarnation,
             state: self.state(),
             last_seq: load(&self.last_seq),
             batches: load(&self.batches),

@@ -152,11 +152,15 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
     })
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
+/// Whether `given` is `secret`, in a time that depends on the secret's length only: every byte
+/// of the secret is compared, whatever was given and wherever it differs (a shorter or longer
+/// token included), with no early return.
+fn constant_time_eq(given: &[u8], secret: &[u8]) -> bool {
+    let mut diff = given.len() ^ secret.len();
+    for (i, s) in secret.iter().enumerate() {
+        diff |= usize::from(given.get(i).copied().unwrap_or(0) ^ s);
     }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    diff == 0
 }
 
 #[cfg(test)]
@@ -207,5 +211,9 @@ mod tests {
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"abc", b"ab"));
+        assert!(!constant_time_eq(b"ab", b"abc"));
+        assert!(!constant_time_eq(b"abc\0", b"abc"));
+        assert!(!constant_time_eq(b"", b"abc"));
+        assert!(constant_time_eq(b"", b""));
     }
 }

@@ -13,7 +13,9 @@
 //!
 //! Key decisions: no signal means no verdict. A check is recorded only when the worker said
 //! something (usage present, or blocks found); a window of recent checks with too many failures
-//! marks the worker misaligned, and enough successes restore it. [`AlignmentTracker`] is the
+//! marks the worker misaligned, and enough successes restore it (a misaligned worker's every
+//! request is checked, so that it can). A ledger rebuilt without the engine's history is not a
+//! misalignment: blocks the engine cached before it are not held against the worker. [`AlignmentTracker`] is the
 //! windows alone (pure bookkeeping); [`Verifier`] runs the checks for the forwarder and says
 //! when a verdict changed, so that the owner of the scheduler's view ([`crate::control`]) turns
 //! exact routing off or on at once.
@@ -165,6 +167,16 @@ pub struct Prediction {
     pub first_block: Option<(SeqHash, Vec<Token>)>,
 }
 
+/// What was known when a served request's response ended, for its block check.
+#[derive(Clone, Copy, Debug)]
+struct Seen {
+    /// Whether the worker computed the first block for this request (its reported cached tokens
+    /// do not cover it); `None` without usage.
+    computed: Option<bool>,
+    /// [`Ledger::history_lost`] of the holder then.
+    history_lost: Option<u64>,
+}
+
 /// Runs the continuous checks and keeps their verdicts. Shared by the forwarder (which records)
 /// and the control plane (which reads verdicts, forgets workers and waits for changes).
 #[derive(Debug)]
@@ -200,10 +212,13 @@ impl Verifier {
     }
 
     /// Whether a request served by `worker` should get the block check: every request while the
-    /// worker's window fills, then one in 16 (the check costs a timer and a ledger lookup).
+    /// worker's window fills or while it is misaligned (a verdict recovers only through checks),
+    /// then one in 16 (the check costs a timer and a ledger lookup).
     #[must_use]
     pub fn samples_block(&self, worker: WorkerId) -> bool {
-        self.tracker.samples(worker) < self.cfg.window || fastrand::u8(..16) == 0
+        self.tracker.samples(worker) < self.cfg.window
+            || matches!(self.tracker.verdict(worker), Verdict::Misaligned(_))
+            || fastrand::u8(..16) == 0
     }
 
     /// What to check when the response to `p` ends: the realized hit against the prediction,
@@ -220,6 +235,10 @@ impl Verifier {
                 }
             }
             if let Some((seq, page)) = p.first_block {
+                let seen = Seen {
+                    computed: c.cached_tokens.map(|cached| (cached as usize) < page.len()),
+                    history_lost: v.ledger.history_lost(p.holder),
+                };
                 tokio::spawn(async move {
                     tokio::time::sleep(v.cfg.settle).await;
                     // The worker's hash of the first page, as the engine's recipe computes it.
@@ -227,7 +246,7 @@ impl Verifier {
                         .model
                         .predict_engine_hashes(&page, p.cache_salt.as_deref())
                         .and_then(|h| h.first().copied());
-                    v.block_check(p.holder, seq, engine);
+                    v.block_check(p.holder, seq, engine, seen);
                 });
             }
         })
@@ -238,15 +257,28 @@ impl Verifier {
     /// or block size differ from the gateway's), and under the engine hash the recipe predicts
     /// (else its hash algorithm, seed, salt or LoRA namespacing differ). Checked only while the
     /// holder is READY; a block evicted that fast reads as a failure the tolerance absorbs.
-    fn block_check(&self, holder: HolderId, seq: SeqHash, engine: Option<EngineHash>) {
+    ///
+    /// A rebuilt ledger is not a misalignment. Once the ledger lost part of the engine's history
+    /// (a replay that timed out, a publisher restart: [`Ledger::history_lost`]), the engine may
+    /// hold blocks stored before that it never announces again (a hit is not re-announced), so a
+    /// missing block fails the check only when the worker's usage says it computed the block for
+    /// this request (and so announced it); and a loss between the response and the check makes
+    /// the check say nothing.
+    fn block_check(&self, holder: HolderId, seq: SeqHash, engine: Option<EngineHash>, seen: Seen) {
         if self.ledger.readiness(holder) != Some(Readiness::Ready) {
+            return;
+        }
+        let lost = self.ledger.history_lost(holder);
+        if lost != seen.history_lost {
             return;
         }
         let mut out = OverlapScores::with_capacity(4);
         let opts = QueryOptions { holders: HolderFilter::All, ..QueryOptions::default() };
         self.ledger.query(&[seq], opts, &mut out);
         let held = out.get(holder).is_some_and(|o| o.any_tier_blocks > 0);
+        let complete = lost == Some(0);
         let check = match (held, engine.map(|e| self.ledger.block(holder, e))) {
+            (false, _) if !complete && seen.computed != Some(true) => return,
             (false, _) => Check::Failed(
                 "the worker published no block matching the gateway's tokens for a request it served".into(),
             ),
@@ -313,6 +345,26 @@ mod tests {
             t.record(w, Check::Ok);
         }
         assert_eq!(t.verdict(w), Verdict::Aligned);
+    }
+
+    /// Issue 19, row 7: once its window was full a misaligned worker had one request in 16
+    /// checked, so a verdict that should recover hardly could. Every request is checked while it
+    /// is misaligned, and enough good checks restore it.
+    #[test]
+    fn a_misaligned_worker_has_every_request_checked_and_recovers() {
+        let cfg = AlignmentConfig { window: 4, tolerance: 0.2, min_samples: 2, ..AlignmentConfig::default() };
+        let ledger = cortex_radix::Ledger::new(cortex_radix::LedgerConfig::default());
+        let v = Verifier::new(cfg, ledger, Arc::new(Registry::new()));
+        let w = WorkerId(1);
+        for _ in 0..4 {
+            v.record(w, Check::Failed("blocks differ".into()));
+        }
+        assert!(matches!(v.verdict(w), Verdict::Misaligned(_)));
+        assert!((0..200).all(|_| v.samples_block(w)), "a misaligned worker's requests went unchecked");
+        for _ in 0..4 {
+            v.record(w, Check::Ok);
+        }
+        assert_eq!(v.verdict(w), Verdict::Aligned);
     }
 
     #[test]

@@ -25,16 +25,31 @@ pub enum Mode {
 pub struct Limits {
     /// Largest request body accepted (413 beyond).
     pub max_body_bytes: usize,
-    /// Time allowed to receive a request's headers, from its first byte; beyond, hyper closes
-    /// the connection without a response (it has no 408 for this).
+    /// Time allowed for a connection to deliver a request's headers while no request of it is
+    /// in flight: from its accept to its first request (protocol detection, the HTTP/2 preface
+    /// and settings included), and from its last response to its next request (HTTP/1.1
+    /// keep-alive and HTTP/2 alike). Beyond, the connection is closed without a response: a
+    /// client that has not finished its headers has made no request to answer.
     pub header_read_timeout: Duration,
+    /// Largest request head (request line and headers), in bytes; 431 beyond. HTTP/1.1 reads a
+    /// head into a buffer of at most this size, HTTP/2 advertises it as
+    /// `SETTINGS_MAX_HEADER_LIST_SIZE` (each header counted as name + value + 32 bytes). At least
+    /// [`MIN_HEADER_BYTES`].
+    pub max_header_bytes: usize,
+    /// Connections open at once on a listener; a connection accepted beyond is closed at once.
+    pub max_connections: usize,
+    /// HTTP/2: how often a connection is pinged, so that a peer that vanished is noticed while
+    /// its streams wait on workers.
+    pub http2_keep_alive_interval: Duration,
+    /// HTTP/2: a ping not acknowledged within this closes the connection.
+    pub http2_keep_alive_timeout: Duration,
     /// Time allowed to receive a request's body (408 beyond).
     pub body_read_timeout: Duration,
     /// Time allowed for a worker to answer with a response head.
     pub upstream_head_timeout: Duration,
     /// Longest silence allowed between two chunks of a worker's response body.
     pub upstream_idle_timeout: Duration,
-    /// Requests processed at once.
+    /// Requests processed at once, counted from the moment their body has been read.
     pub max_concurrent: usize,
     /// Requests allowed to wait for a slot (429 beyond).
     pub max_queue: usize,
@@ -47,6 +62,10 @@ impl Default for Limits {
         Limits {
             max_body_bytes: 32 * 1024 * 1024,
             header_read_timeout: Duration::from_secs(10),
+            max_header_bytes: 64 * 1024,
+            max_connections: 16 * 1024,
+            http2_keep_alive_interval: Duration::from_secs(20),
+            http2_keep_alive_timeout: Duration::from_secs(20),
             body_read_timeout: Duration::from_secs(30),
             upstream_head_timeout: Duration::from_secs(600),
             upstream_idle_timeout: Duration::from_secs(300),
@@ -56,6 +75,9 @@ impl Default for Limits {
         }
     }
 }
+
+/// The smallest `max_header_bytes`: hyper's HTTP/1.1 read buffer cannot be smaller.
+pub const MIN_HEADER_BYTES: usize = 8 * 1024;
 
 /// Retries before the first byte reaches the client.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -21,7 +21,8 @@
 //!   `/debug/workers`; the worker still takes load-routed traffic.
 //! - A worker whose probes fail leaves the live pool first, then the event plane drops its
 //!   subscription and its ledger entries (no late event can be applied); when it comes back it is
-//!   discovered again and its ledger starts SYNCING.
+//!   discovered again, its ledger starts SYNCING, its alignment verdict starts from none and its
+//!   cooldown and circuit breaker are reset (they judged the instance that left).
 //! - The running-request limit the scheduler's watermark counts is the configured one, else what
 //!   the engine reports (SGLang: `/server_info` at discovery, then every `/v1/loads`), else
 //!   [`crate::registry::DEFAULT_MAX_RUNNING_REQUESTS`]; `/debug/workers` shows which.
@@ -257,6 +258,10 @@ impl Control {
             s.decode_radix_cache = d.pd.decode_radix_cache.unwrap_or(false);
         });
         self.cluster.upsert(self.spec(w), Health::Healthy);
+        // Back healthy: the cooldown and breaker of the instance that left no longer apply.
+        if let Some(entry) = self.cluster.load().worker(w.id) {
+            entry.state().reset_failures();
+        }
         if self.mode == Mode::Route && !d.sources.is_empty() {
             let unlabeled =
                 if w.config.unlabeled_stores_unknown { Unlabeled::Unknown } else { Unlabeled::Plain };

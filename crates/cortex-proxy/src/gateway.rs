@@ -2,7 +2,7 @@
 //! and the request path phase by phase (see `docs/request-lifecycle.md`).
 //!
 //! ```text
-//! admit ─► read body ─► parse facts ─► plan (Planner: tokenize, hash, ledger, decide)
+//! read body ─► admit ─► parse facts ─► plan (Planner: tokenize, hash, ledger, decide)
 //!   ─► forward (Forwarder: book, attempt, retry before the first byte, relay)
 //! ```
 //!
@@ -56,7 +56,10 @@ pub struct GatewayParts {
     pub prometheus: Option<PrometheusHandle>,
 }
 
-/// Bounded admission: `max_concurrent` slots and a queue of `max_queue` waiters.
+/// Bounded admission: `max_concurrent` slots and a queue of `max_queue` waiters. A request asks
+/// for its slot once its body has been read (slow clients hold connections, bounded by
+/// `max_connections`, never slots); `/tokenize` and `/debug/route` take one too, as they
+/// tokenize like a routed request.
 #[derive(Debug)]
 pub(crate) struct Admission {
     slots: Arc<Semaphore>,
@@ -318,7 +321,7 @@ impl Gateway {
         }
     }
 
-    /// The request path: admit, read, parse, plan, forward.
+    /// The request path: read, admit, parse, plan, forward.
     async fn route(
         &self,
         route: Route,
@@ -328,9 +331,10 @@ impl Gateway {
         if self.is_shutting_down() {
             return Err(ProxyError::ShuttingDown);
         }
-        let permit = self.admission.acquire().await?;
         let (parts, body) = req.into_parts();
+        // The body first: a client sending it slowly holds its connection, never a slot.
         let body = read_body(body, &self.limits).await?;
+        let permit = self.admission.acquire().await?;
         let ask = Ask::new(request::parse(route, &body)?, &parts.headers)?;
         let out = Outgoing { route, facts: &ask.facts, headers: &parts.headers, body, rid };
         if self.planner.disaggregated(&ask)? {
@@ -344,6 +348,8 @@ impl Gateway {
     /// `POST /tokenize`: the token ids the worker will compute for a chat or completion body.
     async fn tokenize(&self, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
         let body = read_body(req.into_body(), &self.limits).await?;
+        // Tokenizing costs what a routed request's planning does: it takes a slot too.
+        let _permit = self.admission.acquire().await?;
         let route = debug::route_of("", &body)?;
         let facts = Arc::new(request::parse(route, &body)?);
         let tokens = self.planner.tokenize(&facts).await?;
@@ -357,6 +363,7 @@ impl Gateway {
         let query = req.uri().query().unwrap_or_default().to_owned();
         let (parts, body) = req.into_parts();
         let body = read_body(body, &self.limits).await?;
+        let _permit = self.admission.acquire().await?;
         let route = debug::route_of(&query, &body)?;
         let ask = Ask::new(request::parse(route, &body)?, &parts.headers)?;
         let registry = self.control.registry();

@@ -43,6 +43,8 @@ pub struct ModelRoute {
     lora: Option<(String, String)>,
     cache: Arc<SegmentCache>,
     vllm_hasher: Option<BlockHasher>,
+    /// The tokenizer's largest token id.
+    max_token_id: Token,
 }
 
 impl std::fmt::Debug for ModelRoute {
@@ -55,12 +57,24 @@ impl std::fmt::Debug for ModelRoute {
 }
 
 impl ModelRoute {
-    fn new(spec: ModelSpec, lora: Option<(String, String)>, cache: Arc<SegmentCache>) -> Self {
+    fn new(
+        spec: ModelSpec,
+        lora: Option<(String, String)>,
+        cache: Arc<SegmentCache>,
+        max_token_id: Token,
+    ) -> Self {
         let vllm_hasher = match spec.profile.recipe() {
             HashRecipe::Vllm { algo, seed, extra_keys } => Some(BlockHasher::new(*algo, seed, *extra_keys)),
             HashRecipe::Sglang { .. } => None,
         };
-        ModelRoute { spec, lora, cache, vllm_hasher }
+        ModelRoute { spec, lora, cache, vllm_hasher, max_token_id }
+    }
+
+    /// The largest token id a prompt may name (the tokenizer's vocabulary, added tokens
+    /// included).
+    #[must_use]
+    pub fn max_token_id(&self) -> Token {
+        self.max_token_id
     }
 
     /// The profile.
@@ -209,8 +223,9 @@ impl ModelTable {
     pub fn add_model(&mut self, spec: ModelSpec, cache_tokens: usize) {
         let name = spec.profile.model().to_owned();
         let cache = Arc::new(SegmentCache::new(cache_tokens));
+        let max_token_id = spec.tokenizer.max_token_id();
         self.order.push(name.clone());
-        self.by_name.insert(name, Arc::new(ModelRoute::new(spec, None, cache)));
+        self.by_name.insert(name, Arc::new(ModelRoute::new(spec, None, cache, max_token_id)));
     }
 
     /// Serves the LoRA adapter `name` (loaded from `path` on the workers) of `base`: requests
@@ -219,7 +234,7 @@ impl ModelTable {
     pub fn add_adapter(&mut self, name: &str, path: &str, base: &str) -> bool {
         let Some(b) = self.by_name.get(base) else { return false };
         let lora = (name.to_owned(), path.to_owned());
-        let route = ModelRoute::new(b.spec.clone(), Some(lora), Arc::clone(&b.cache));
+        let route = ModelRoute::new(b.spec.clone(), Some(lora), Arc::clone(&b.cache), b.max_token_id);
         self.order.push(name.to_owned());
         self.by_name.insert(name.to_owned(), Arc::new(route));
         true

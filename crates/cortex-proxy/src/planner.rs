@@ -214,17 +214,28 @@ impl Planner {
     /// The route serving a request: SGLang names its adapter in `lora_path`, OpenAI routes name
     /// it as the model.
     ///
+    /// A prompt of token ids must stay within the model's vocabulary: the engines refuse a
+    /// larger id (vLLM with a 400, SGLang deeper down), so the gateway refuses it before it
+    /// plans or forwards anything.
+    ///
     /// # Errors
-    /// [`ProxyError::UnknownModel`] when neither names a served model or adapter.
+    /// [`ProxyError::UnknownModel`] when neither names a served model or adapter;
+    /// [`ProxyError::InvalidRequest`] for a token id out of its vocabulary.
     pub fn model_for(&self, facts: &RequestFacts) -> Result<Arc<ModelRoute>, ProxyError> {
-        if let Some(l) = facts.lora.as_deref()
-            && let Some(m) = self.models.get(Some(l))
-        {
-            return Ok(Arc::clone(m));
+        let model = match facts.lora.as_deref().and_then(|l| self.models.get(Some(l))) {
+            Some(m) => Arc::clone(m),
+            None => self.models.get(facts.model.as_deref()).map(Arc::clone).ok_or_else(|| {
+                ProxyError::UnknownModel(facts.model.clone().unwrap_or_else(|| "(none given)".to_owned()))
+            })?,
+        };
+        if let Some(id) = facts.max_token_id.filter(|&id| id > model.max_token_id()) {
+            return Err(ProxyError::InvalidRequest(format!(
+                "token id {id} is out of the vocabulary of `{}` (ids 0..={})",
+                model.base_model(),
+                model.max_token_id()
+            )));
         }
-        self.models.get(facts.model.as_deref()).map(Arc::clone).ok_or_else(|| {
-            ProxyError::UnknownModel(facts.model.clone().unwrap_or_else(|| "(none given)".to_owned()))
-        })
+        Ok(model)
     }
 
     /// The token ids the worker will compute for the request's prompt (`/tokenize`: the first

@@ -75,6 +75,9 @@ pub struct RequestFacts {
     pub lora: Option<String>,
     /// The client pinned a rank itself (`routed_dp_rank`); the gateway then leaves the body alone.
     pub client_rank: Option<u16>,
+    /// The largest token id the body gives as a prompt (`prompt` or `input_ids`, every prompt of
+    /// a batch), checked against the model's vocabulary before anything is forwarded.
+    pub max_token_id: Option<u32>,
 }
 
 /// Parses a request body for `route`.
@@ -109,6 +112,11 @@ pub fn parse(route: Route, body: &[u8]) -> Result<RequestFacts, ProxyError> {
         Some(Value::Number(n)) => n.as_u64().and_then(|r| u16::try_from(r).ok()),
         _ => None,
     };
+    let ids = match route {
+        Route::ChatCompletions => None,
+        Route::Completions => obj.get("prompt"),
+        Route::Generate => obj.get("input_ids"),
+    };
     Ok(RequestFacts {
         route,
         model,
@@ -117,7 +125,23 @@ pub fn parse(route: Route, body: &[u8]) -> Result<RequestFacts, ProxyError> {
         cache_salt: str_field("cache_salt")?,
         lora: str_field("lora_path")?,
         client_rank,
+        max_token_id: ids.and_then(max_token_id),
     })
+}
+
+/// The largest number in a token-id list or a batch of them (ids that are not numbers are the
+/// prompt parser's to refuse; a number beyond `u32` reads as `u32::MAX`, out of every
+/// vocabulary).
+fn max_token_id(v: &Value) -> Option<u32> {
+    let Value::Array(items) = v else { return None };
+    items
+        .iter()
+        .filter_map(|item| match item {
+            Value::Number(n) => Some(n.as_u64().map_or(u32::MAX, |t| u32::try_from(t).unwrap_or(u32::MAX))),
+            Value::Array(_) => max_token_id(item),
+            _ => None,
+        })
+        .max()
 }
 
 fn chat_prompt(obj: &Map<String, Value>) -> Result<Prompt, ProxyError> {
@@ -273,6 +297,17 @@ mod tests {
         )
         .unwrap();
         assert!(matches!(f.prompt, Prompt::Unreproducible(_)));
+    }
+
+    #[test]
+    fn the_largest_token_id_of_every_prompt_is_found() {
+        let max = |route, body: &str| parse(route, body.as_bytes()).unwrap().max_token_id;
+        assert_eq!(max(Route::Completions, r#"{"prompt":[1,9,3]}"#), Some(9));
+        assert_eq!(max(Route::Completions, r#"{"prompt":[[1,2],[3,70000]]}"#), Some(70000));
+        assert_eq!(max(Route::Completions, r#"{"prompt":[[1],[99999999999]]}"#), Some(u32::MAX));
+        assert_eq!(max(Route::Generate, r#"{"input_ids":[[4],[5,6]]}"#), Some(6));
+        assert_eq!(max(Route::Completions, r#"{"prompt":"text"}"#), None);
+        assert_eq!(max(Route::ChatCompletions, r#"{"messages":[]}"#), None);
     }
 
     #[test]

@@ -1,32 +1,139 @@
-//! Serving connections: the accept loop, connection settings and graceful shutdown, for the
-//! public listener and the admin listener alike.
+//! Serving connections: the accept loop, connection limits and graceful shutdown, for the public
+//! listener and the admin listener alike.
 //!
-//! Key decisions: HTTP/1.1 with keep-alive and HTTP/2 from clients that ask for it (hyper-util's
-//! auto builder); `TCP_NODELAY` on every accepted socket; a header-read timeout, which hyper only
-//! enforces when it is given a timer, and which also closes a connection that sends no byte at
-//! all (hyper's timer starts only after the protocol is sniffed); graceful shutdown stops accepting at once, lets in-flight
-//! streams finish up to the deadline, then closes what is left.
+//! ```text
+//! accept ─► over max_connections? close ─► serve (HTTP/1.1 or HTTP/2, sniffed by hyper-util)
+//!             no request in flight for header_read_timeout (from accept, or since the last
+//!             response): ask the connection to close (HTTP/2: GOAWAY), drop it one more
+//!             header_read_timeout later
+//! shutdown ─► stop accepting, ask every connection to close, wait up to the grace, abort the rest
+//! ```
+//!
+//! Key decisions:
+//! - One connection-level deadline, owned here, for both HTTP versions: a connection may wait
+//!   for a request's headers at most `header_read_timeout` while none of its requests is in
+//!   flight. It covers what hyper's own timer does not: hyper-util's protocol detection (a
+//!   client dribbling the HTTP/2 preface), an HTTP/2 connection that sent its preface and
+//!   settings and then nothing, an idle HTTP/2 connection, and a connection that sends no byte.
+//!   hyper's HTTP/1 header timer stays on as well (same limit, from the head's first poll). A
+//!   request is in flight from its headers until its response body is finished or dropped.
+//! - A header that never completes is not answered (no 408): the client has made no request
+//!   yet, and on HTTP/2 there is no stream to answer on.
+//! - Request heads are bounded by `max_header_bytes` on both versions (431): HTTP/1.1 by hyper's
+//!   read buffer, HTTP/2 by `SETTINGS_MAX_HEADER_LIST_SIZE`. HTTP/2 connections are pinged
+//!   (`http2_keep_alive_*`), so a vanished peer is noticed while its streams wait.
+//! - At most `max_connections` connections: one beyond is closed at once (and counted), which
+//!   tells a client to go elsewhere sooner than a full accept backlog would.
+//! - Graceful shutdown stops accepting at once, asks every connection to close (in-flight
+//!   responses finish; idle ones close now), and at the deadline aborts the connections still
+//!   open, which drops their response bodies and, with them, their upstream requests.
+//! - `TCP_NODELAY` on every accepted socket.
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::{Request, Response};
-use hyper::body::Incoming;
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore, watch};
+use tokio::task::JoinSet;
+use tokio::time::Instant;
 
-use crate::error::Body;
+use crate::config::{Limits, MIN_HEADER_BYTES};
+use crate::error::{Body, BodyError};
 use crate::gateway::Gateway;
 
-/// Serves `handler` on `listener` until `shutdown` resolves, then drains for up to `grace`.
+/// Requests of one connection in flight, and a signal when that number changes.
+#[derive(Debug, Default)]
+struct Activity {
+    in_flight: AtomicUsize,
+    changed: Notify,
+}
+
+impl Activity {
+    fn idle(&self) -> bool {
+        // SeqCst: read against the guards' updates by the connection task; rare, not hot.
+        self.in_flight.load(Ordering::SeqCst) == 0
+    }
+}
+
+/// Counts a request in flight until dropped (with its response body).
+#[derive(Debug)]
+struct InFlight(Arc<Activity>);
+
+impl InFlight {
+    fn new(a: &Arc<Activity>) -> Self {
+        a.in_flight.fetch_add(1, Ordering::SeqCst);
+        a.changed.notify_one();
+        InFlight(Arc::clone(a))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.0.changed.notify_one();
+    }
+}
+
+/// A response body that keeps its request counted in flight until it ends or is dropped.
+pub struct Tracked {
+    inner: Body,
+    _in_flight: InFlight,
+}
+
+impl HttpBody for Tracked {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The hyper builder for `limits`.
+fn builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
+    let head = limits.max_header_bytes.max(MIN_HEADER_BYTES);
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(head)
+        .keep_alive(true);
+    b.http2()
+        .timer(TokioTimer::new())
+        .max_header_list_size(u32::try_from(head).unwrap_or(u32::MAX))
+        .keep_alive_interval(limits.http2_keep_alive_interval)
+        .keep_alive_timeout(limits.http2_keep_alive_timeout);
+    b
+}
+
+/// Serves `handler` on `listener` under `limits` (connections, heads, timeouts) until
+/// `shutdown` resolves, then drains for up to `grace` and closes what is left.
 pub async fn serve_with<H, Fut, S>(
     listener: TcpListener,
     handler: H,
-    header_read_timeout: Duration,
+    limits: &Limits,
     grace: Duration,
     shutdown: S,
 ) where
@@ -34,19 +141,18 @@ pub async fn serve_with<H, Fut, S>(
     Fut: Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
     S: Future<Output = ()>,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder.http1().timer(TokioTimer::new()).header_read_timeout(header_read_timeout).keep_alive(true);
-    builder.http2().timer(TokioTimer::new());
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    // Tells connections still waiting for their first byte to go: graceful shutdown waits for
-    // every watcher, and a silent connection must not hold it until its timeout.
-    let (closing, closing_rx) = tokio::sync::watch::channel(());
+    let builder = builder(limits);
+    let header_read_timeout = limits.header_read_timeout;
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let mut connections = JoinSet::new();
+    // Asks every connection to close (graceful shutdown).
+    let (closing, closing_rx) = watch::channel(false);
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
             accepted = listener.accept() => {
-                let (stream, _) = match accepted {
-                    Ok(s) => s,
+                let stream = match accepted {
+                    Ok((s, _)) => s,
                     Err(e) => {
                         // EMFILE and friends: back off briefly instead of spinning.
                         tracing::warn!(error = %e, "accept failed");
@@ -54,44 +160,107 @@ pub async fn serve_with<H, Fut, S>(
                         continue;
                     }
                 };
+                let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+                    metrics::counter!(crate::telemetry::CONNECTIONS_REFUSED).increment(1);
+                    tracing::debug!("max_connections reached: closing a new connection");
+                    drop(stream);
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
-                let h = handler.clone();
-                let builder = builder.clone();
-                let watcher = graceful.watcher();
-                let mut closing = closing_rx.clone();
-                tokio::spawn(async move {
-                    // hyper's header timer starts after the protocol is sniffed: a connection
-                    // that never sends a byte would otherwise be held forever.
-                    // (`peek`, not `readable`: readiness may be reported before any byte.)
-                    let mut first = [0u8; 1];
-                    tokio::select! {
-                        r = tokio::time::timeout(header_read_timeout, stream.peek(&mut first)) => {
-                            if r.is_err() {
-                                tracing::debug!("closing a connection that sent nothing");
-                                return;
-                            }
-                        }
-                        _ = closing.changed() => return,
-                    }
-                    let conn = builder.serve_connection(TokioIo::new(stream), service_fn(h));
-                    if let Err(e) = watcher.watch(conn.into_owned()).await {
-                        tracing::debug!(error = %e, "connection ended with an error");
-                    }
+                let conn = serve_connection(
+                    stream,
+                    handler.clone(),
+                    builder.clone(),
+                    header_read_timeout,
+                    closing_rx.clone(),
+                );
+                connections.spawn(async move {
+                    conn.await;
+                    drop(slot);
                 });
             }
+            // Reaps finished connections, so the set holds only open ones.
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
             () = &mut shutdown => break,
         }
     }
     drop(listener);
-    let _ = closing.send(());
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
-        tracing::warn!(?grace, "graceful shutdown deadline passed; closing remaining connections");
+    let _ = closing.send(true);
+    let drained =
+        tokio::time::timeout(grace, async { while connections.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!(
+            ?grace,
+            open = connections.len(),
+            "graceful shutdown deadline passed; closing the connections left"
+        );
+        connections.shutdown().await;
+    }
+}
+
+/// One connection, until it ends, idles past its deadline, or the server closes it.
+async fn serve_connection<H, Fut>(
+    stream: TcpStream,
+    handler: H,
+    builder: auto::Builder<TokioExecutor>,
+    header_read_timeout: Duration,
+    mut closing: watch::Receiver<bool>,
+) where
+    H: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
+{
+    let activity = Arc::new(Activity::default());
+    let a = Arc::clone(&activity);
+    let service = service_fn(move |req: Request<Incoming>| {
+        let in_flight = InFlight::new(&a);
+        let answer = handler(req);
+        async move {
+            let resp = answer.await?;
+            Ok::<_, Infallible>(resp.map(|inner| Tracked { inner, _in_flight: in_flight }))
+        }
+    });
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    let mut deadline = Instant::now() + header_read_timeout;
+    let mut asked_to_close = false;
+    loop {
+        let idle = activity.idle();
+        tokio::select! {
+            ended = conn.as_mut() => {
+                if let Err(e) = ended {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            () = activity.changed.notified() => {
+                if activity.idle() {
+                    deadline = Instant::now() + header_read_timeout;
+                }
+            }
+            () = tokio::time::sleep_until(deadline), if idle => {
+                if asked_to_close {
+                    tracing::debug!("closing a connection that did not close when asked");
+                    return;
+                }
+                tracing::debug!("closing a connection without a request for header_read_timeout");
+                conn.as_mut().graceful_shutdown();
+                asked_to_close = true;
+                deadline = Instant::now() + header_read_timeout;
+            }
+            changed = closing.changed(), if !asked_to_close => {
+                if changed.is_err() || *closing.borrow() {
+                    conn.as_mut().graceful_shutdown();
+                    asked_to_close = true;
+                    deadline = Instant::now() + header_read_timeout;
+                }
+            }
+        }
     }
 }
 
 /// Serves the gateway's public API on `listener` until `shutdown` resolves.
 pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: impl Future<Output = ()>) {
-    let header_read_timeout = gateway.limits().header_read_timeout;
+    let limits = gateway.limits().clone();
     let grace = gateway.shutdown_grace();
     let gw = Arc::clone(&gateway);
     let handler = move |req: Request<Incoming>| Arc::clone(&gw).serve(req);
@@ -99,5 +268,5 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: impl 
         shutdown.await;
         gateway.begin_shutdown();
     };
-    serve_with(listener, handler, header_read_timeout, grace, stop).await;
+    serve_with(listener, handler, &limits, grace, stop).await;
 }

@@ -71,6 +71,8 @@ pub const EVENT_DECODE_ERRORS: &str = "cortex_event_decode_errors_total";
 pub const EVENT_APPLY_LAG: &str = "cortex_event_apply_lag_seconds";
 /// Gauge: the largest such lag seen, by `worker` and `rank`.
 pub const EVENT_APPLY_LAG_MAX: &str = "cortex_event_apply_lag_max_seconds";
+/// Counter: connections closed at accept because `limits.max_connections` were open.
+pub const CONNECTIONS_REFUSED: &str = "cortex_connections_refused_total";
 
 /// Counter: disaggregated requests by `outcome` (`served`, `failed`, `client_gone`) and `pd`
 /// (`disaggregated`, `fallback_single`; `none` when nothing was served).
@@ -147,4 +149,5 @@ pub fn describe() {
     describe_histogram!(PD_PREFILL_SECONDS, metrics::Unit::Seconds, "Prefill leg duration");
     describe_counter!(PD_LEG_FAILURES, "PD legs failed before the first byte, by leg and class");
     describe_counter!(PD_FALLBACKS, "Disaggregated requests served by one worker, by reason");
+    describe_counter!(CONNECTIONS_REFUSED, "Connections closed at accept: max_connections were open");
 }

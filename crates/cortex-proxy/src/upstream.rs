@@ -42,9 +42,11 @@ pub fn client(connect_timeout: Duration) -> UpstreamClient {
         .build(connector)
 }
 
-/// Headers that describe one hop, never forwarded.
-const HOP_BY_HOP: [&str; 9] = [
+/// Headers that describe one hop (RFC 9110 §7.6.1, and the non-standard `proxy-connection`),
+/// never forwarded; `host` is the next hop's own.
+const HOP_BY_HOP: [&str; 10] = [
     "connection",
+    "proxy-connection",
     "keep-alive",
     "proxy-authenticate",
     "proxy-authorization",
@@ -55,13 +57,26 @@ const HOP_BY_HOP: [&str; 9] = [
     "host",
 ];
 
-/// Copies end-to-end headers (drops hop-by-hop ones and `content-length`, which the new body
-/// sets).
+/// Copies end-to-end headers, in either direction: drops the hop-by-hop ones, every header the
+/// message's `Connection` names (RFC 9110 §7.6.1), and `content-length`, which the new body
+/// sets.
 #[must_use]
 pub fn end_to_end(headers: &HeaderMap) -> HeaderMap {
+    // Usually empty (no allocation): most messages name nothing in `Connection`.
+    let named: Vec<&str> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|list| list.split(','))
+        .map(str::trim)
+        .filter(|n| !n.is_empty())
+        .collect();
     let mut out = HeaderMap::with_capacity(headers.len());
     for (k, v) in headers {
-        if HOP_BY_HOP.contains(&k.as_str()) || k == http::header::CONTENT_LENGTH {
+        if HOP_BY_HOP.contains(&k.as_str())
+            || k == http::header::CONTENT_LENGTH
+            || named.iter().any(|n| n.eq_ignore_ascii_case(k.as_str()))
+        {
             continue;
         }
         out.append(k.clone(), v.clone());
@@ -596,5 +611,18 @@ mod tests {
         let out = end_to_end(&h);
         assert_eq!(out.len(), 1);
         assert!(out.contains_key("authorization"));
+    }
+
+    #[test]
+    fn headers_the_connection_header_names_are_dropped_too() {
+        let mut h = HeaderMap::new();
+        h.append("connection", HeaderValue::from_static("keep-alive, X-Hop"));
+        h.append("connection", HeaderValue::from_static("x-other-hop"));
+        h.insert("x-hop", HeaderValue::from_static("1"));
+        h.insert("x-other-hop", HeaderValue::from_static("2"));
+        h.insert("proxy-connection", HeaderValue::from_static("keep-alive"));
+        h.insert("x-end-to-end", HeaderValue::from_static("3"));
+        let out = end_to_end(&h);
+        assert_eq!(out.keys().map(HeaderName::as_str).collect::<Vec<_>>(), ["x-end-to-end"], "{out:?}");
     }
 }

@@ -9,6 +9,8 @@
 //! - The `manual` policy's idle assignments are swept.
 //! - The request path: admission, body limits, retries before the first byte, the request's own
 //!   errors passed through, SSE relayed untouched or ended with an error event, the header set.
+//! - The connection: one deadline for both HTTP versions while no request is in flight, the head
+//!   size limit, the connection cap, request smuggling, shutdown at its deadline.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test fails loudly
 
@@ -451,6 +453,15 @@ async fn the_header_set_forwarded_and_answered() {
         "{:?}",
         seen.headers
     );
+    // Headers a `Connection` header names are this hop's, in both directions: the client's
+    // never reach the worker, the worker's (the fake names `x-fake-hop`) never reach the client.
+    let r2 = h
+        .post("/v1/completions", &[("connection", "x-client-hop"), ("x-client-hop", "1")], &completion("hop"))
+        .await;
+    assert_eq!(r2.status, StatusCode::OK);
+    let seen = &h.fakes[0].served()[1];
+    assert!(!seen.headers.contains_key("x-client-hop"), "{:?}", seen.headers);
+    assert!(!r2.headers.contains_key("x-fake-hop"), "{:?}", r2.headers);
     for name in [
         "x-cortex-cache-hit-tokens",
         "x-cortex-assigned-worker",
@@ -465,7 +476,7 @@ async fn the_header_set_forwarded_and_answered() {
     let r = h.post("/v1/completions", &[], &completion("hello again")).await;
     let id = r.header("x-request-id").to_owned();
     assert!(id.starts_with("cortex-"), "{id}");
-    assert_eq!(h.fakes[0].served()[1].headers["x-request-id"], id.as_str());
+    assert_eq!(h.fakes[0].served()[2].headers["x-request-id"], id.as_str());
     // Gateway errors carry the id too.
     let r = h
         .post("/v1/completions", &[("x-request-id", "rid-43")], &json!({"model": "nope", "prompt": "x"}))
@@ -475,6 +486,10 @@ async fn the_header_set_forwarded_and_answered() {
 }
 
 async fn ok(_req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    ok_body().await
+}
+
+async fn ok_body() -> Result<Response<Body>, Infallible> {
     Ok(Response::new(
         http_body_util::Full::new(bytes::Bytes::from_static(b"ok")).map_err(|e| match e {}).boxed_unsync(),
     ))
@@ -485,16 +500,13 @@ async fn a_connection_that_sends_nothing_is_closed_and_one_that_asks_is_served()
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let header_read_timeout = Duration::from_millis(300);
-    let server = tokio::spawn(cortex_proxy::server::serve_with(
-        listener,
-        ok,
-        header_read_timeout,
-        Duration::from_secs(1),
-        async {
+    let limits = Limits { header_read_timeout: Duration::from_millis(300), ..Limits::default() };
+    let server = tokio::spawn(async move {
+        cortex_proxy::server::serve_with(listener, ok, &limits, Duration::from_secs(1), async {
             let _ = stopped.await;
-        },
-    ));
+        })
+        .await;
+    });
 
     // Silent: the gateway closes it (EOF) after the timeout, not never.
     let mut silent = TcpStream::connect(addr).await.unwrap();
@@ -515,4 +527,382 @@ async fn a_connection_that_sends_nothing_is_closed_and_one_that_asks_is_served()
 
     let _ = stop.send(());
     server.await.unwrap();
+}
+
+/// A server of `handler` under `limits` on loopback, and what stops it.
+struct Server {
+    addr: std::net::SocketAddr,
+    stop: oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+async fn serve<H, Fut>(limits: Limits, grace: Duration, handler: H) -> Server
+where
+    H: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        cortex_proxy::server::serve_with(listener, handler, &limits, grace, async {
+            let _ = stopped.await;
+        })
+        .await;
+    });
+    Server { addr, stop, task }
+}
+
+impl Server {
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        self.task.await.unwrap();
+    }
+}
+
+/// Reads until the peer closes the connection (EOF or reset); what it sent before. Panics if it
+/// is still open after [`fake::WAIT`].
+async fn closed(c: &mut TcpStream) -> Vec<u8> {
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + fake::WAIT;
+    loop {
+        match tokio::time::timeout_at(deadline, c.read(&mut buf)).await {
+            Err(_) => panic!("the connection is still open: {}", String::from_utf8_lossy(&seen)),
+            Ok(Ok(0) | Err(_)) => return seen,
+            Ok(Ok(n)) => seen.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// One HTTP/1.1 exchange on a fresh connection that asks to close: everything the server sent.
+async fn exchange(addr: std::net::SocketAddr, raw: &[u8]) -> String {
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    c.write_all(raw).await.unwrap();
+    String::from_utf8_lossy(&closed(&mut c).await).into_owned()
+}
+
+/// An HTTP/2 connection (prior knowledge) to `addr`: its request sender and the task driving it,
+/// which ends when the connection does.
+async fn h2(
+    addr: std::net::SocketAddr,
+) -> (hyper::client::conn::http2::SendRequest<http_body_util::Full<Bytes>>, tokio::task::JoinHandle<()>) {
+    let io = hyper_util::rt::TokioIo::new(TcpStream::connect(addr).await.unwrap());
+    let (send, conn) =
+        hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io).await.unwrap();
+    (
+        send,
+        tokio::spawn(async move {
+            let _ = conn.await;
+        }),
+    )
+}
+
+fn h2_get(headers: &[(&str, String)]) -> Request<http_body_util::Full<Bytes>> {
+    let mut b = Request::builder().uri("http://x/");
+    for (k, v) in headers {
+        b = b.header(*k, v.as_str());
+    }
+    b.body(http_body_util::Full::new(Bytes::new())).unwrap()
+}
+
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// An empty HTTP/2 SETTINGS frame.
+const H2_SETTINGS: &[u8] = &[0, 0, 0, 4, 0, 0, 0, 0, 0];
+
+/// Issue 19, row 1: hyper-util's protocol detection and HTTP/2 had no timeout, so connections
+/// could be held forever. A connection must deliver a request's headers within
+/// `header_read_timeout` while none of its requests is in flight, on both versions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_connections_without_a_request_are_closed_at_the_header_read_timeout() {
+    let limits = Limits { header_read_timeout: Duration::from_millis(300), ..Limits::default() };
+    let srv = serve(limits, Duration::from_secs(1), ok).await;
+    // The preface, one byte at a time: closed, whether during detection or after it.
+    let mut dribbler = TcpStream::connect(srv.addr).await.unwrap();
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + fake::WAIT;
+    let mut sent = 0;
+    loop {
+        tokio::select! {
+            r = dribbler.read(&mut buf) => match r {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            },
+            () = tokio::time::sleep(Duration::from_millis(100)), if sent < H2_PREFACE.len() => {
+                if dribbler.write_all(&H2_PREFACE[sent..=sent]).await.is_err() {
+                    break;
+                }
+                sent += 1;
+            }
+            () = tokio::time::sleep_until(deadline) => panic!("a dribbled preface kept its connection open"),
+        }
+    }
+    // The preface and SETTINGS, then silence: the server's SETTINGS and GOAWAY, then closed.
+    let mut silent = TcpStream::connect(srv.addr).await.unwrap();
+    silent.write_all(&[H2_PREFACE, H2_SETTINGS].concat()).await.unwrap();
+    closed(&mut silent).await;
+    // A client that asks is served; its connection, idle afterwards, is closed too. A request
+    // answered slower than the timeout is not cut: the deadline runs only while none is in
+    // flight.
+    let slow = |_req: Request<Incoming>| async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        ok_body().await
+    };
+    let slow_srv = serve(limits_ms(300), Duration::from_secs(1), slow).await;
+    for addr in [srv.addr, slow_srv.addr] {
+        let (mut send, conn) = h2(addr).await;
+        let resp = send.send_request(h2_get(&[])).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        tokio::time::timeout(fake::WAIT, conn).await.expect("an idle HTTP/2 connection stayed open").unwrap();
+        // HTTP/1.1 keep-alive alike.
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        let got = String::from_utf8_lossy(&closed(&mut c).await).into_owned();
+        assert!(got.starts_with("HTTP/1.1 200") && got.ends_with("ok"), "{got}");
+    }
+    srv.stop().await;
+    slow_srv.stop().await;
+}
+
+fn limits_ms(header_read_timeout: u64) -> Limits {
+    Limits { header_read_timeout: Duration::from_millis(header_read_timeout), ..Limits::default() }
+}
+
+/// Issue 19, row 8: a request whose headers never complete is not answered (no 408): the
+/// connection is closed at `header_read_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_that_never_completes_is_closed_without_an_answer() {
+    let srv = serve(limits_ms(300), Duration::from_secs(1), ok).await;
+    let got = exchange(srv.addr, b"GET / HTTP/1.1\r\nhost: x\r\nx-unfinished: ").await;
+    assert_eq!(got, "", "a client that sent no complete head got an answer");
+    srv.stop().await;
+}
+
+/// Issue 19, row 2: a 100 KiB request header was accepted and forwarded. Heads beyond
+/// `max_header_bytes` (64 KiB by default) get 431 on both versions; heads within it are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_heads_over_max_header_bytes_get_431_on_both_versions() {
+    assert_eq!(Limits::default().max_header_bytes, 64 * 1024);
+    let srv = serve(Limits::default(), Duration::from_secs(1), ok).await;
+    let head = |kib: usize| {
+        format!("GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\nx-big: {}\r\n\r\n", "a".repeat(kib * 1024))
+    };
+    let got = exchange(srv.addr, head(100).as_bytes()).await;
+    assert!(got.starts_with("HTTP/1.1 431"), "{got}");
+    let got = exchange(srv.addr, head(40).as_bytes()).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    let (mut send, _conn) = h2(srv.addr).await;
+    let resp = send.send_request(h2_get(&[("x-big", "a".repeat(100 * 1024))])).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    let (mut send, _conn) = h2(srv.addr).await;
+    let resp = send.send_request(h2_get(&[("x-big", "a".repeat(40 * 1024))])).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK, "40 KiB is within the configured limit");
+    srv.stop().await;
+}
+
+/// Issue 19, row 9: no cap on open connections. Beyond `max_connections` a new connection is
+/// closed at once; when one closes, the next is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_max_connections_are_closed_at_once() {
+    let limits =
+        Limits { max_connections: 2, header_read_timeout: Duration::from_secs(60), ..Limits::default() };
+    let srv = serve(limits, Duration::from_secs(1), ok).await;
+    // Two keep-alive connections, each answered once (so both are accepted and held).
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut c = TcpStream::connect(srv.addr).await.unwrap();
+        c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+        let mut buf = [0u8; 1024];
+        let n = tokio::time::timeout(fake::WAIT, c.read(&mut buf)).await.unwrap().unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+        held.push(c);
+    }
+    // A third is closed without an answer.
+    let got = exchange(srv.addr, b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await;
+    assert_eq!(got, "", "a connection beyond max_connections was served");
+    // One of the two leaves: a new connection is served once the server has seen it go.
+    drop(held.pop());
+    let deadline = tokio::time::Instant::now() + fake::WAIT;
+    loop {
+        let got = exchange(srv.addr, b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await;
+        if got.starts_with("HTTP/1.1 200") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no connection served after one closed");
+    }
+    srv.stop().await;
+}
+
+/// Issue 19, row 9: request smuggling. What hyper refuses (400) and what it neutralizes: with
+/// both `Transfer-Encoding: chunked` and `Content-Length` the body is read as chunked and the
+/// connection closed after the answer, so a request hidden after the body is never served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_smuggling_is_refused_or_cannot_desynchronize() {
+    let served = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen = std::sync::Arc::clone(&served);
+    let recording = move |req: Request<Incoming>| {
+        let seen = std::sync::Arc::clone(&seen);
+        async move {
+            seen.lock().unwrap().push(req.uri().path().to_owned());
+            let _ = req.into_body().collect().await;
+            ok_body().await
+        }
+    };
+    let srv = serve(Limits::default(), Duration::from_secs(1), recording).await;
+    for (what, raw) in [
+        (
+            "conflicting Content-Length",
+            &b"POST /cl HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\ncontent-length: 30\r\n\r\nabc"[..],
+        ),
+        (
+            "Transfer-Encoding not ending in chunked",
+            b"POST /te HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked, gzip\r\n\r\n0\r\n\r\n",
+        ),
+        (
+            "Transfer-Encoding on HTTP/1.0",
+            b"POST /te10 HTTP/1.0\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        ),
+    ] {
+        let got = exchange(srv.addr, raw).await;
+        assert!(got.starts_with("HTTP/1.1 400"), "{what}: {got}");
+    }
+    // Chunked wins over the length, and the connection closes after the one answer.
+    let raw = b"POST /te-cl HTTP/1.1\r\nhost: x\r\ncontent-length: 40\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nhost: x\r\n\r\n";
+    let got = exchange(srv.addr, raw).await;
+    assert_eq!(got.matches("HTTP/1.1 ").count(), 1, "{got}");
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(*served.lock().unwrap(), ["/te-cl"], "only the outer request was served");
+    srv.stop().await;
+}
+
+/// Issue 19, row 8: graceful shutdown logged its deadline but left the connections it had not
+/// drained running. At the deadline what is left is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn graceful_shutdown_closes_what_is_left_at_its_deadline() {
+    // A response whose body never ends.
+    let endless =
+        |_req: Request<Incoming>| async { Ok::<_, Infallible>(Response::new(Endless.boxed_unsync())) };
+    let srv = serve(Limits::default(), Duration::from_millis(300), endless).await;
+    let mut c = TcpStream::connect(srv.addr).await.unwrap();
+    c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(fake::WAIT, c.read(&mut buf)).await.unwrap().unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    srv.stop().await;
+    // The stream in flight is cut: the client sees its connection close.
+    closed(&mut c).await;
+}
+
+/// A response body that never ends (nor sends anything).
+struct Endless;
+
+impl hyper::body::Body for Endless {
+    type Data = Bytes;
+    type Error = cortex_proxy::error::BodyError;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Pending
+    }
+}
+
+/// Issue 19, row 3: a request took its admission slot before its body was read, so clients
+/// sending bodies slowly starved every other request (503 `queue_timeout`). A request now asks
+/// for its slot once its body is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_body_holds_a_connection_never_a_slot() {
+    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+    opts.proxy.limits = Limits {
+        max_concurrent: 1,
+        max_queue: 4,
+        queue_timeout: Duration::from_millis(300),
+        ..Limits::default()
+    };
+    let h = start(opts).await;
+    // The slow client's handler is reading its body once hyper sends `100 Continue` (the body's
+    // first poll): on the old order it held the only slot by then.
+    let mut slow = TcpStream::connect(h.addr).await.unwrap();
+    slow.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\nexpect: 100-continue\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut buf = [0u8; 256];
+    let n = tokio::time::timeout(fake::WAIT, slow.read(&mut buf)).await.unwrap().unwrap();
+    assert!(
+        String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 100"),
+        "{}",
+        String::from_utf8_lossy(&buf[..n])
+    );
+    slow.write_all(b"{\"mo").await.unwrap();
+    let r = h.post("/v1/completions", &[], &completion("a normal request")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    drop(slow);
+    h.shutdown().await;
+}
+
+/// Issue 19, row 8: token ids beyond the model's vocabulary were forwarded unchecked. They are
+/// refused with 400 before anything reaches a worker, on every route that takes ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_ids_out_of_the_vocabulary_are_refused() {
+    let h = start(Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)])).await;
+    let max = i64::from(
+        h.gateway
+            .planner()
+            .model_for(&request::parse(Route::Completions, br#"{"model":"m","prompt":"x"}"#).unwrap())
+            .unwrap()
+            .max_token_id(),
+    );
+    assert!(max > 150_000, "Qwen3's vocabulary: {max}");
+    for (path, body) in [
+        ("/v1/completions", json!({"model": MODEL, "prompt": [1, 2, max + 1], "max_tokens": 2})),
+        (
+            "/v1/completions",
+            json!({"model": MODEL, "prompt": [[1, 2], [3, 4_000_000_000_u64]], "max_tokens": 2}),
+        ),
+        (
+            "/generate",
+            json!({"model": MODEL, "input_ids": [5, max + 7], "sampling_params": {"max_new_tokens": 2}}),
+        ),
+        ("/tokenize", json!({"model": MODEL, "prompt": [max + 1]})),
+        ("/debug/route", json!({"model": MODEL, "prompt": [max + 1]})),
+    ] {
+        let r = h.post(path, &[], &body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{path} {body}: {}", r.text());
+        assert_eq!(r.json()["error"]["code"], "invalid_request", "{}", r.text());
+        assert!(
+            r.json()["error"]["message"].as_str().unwrap_or_default().contains("vocabulary"),
+            "{}",
+            r.text()
+        );
+    }
+    assert!(h.fakes[0].served().is_empty(), "an out-of-vocabulary request reached the worker");
+    // The largest id is fine.
+    let r =
+        h.post("/v1/completions", &[], &json!({"model": MODEL, "prompt": [1, max], "max_tokens": 2})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    h.shutdown().await;
+}
+
+/// Issue 19, row 8: `/tokenize` was not admission-controlled. It takes a slot like a routed
+/// request (its tokenization costs the same).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_takes_an_admission_slot() {
+    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+    opts.proxy.limits = Limits { max_concurrent: 1, max_queue: 0, ..Limits::default() };
+    let h = start(opts).await;
+    h.fakes[0].hold();
+    let stream = json!({"model": MODEL, "prompt": "a", "stream": true});
+    let held = h.spawn_send(h.request("POST", "/v1/completions", &[], Bytes::from(stream.to_string())));
+    h.wait("the first request holds the only slot", || h.fakes[0].served().len() == 1).await;
+    let r = h.post("/tokenize", &[], &json!({"model": MODEL, "prompt": "hello world"})).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "gateway_overloaded");
+    h.fakes[0].release();
+    assert!(held.await.unwrap().body.ends_with(b"data: [DONE]\n\n"));
+    let r = h.post("/tokenize", &[], &json!({"model": MODEL, "prompt": "hello world"})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    h.shutdown().await;
 }

@@ -302,6 +302,9 @@ struct HolderShared {
     mail: AtomicBool,
     /// Events applied.
     applied: AtomicU64,
+    /// Times the writer said the ledger lost part of the engine's history (see
+    /// [`HolderWriter::mark_history_lost`]).
+    history_lost: StdAtomicU64,
 }
 
 /// The registered holders, by id and by slot.
@@ -398,6 +401,7 @@ impl Ledger {
             mailbox: Mutex::new(Vec::new()),
             mail: AtomicBool::new(false),
             applied: AtomicU64::new(0),
+            history_lost: StdAtomicU64::new(0),
         });
         shared.slots.publish(slot, encode_id(holder));
         if reg.by_slot.len() <= slot as usize {
@@ -604,6 +608,19 @@ impl Ledger {
         let reg = self.shared.registry.lock();
         // Relaxed: a status read, ordered by the registry lock against registration.
         reg.by_id.get(&holder).map(|h| Readiness::from_u8(h.readiness.load(Ordering::Relaxed)))
+    }
+
+    /// How many times `holder`'s writer said the ledger lost part of its engine's history
+    /// ([`HolderWriter::mark_history_lost`]), `None` if it is not registered. Zero means the
+    /// ledger has followed the engine's every event since its cache was empty, so a block the
+    /// ledger lacks, the engine lacks too; otherwise the engine may hold blocks stored before
+    /// the loss that it will never announce again. Takes the registry lock: for verification
+    /// off the request path.
+    #[must_use]
+    pub fn history_lost(&self, holder: HolderId) -> Option<u64> {
+        let reg = self.shared.registry.lock();
+        // Relaxed: a monotone counter read as a status.
+        reg.by_id.get(&holder).map(|h| h.history_lost.load(StdOrdering::Relaxed))
     }
 
     /// Removes every rank of `worker`: queries stop counting them at once, their blocks are

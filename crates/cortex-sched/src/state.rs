@@ -497,6 +497,16 @@ impl WorkerState {
         }
     }
 
+    /// Forgets the worker's failures: ends its cooldown and closes its breaker (with no fault
+    /// counted). For a worker that left the live pool and was rediscovered healthy: the failures
+    /// that cooled it down or opened its breaker were those of the instance that left.
+    pub fn reset_failures(&self) {
+        // Relaxed: a deadline hint (see `cooldown`).
+        self.cooldown_until.store(0, Ordering::Relaxed);
+        // Release: pairs with the Acquire loads of the breaker word (`breaker`, the CAS loops).
+        self.breaker.store(BREAKER_CLOSED, Ordering::Release);
+    }
+
     /// Records a success: resets the consecutive-fault count, and closes a half-open breaker after
     /// enough consecutive successes.
     pub fn record_success(&self, now: Timestamp) {
@@ -803,6 +813,26 @@ mod tests {
         // closed again: needs the full threshold to reopen
         s.record_failure(FailureClass::ServerError, ms(20_015));
         assert_eq!(s.breaker(ms(20_016)), BreakerState::Closed);
+    }
+
+    #[test]
+    fn reset_failures_ends_the_cooldown_and_closes_the_breaker() {
+        let cfg = BreakerConfig {
+            failure_threshold: 2,
+            open_for: Duration::from_secs(60),
+            close_after_successes: 2,
+        };
+        let s = state(HealthPolicy { breaker: Some(cfg), ..HealthPolicy::default() });
+        s.record_failure(FailureClass::ServerError, ms(0));
+        s.record_failure(FailureClass::ServerError, ms(1));
+        assert_eq!(s.breaker(ms(2)), BreakerState::Open);
+        assert!(s.cooldown(ms(2)).is_some());
+        s.reset_failures();
+        assert_eq!(s.breaker(ms(3)), BreakerState::Closed);
+        assert!(s.cooldown(ms(3)).is_none());
+        // The fault count starts over: one failure does not reopen it.
+        s.record_failure(FailureClass::ServerError, ms(4));
+        assert_eq!(s.breaker(ms(5)), BreakerState::Closed);
     }
 
     #[test]

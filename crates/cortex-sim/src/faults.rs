@@ -56,7 +56,7 @@ pub enum Fault {
     },
     /// Flush the prefix cache of every rank (`AllBlocksCleared`), refused while requests run.
     FlushCache,
-    /// Make `/health` answer 503 (false) or 200 (true).
+    /// Make `/health` (and SGLang's `/ready`) answer 503 (false) or 200 (true).
     Health {
         /// Healthy.
         healthy: bool,

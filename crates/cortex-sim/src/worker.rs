@@ -488,6 +488,32 @@ impl SimWorker {
         self.stop_now();
     }
 
+    /// Stops the worker as if its process were killed (what [`SimWorker::shutdown`] does), but
+    /// keeps the handle: its configuration and addresses stay readable, so a test can start it
+    /// again on the same ports ([`SimWorker::config_on_same_ports`]) with an empty cache and its
+    /// sequence numbers back to 0, as a restarted engine. Calls that need the running worker
+    /// fail or read its last state.
+    pub fn kill(&mut self) {
+        self.stop_now();
+    }
+
+    /// The worker's configuration with its HTTP, event and replay ports fixed to the ones it
+    /// bound (it started on ephemeral ports): what starts it again where its clients look.
+    #[must_use]
+    pub fn config_on_same_ports(&self) -> SimConfig {
+        let mut cfg = self.shared.cfg.clone();
+        cfg.http_port = self.shared.http_addr.port();
+        let eps = self.event_endpoints();
+        if let Some(first) = eps.first() {
+            cfg.events.port_base = Some(first.publish.port());
+            cfg.events.replay_port_base = first.replay.map(|r| r.port());
+        }
+        if let Some(pd) = self.shared.pd_addr {
+            cfg.pd.port = pd.port();
+        }
+        cfg
+    }
+
     fn stop_now(&mut self) {
         if let Some(tx) = self.stop.take() {
             let _ = tx.send(());

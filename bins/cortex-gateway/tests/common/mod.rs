@@ -290,6 +290,20 @@ impl Harness {
         &self.sims[name.trim_start_matches('w').parse::<usize>().unwrap()]
     }
 
+    /// Kills worker `name` as a `kill -9` would: every socket closed at once, its streams cut.
+    pub(crate) fn kill(&mut self, name: &str) {
+        self.sims[name.trim_start_matches('w').parse::<usize>().unwrap()].kill();
+    }
+
+    /// Starts worker `name` again on the ports it had (after [`Harness::kill`]): a restarted
+    /// engine, with an empty cache and its event sequence back to 0.
+    pub(crate) fn restart(&mut self, name: &str) {
+        let i = name.trim_start_matches('w').parse::<usize>().unwrap();
+        let cfg = self.sims[i].config_on_same_ports();
+        self.sims[i].kill();
+        self.sims[i] = SimWorker::start(cfg).unwrap();
+    }
+
     /// The ledger holder of `name`'s rank 0.
     pub(crate) fn holder(&self, name: &str) -> cortex_hash::kv::HolderId {
         let id = self.gw.gateway.control().registry().by_name(name).unwrap().id;
@@ -310,6 +324,11 @@ pub(crate) struct Caller {
 }
 
 impl Caller {
+    /// The HTTP client (for requests whose head and body the test reads apart).
+    pub(crate) fn client(&self) -> &Client<HttpConnector, Full<Bytes>> {
+        &self.client
+    }
+
     pub(crate) async fn send_to(&self, method: &str, url: &str, body: Bytes) -> Reply {
         let req = Request::builder()
             .method(method)

@@ -492,7 +492,11 @@ impl Shared {
                     json!({"object": "text_completion", "choices": [{"index": 0, "text": "ok"}], "usage": usage})
                 }
             };
-            return json_resp(StatusCode::OK, &v);
+            let mut r = json_resp(StatusCode::OK, &v);
+            // A header for this hop only, named in `Connection`: the gateway must not relay it.
+            r.headers_mut().insert(http::header::CONNECTION, http::HeaderValue::from_static("x-fake-hop"));
+            r.headers_mut().insert("x-fake-hop", http::HeaderValue::from_static("1"));
+            return r;
         }
         let mut events: Vec<Bytes> =
             ["o", "k"].iter().map(|t| Bytes::from(format!("data: {}\n\n", chunk(t)))).collect();

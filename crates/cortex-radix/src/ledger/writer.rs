@@ -111,6 +111,16 @@ impl HolderWriter {
         });
     }
 
+    /// Records that the ledger lost part of the engine's history for this holder: it was
+    /// cleared or started without the engine's earlier events (a gap without replay, a replay
+    /// that failed or timed out, a restart, an undecodable batch, a cold start). An engine's own
+    /// `AllBlocksCleared` is not such a loss: the engine forgot too. Read by
+    /// [`Ledger::history_lost`](crate::Ledger::history_lost).
+    pub fn mark_history_lost(&self) {
+        // Relaxed: a monotone counter read as a status.
+        self.me.history_lost.fetch_add(1, StdOrdering::Relaxed);
+    }
+
     /// Sets the holder's readiness (the ingest runtime's decision). Ignored once revoked.
     pub fn set_readiness(&mut self, r: Readiness) {
         let _p = self.me.private.lock();

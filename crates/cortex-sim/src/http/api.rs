@@ -72,8 +72,7 @@ pub(super) async fn sglang(shared: Arc<Shared>, req: Request<Incoming>, path: &s
     let m = req.method().clone();
     Ok(match (m, path) {
         (Method::GET, "/health" | "/health_generate") => health(&shared),
-        // The health fault makes the cheap readiness route fail too: an unhealthy engine is not
-        // ready either.
+        // SGLang's readiness probe fails with its health (the gateway probes `/ready`).
         (Method::GET, "/ready") if shared.faults.healthy() => text_resp(StatusCode::OK, "ready"),
         (Method::GET, "/ready") => text_resp(StatusCode::SERVICE_UNAVAILABLE, "not ready"),
         (Method::POST | Method::PUT, "/generate") => {
