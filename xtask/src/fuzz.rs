@@ -21,7 +21,7 @@ pub struct Args {
     #[arg(long, default_value_t = 10)]
     pub minutes: u64,
     /// Targets to run, comma-separated, or `all` (see `--list`).
-    #[arg(long, value_delimiter = ',', default_value = "tokenizer")]
+    #[arg(long, value_delimiter = ',', default_value = "all")]
     pub target: Vec<String>,
     /// List the targets and exit.
     #[arg(long)]
