@@ -412,6 +412,8 @@ pub struct SchedulerFile {
     pub gamma: Option<f64>,
     /// `cache_aware`: milliseconds an active request adds to a holder's estimated TTFT.
     pub per_active_ms: Option<f64>,
+    /// `cache_aware`: the weight of the prefill work a request adds, beside its own wait.
+    pub recompute_weight: Option<f64>,
     /// Watermark: in-flight as a fraction of the worker's max running requests.
     pub watermark_inflight_fraction: Option<f64>,
     /// Watermark: expected queue latency.
@@ -791,6 +793,7 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
             gamma_per_ms: s.gamma.unwrap_or(d.weights.gamma_per_ms),
         },
         per_active_ms: s.per_active_ms.unwrap_or(d.per_active_ms),
+        recompute_weight: s.recompute_weight.unwrap_or(d.recompute_weight),
         watermark: Watermark {
             inflight_fraction: s.watermark_inflight_fraction.unwrap_or(d.watermark.inflight_fraction),
             queue_latency: s.watermark_queue_latency.map_or(d.watermark.queue_latency, |v| v.0),

@@ -54,6 +54,7 @@ fn candidate(c: &Candidate, registry: &Registry) -> Value {
         "booked_requests": c.booked_requests,
         "queue_latency_ms": c.queue_latency_ms,
         "queue_tokens": c.queue_tokens,
+        "pending_tokens": c.pending_tokens,
         "prefill_tokens_per_sec": c.rate_tokens_per_sec,
         "est_ttft_ms": c.est_ttft_ms,
         "load_reported": c.load_reported,

@@ -148,7 +148,8 @@ impl Forwarder {
                 continue;
             }
             let Some(worker) = self.registry.get(cand.holder.worker) else { continue };
-            let Some(booking) = plan.snapshot.book(cand, now) else { continue };
+            let Some(mut booking) = plan.snapshot.book(cand, now) else { continue };
+            booking.track_prefix(&plan.pending, &plan.seq, now);
             if attempts > 0 {
                 metrics::counter!(t::RETRIES).increment(1);
             }

@@ -417,7 +417,14 @@ impl Driver<'_> {
     }
 
     fn slot(&self, attempt: u32, leg: Leg, holder: HolderId, fut: LegFuture) -> Slot {
-        Slot { attempt, leg, holder, sent: Instant::now(), booking: self.book(leg, holder), fut: Some(fut) }
+        let mut booking = self.book(leg, holder);
+        // The worker that computes the prompt holds it next: the prefill leg, or a single one.
+        if leg != Leg::Decode
+            && let Some(b) = booking.as_mut()
+        {
+            b.track_prefix(&self.plan.pending, &self.plan.seq, self.fw.clock().now());
+        }
+        Slot { attempt, leg, holder, sent: Instant::now(), booking, fut: Some(fut) }
     }
 
     /// A serving leg (decode or single) of `body` to `holder`.

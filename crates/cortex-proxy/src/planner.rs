@@ -29,7 +29,7 @@ use cortex_hash::kv::{DpRank, HolderId};
 use cortex_hash::{SeqHash, Token};
 use cortex_radix::{Ledger, OverlapScores, QueryOptions};
 use cortex_sched::{
-    CacheView, Candidate, Cluster, FallbackReason, MatchMode, MonotonicClock, Ranking,
+    CacheView, Candidate, Cluster, FallbackReason, MatchMode, MonotonicClock, PendingPrefixes, Ranking,
     Request as SchedRequest, Role, SchedError, Scheduler, Snapshot, Timestamp, Untrusted,
 };
 use http::HeaderMap;
@@ -108,6 +108,8 @@ pub struct Plan {
     pub first_page: Vec<Token>,
     /// The cluster view the decision used (bookings and retries use the same).
     pub snapshot: Arc<Snapshot>,
+    /// The prefixes in flight: a booking records the prompt's chain there.
+    pub pending: Arc<PendingPrefixes>,
 }
 
 /// What planning decided for a disaggregated request: the rankings of the model's prefill,
@@ -131,6 +133,8 @@ pub struct PdPlan {
     pub first_page: Vec<Token>,
     /// The cluster view the decisions used (bookings and retries use the same).
     pub snapshot: Arc<Snapshot>,
+    /// The prefixes in flight: a prefill leg's booking records the prompt's chain there.
+    pub pending: Arc<PendingPrefixes>,
 }
 
 impl PdPlan {
@@ -344,6 +348,7 @@ impl Planner {
             seq: p.seq,
             first_page,
             snapshot,
+            pending: Arc::clone(self.sched.pending()),
         })
     }
 
@@ -476,6 +481,7 @@ impl Planner {
             seq: p.seq,
             first_page,
             snapshot: Arc::clone(snapshot),
+            pending: Arc::clone(self.sched.pending()),
         })
     }
 }

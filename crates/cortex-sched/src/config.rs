@@ -295,6 +295,11 @@ pub struct SchedConfig {
     /// time to first token (its decode share of every engine step), beside the learned prefill
     /// time.
     pub per_active_ms: f64,
+    /// `cache_aware`: how much the prefill work a request would add to a holder counts beside
+    /// the request's own wait, as a fraction of that work's time (0: the request's own time to
+    /// first token alone). Recomputing a prefix that another holder has costs every later
+    /// request on this one that time, and duplicates the prefix in a second cache.
+    pub recompute_weight: f64,
     /// The high watermark of the cache-aware policy.
     pub watermark: Watermark,
     /// Bounded loads for `cache_aware` and `least_load` (`None`: no bound).
@@ -315,6 +320,7 @@ impl Default for SchedConfig {
         SchedConfig {
             weights: Weights::default(),
             per_active_ms: 0.5,
+            recompute_weight: 0.0,
             watermark: Watermark::default(),
             bounded_load: Some(BoundedLoad { epsilon: 0.25 }),
             load_signals: LoadSignals::Booked,
@@ -385,6 +391,9 @@ impl SchedConfig {
         }
         if !weight_ok(self.per_active_ms) {
             return Err(ConfigError::Weight("per_active_ms"));
+        }
+        if !weight_ok(self.recompute_weight) {
+            return Err(ConfigError::Weight("recompute_weight"));
         }
         if !(self.watermark.inflight_fraction.is_finite() && self.watermark.inflight_fraction > 0.0) {
             return Err(ConfigError::WatermarkFraction);

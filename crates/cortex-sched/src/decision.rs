@@ -263,6 +263,10 @@ pub struct Candidate {
     pub queue_tokens: u32,
     /// The holder's learned prefill speed, tokens per second.
     pub rate_tokens_per_sec: f32,
+    /// `cache_aware`: prompt tokens the holder will have once requests this gateway sent it are
+    /// prefilled (a prefix in flight, not yet in the ledger; see [`crate::pending`]). Shortens
+    /// the estimated time to first token, never counted as a hit.
+    pub pending_tokens: u32,
     /// `cache_aware`: the estimated time to first token on this holder, milliseconds (0 for
     /// other policies and excluded candidates).
     pub est_ttft_ms: f32,

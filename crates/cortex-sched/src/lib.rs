@@ -98,6 +98,7 @@ pub mod config;
 pub mod decision;
 pub mod failure;
 pub mod learn;
+pub mod pending;
 pub mod scheduler;
 pub mod scorer;
 pub mod state;
@@ -113,6 +114,7 @@ pub use decision::{
 };
 pub use failure::{BreakerConfig, BreakerState, Cooldowns, FailureClass};
 pub use learn::{Estimate, RateFit};
+pub use pending::PendingPrefixes;
 pub use scheduler::{MAX_POOL_HOLDERS, RANKED, SchedError, Scheduler};
 pub use scorer::{ScoreInput, Scorer, TimeScorer, WeightedScorer};
 pub use state::{Booking, EngineLoad, LedgerState, PrefillTotals, RankLoad, WorkerState};

@@ -72,6 +72,7 @@ pub struct Scheduler<S = TimeScorer> {
     config: SchedConfig,
     scorer: S,
     weighted: WeightedScorer,
+    pending: std::sync::Arc<crate::pending::PendingPrefixes>,
     pools: [PoolRuntime; 3],
     rng: AtomicU64,
 }
@@ -88,7 +89,10 @@ impl Scheduler<TimeScorer> {
     /// # Errors
     /// If `config` does not validate.
     pub fn new(config: SchedConfig) -> Result<Self, ConfigError> {
-        Self::with_scorer(config, TimeScorer { per_active_ms: config.per_active_ms })
+        Self::with_scorer(
+            config,
+            TimeScorer { per_active_ms: config.per_active_ms, recompute_weight: config.recompute_weight },
+        )
     }
 }
 
@@ -143,6 +147,7 @@ impl<S: Scorer> Scheduler<S> {
             config,
             scorer,
             weighted: WeightedScorer { weights: config.weights },
+            pending: std::sync::Arc::default(),
             pools: [pool(config.pools.regular), pool(config.pools.prefill), pool(config.pools.decode)],
             rng: AtomicU64::new(config.seed),
         })
@@ -152,6 +157,13 @@ impl<S: Scorer> Scheduler<S> {
     #[must_use]
     pub fn config(&self) -> &SchedConfig {
         &self.config
+    }
+
+    /// The prefixes in flight `cache_aware` credits (bookings record theirs with
+    /// [`crate::Booking::track_prefix`]).
+    #[must_use]
+    pub fn pending(&self) -> &std::sync::Arc<crate::pending::PendingPrefixes> {
+        &self.pending
     }
 
     /// Forgets `manual` assignments idle for longer than their `max_idle` at `now`; returns how
@@ -329,6 +341,7 @@ impl<S: Scorer> Scheduler<S> {
                 queue_latency_ms: queue_ms as f32,
                 queue_tokens: u32::try_from(queue_tokens).unwrap_or(u32::MAX),
                 rate_tokens_per_sec: est.rate() as f32,
+                pending_tokens: 0,
                 est_ttft_ms: 0.0,
                 load_reported,
                 kv_usage,
@@ -394,9 +407,10 @@ impl<S: Scorer> Scheduler<S> {
             }
             c.affinity_tokens = if counted { c.matched_tokens } else { 0 };
             let est = pool[i].state.rank_state(c.holder.rank).map(|r| r.estimate());
+            let cached = if counted { c.affinity_tokens.max(c.pending_tokens) } else { 0 };
             let input = ScoreInput {
                 holder: c.holder,
-                matched_tokens: c.affinity_tokens,
+                matched_tokens: cached,
                 prompt_tokens: req.prompt_tokens,
                 active_requests: c.active_requests,
                 queue_latency_ms: f64::from(c.queue_latency_ms),
@@ -479,6 +493,20 @@ impl<S: Scorer> Scheduler<S> {
             }
             CacheView::Untrusted(u) => Some(FallbackReason::from(u)),
         };
+        if time
+            && distrust.is_none()
+            && let CacheView::Overlap { block_tokens, .. } = req.cache
+        {
+            let mut found =
+                [(HolderId::new(cortex_hash::kv::WorkerId(0), cortex_hash::kv::DpRank(0)), 0u32); 16];
+            let n = self.pending.matches(req.prefix, req.now, &mut found);
+            for &(holder, blocks) in &found[..n] {
+                if let Some(i) = snap.index_in_pool(pool.id, holder) {
+                    let tokens = u64::from(blocks) * u64::from(block_tokens);
+                    out.candidates[i].pending_tokens = tokens.min(u64::from(req.prompt_tokens)) as u32;
+                }
+            }
+        }
         if distrust.is_none() && self.config.unready_holders == UnreadyHolders::Excluded {
             let any_ready =
                 out.candidates.iter().any(|c| c.excluded.is_none() && c.ledger == LedgerState::Ready);

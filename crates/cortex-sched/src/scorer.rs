@@ -90,12 +90,16 @@ impl Scorer for WeightedScorer {
 pub struct TimeScorer {
     /// Milliseconds per active request.
     pub per_active_ms: f64,
+    /// The weight of the prefill work the request adds, beside its own wait.
+    pub recompute_weight: f64,
 }
 
 impl Scorer for TimeScorer {
     #[inline]
     fn score(&self, i: &ScoreInput) -> Score {
-        let load = -self.per_active_ms * f64::from(i.active_requests);
+        let uncached = f64::from(i.prompt_tokens.saturating_sub(i.matched_tokens));
+        let load = -self.per_active_ms * f64::from(i.active_requests)
+            - self.recompute_weight * i.secs_per_token * uncached * 1e3;
         let queue = -i.secs_per_token * f64::from(i.queue_tokens) * 1e3;
         let affinity = i.secs_per_token * f64::from(i.matched_tokens) * 1e3;
         Score {
@@ -148,7 +152,7 @@ mod tests {
         };
         // 10 ms + (2,000 queued + 500 uncached) ms = 2,510 ms; 4 active × 0.5 ms.
         assert!((input.est_ttft_ms() - 2_510.0).abs() < 1e-9);
-        let s = TimeScorer { per_active_ms: 0.5 }.score(&input);
+        let s = TimeScorer { per_active_ms: 0.5, recompute_weight: 0.0 }.score(&input);
         assert_eq!(s, Score { affinity: 1_000.0, load: -2.0, queue: -2_000.0, total: -2_512.0 });
     }
 }

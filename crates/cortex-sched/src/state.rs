@@ -23,6 +23,7 @@ use cortex_hash::kv::{DpRank, HolderId};
 use crate::config::HealthPolicy;
 use crate::failure::{BreakerState, FailureClass};
 use crate::learn::{Estimate, RateFit};
+use crate::pending::{PendingKey, PendingPrefixes};
 use crate::time::{Timestamp, duration_nanos};
 
 /// The prior of a holder's fixed prefill overhead (one engine step's fixed cost and scheduling),
@@ -555,6 +556,8 @@ pub struct Booking {
     work_tokens: u64,
     /// The engine report epoch it was booked in.
     epoch: u32,
+    /// Its prompt's chain in the prefixes in flight, when tracked.
+    pending: Option<(Arc<PendingPrefixes>, PendingKey)>,
 }
 
 impl Booking {
@@ -591,7 +594,25 @@ impl Booking {
             dispatched_at: now,
             work_tokens: queue_tokens.saturating_add(prefill_tokens),
             epoch,
+            pending: None,
         })
+    }
+
+    /// Records the request's prompt chain `seq` as in flight on this holder until shortly after
+    /// its first token (see [`crate::pending`]), so that requests sharing the prefix meanwhile
+    /// can be sent where it will be.
+    pub fn track_prefix(
+        &mut self,
+        pending: &Arc<PendingPrefixes>,
+        seq: &[cortex_hash::SeqHash],
+        now: Timestamp,
+    ) {
+        if self.first_token_seen || self.pending.is_some() {
+            return;
+        }
+        if let Some(key) = pending.insert(self.holder, Arc::from(seq), now) {
+            self.pending = Some((Arc::clone(pending), key));
+        }
     }
 
     /// The holder it is booked on.
@@ -643,6 +664,9 @@ impl Booking {
         if !self.first_token_seen {
             self.first_token_seen = true;
             self.release_prefill(Some(now));
+            if let Some((p, key)) = &self.pending {
+                p.expire(*key, now);
+            }
         }
     }
 
@@ -679,6 +703,12 @@ impl Booking {
 
 impl Drop for Booking {
     fn drop(&mut self) {
+        // Never prefilled (or not known to be): its prefix will not be there.
+        if !self.first_token_seen
+            && let Some((p, key)) = self.pending.take()
+        {
+            p.remove(key);
+        }
         // No clock here: the virtual prefill clock keeps a cancelled request's share until it
         // runs out (at most that request's own prefill time).
         self.release_prefill(None);
