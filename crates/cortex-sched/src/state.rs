@@ -242,9 +242,9 @@ impl RankState {
         self.booked_prefill_tokens.load(Ordering::Relaxed)
     }
 
-    /// How late, on average at `now`, this gateway's bookings without a first token are against
-    /// the time to first token estimated at their dispatch (zero when on time or none are
-    /// outstanding).
+    /// How late, on average at `now`, this gateway's bookings without a first token are: past
+    /// twice the time to first token estimated at their dispatch, plus a second (zero when on
+    /// time or none are outstanding).
     #[inline]
     pub(crate) fn unanswered_lateness(&self, now: Timestamp) -> Duration {
         // Relaxed (both): an estimate; the two loads may straddle a booking, which moves the
@@ -605,7 +605,9 @@ impl Booking {
         r.booked_total_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
         let est = r.estimate();
         let work_tokens = queue_tokens.saturating_add(prefill_tokens);
-        let due_s = est.overhead_s + est.secs_per_token * work_tokens as f64;
+        // Late means past twice the estimate and a second: estimates err by tens of percent
+        // under load; a stall is what this is for.
+        let due_s = 2.0 * (est.overhead_s + est.secs_per_token * work_tokens as f64) + 1.0;
         let due_ns = now.as_nanos().saturating_add((due_s.clamp(0.0, 1e6) * 1e9) as u64);
         r.unanswered_due_sum_ns.fetch_add(due_ns, Ordering::Relaxed);
         r.unanswered.fetch_add(1, Ordering::Relaxed);
@@ -824,20 +826,21 @@ mod tests {
         let s = state(HealthPolicy::default());
         let r = s.rank_state(DpRank(0)).expect("rank");
         assert_eq!(r.unanswered_lateness(ms(5)), Duration::ZERO);
-        // At the prior (10 ms + 0.1 ms per token): due at 10 + 30 = 40 ms and at 100 + 10 ms.
+        // At the prior (10 ms + 0.1 ms per token), due after twice the estimate and a second:
+        // at 2·(10 + 30) + 1,000 = 1,080 ms and at 100 + 2·10 + 1,000 = 1,120 ms.
         let mut a = Booking::new(s.clone(), holder(0), 300, 0, 10_000, ms(0)).expect("rank");
         let b = Booking::new(s.clone(), holder(0), 0, 0, 10_000, ms(100)).expect("rank");
         // (Milliseconds: the estimate's seconds are floating point.)
         let late = |at| r.unanswered_lateness(ms(at)).as_millis();
-        assert_eq!(late(70), 0, "on time on average");
-        // At 1 s: 960 and 890 ms late, 925 on average.
-        assert_eq!(late(1_000), 925);
-        a.first_token(ms(1_000));
-        a.first_token(ms(1_001));
-        assert_eq!(late(1_000), 890);
+        assert_eq!(late(1_090), 0, "on time on average");
+        // At 2 s: 920 and 880 ms late, 900 on average.
+        assert_eq!(late(2_000), 900);
+        a.first_token(ms(2_000));
+        a.first_token(ms(2_001));
+        assert_eq!(late(2_000), 880);
         drop(b);
         drop(a);
-        assert_eq!(r.unanswered_lateness(ms(2_000)), Duration::ZERO);
+        assert_eq!(r.unanswered_lateness(ms(3_000)), Duration::ZERO);
     }
 
     #[test]
