@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cortex_hash::kv::{DpRank, HolderId};
-use cortex_hash::{SeqHash, Token};
+use cortex_hash::{Engine, SeqHash, Token};
 use cortex_radix::{Ledger, OverlapScores, QueryOptions};
 use cortex_sched::{
     CacheView, Candidate, Cluster, FallbackReason, MatchMode, MonotonicClock, PendingPrefixes, Ranking,
@@ -37,7 +37,7 @@ use http::HeaderMap;
 use crate::config::Mode;
 use crate::error::ProxyError;
 use crate::models::{ModelRoute, ModelTable, TokenizeError};
-use crate::request::{Prompt, RequestFacts};
+use crate::request::{Prompt, RequestFacts, Route};
 use crate::telemetry as t;
 
 /// The header a client pins a vLLM data-parallel rank with (vLLM reads it; Cortex reads it for
@@ -224,14 +224,28 @@ impl Planner {
     ///
     /// # Errors
     /// [`ProxyError::UnknownModel`] when neither names a served model or adapter;
+    /// [`ProxyError::ModelRequired`] when the request names none and several are served;
+    /// [`ProxyError::UnsupportedRoute`] for SGLang's `/generate` naming a vLLM model;
     /// [`ProxyError::InvalidRequest`] for a token id out of its vocabulary.
     pub fn model_for(&self, facts: &RequestFacts) -> Result<Arc<ModelRoute>, ProxyError> {
         let model = match facts.lora.as_deref().and_then(|l| self.models.get(Some(l))) {
             Some(m) => Arc::clone(m),
-            None => self.models.get(facts.model.as_deref()).map(Arc::clone).ok_or_else(|| {
-                ProxyError::UnknownModel(facts.model.clone().unwrap_or_else(|| "(none given)".to_owned()))
-            })?,
+            None => {
+                self.models.get(facts.model.as_deref()).map(Arc::clone).ok_or_else(|| match &facts.model {
+                    Some(m) => ProxyError::UnknownModel(m.clone()),
+                    None => ProxyError::ModelRequired(self.models.names().map(str::to_owned).collect()),
+                })?
+            }
         };
+        let engine = model.spec().profile.engine();
+        if facts.route == Route::Generate && engine == Engine::Vllm {
+            return Err(ProxyError::UnsupportedRoute {
+                route: "/generate",
+                model: model.base_model().to_owned(),
+                engine: engine.as_str(),
+                hint: "; use /v1/completions or /v1/chat/completions",
+            });
+        }
         if let Some(id) = facts.max_token_id.filter(|&id| id > model.max_token_id()) {
             return Err(ProxyError::InvalidRequest(format!(
                 "token id {id} is out of the vocabulary of `{}` (ids 0..={})",

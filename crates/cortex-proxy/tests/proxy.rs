@@ -502,7 +502,7 @@ async fn a_connection_that_sends_nothing_is_closed_and_one_that_asks_is_served()
     let (stop, stopped) = oneshot::channel::<()>();
     let limits = Limits { header_read_timeout: Duration::from_millis(300), ..Limits::default() };
     let server = tokio::spawn(async move {
-        cortex_proxy::server::serve_with(listener, ok, &limits, Duration::from_secs(1), async {
+        cortex_proxy::server::serve_with(listener, None, ok, &limits, Duration::from_secs(1), async {
             let _ = stopped.await;
         })
         .await;
@@ -545,7 +545,7 @@ where
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        cortex_proxy::server::serve_with(listener, handler, &limits, grace, async {
+        cortex_proxy::server::serve_with(listener, None, handler, &limits, grace, async {
             let _ = stopped.await;
         })
         .await;
