@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // test helpers: a failed setup step should panic
 
+mod api;
 mod common;
 mod kubernetes;
 mod pd;
