@@ -224,18 +224,18 @@ impl Planner {
     ///
     /// # Errors
     /// [`ProxyError::UnknownModel`] when neither names a served model or adapter;
-    /// [`ProxyError::ModelRequired`] when the request names none and several are served;
+    /// [`ProxyError::ModelRequired`] when the request names none and several are served (but
+    /// `/generate`, which goes to the only SGLang model if there is one);
     /// [`ProxyError::UnsupportedRoute`] for SGLang's `/generate` naming a vLLM model;
     /// [`ProxyError::InvalidRequest`] for a token id out of its vocabulary.
     pub fn model_for(&self, facts: &RequestFacts) -> Result<Arc<ModelRoute>, ProxyError> {
         let model = match facts.lora.as_deref().and_then(|l| self.models.get(Some(l))) {
             Some(m) => Arc::clone(m),
-            None => {
-                self.models.get(facts.model.as_deref()).map(Arc::clone).ok_or_else(|| match &facts.model {
-                    Some(m) => ProxyError::UnknownModel(m.clone()),
-                    None => ProxyError::ModelRequired(self.models.names().map(str::to_owned).collect()),
-                })?
-            }
+            None => match (&facts.model, self.models.get(facts.model.as_deref())) {
+                (_, Some(m)) => Arc::clone(m),
+                (Some(m), None) => return Err(ProxyError::UnknownModel(m.clone())),
+                (None, None) => self.only_model_for(facts.route)?,
+            },
         };
         let engine = model.spec().profile.engine();
         if facts.route == Route::Generate && engine == Engine::Vllm {
@@ -254,6 +254,21 @@ impl Planner {
             )));
         }
         Ok(model)
+    }
+
+    /// The model of a request that names none, when several are served: SGLang's `/generate`
+    /// (whose clients seldom name one) goes to the only SGLang model, if there is exactly one.
+    ///
+    /// # Errors
+    /// [`ProxyError::ModelRequired`] listing the models served.
+    fn only_model_for(&self, route: Route) -> Result<Arc<ModelRoute>, ProxyError> {
+        let sglang = |m: &&Arc<ModelRoute>| m.lora().is_none() && m.spec().profile.engine() == Engine::Sglang;
+        let candidates: Vec<&Arc<ModelRoute>> =
+            self.models.names().filter_map(|n| self.models.get(Some(n))).filter(sglang).collect();
+        match candidates.as_slice() {
+            [only] if route == Route::Generate => Ok(Arc::clone(only)),
+            _ => Err(ProxyError::ModelRequired(self.models.names().map(str::to_owned).collect())),
+        }
     }
 
     /// The token ids the worker will compute for the request's prompt (`/tokenize`: the first

@@ -168,6 +168,9 @@ async fn a_request_without_a_model_names_the_models_served() {
     let e = openai_error(&r);
     assert_eq!(e["code"], "model_required");
     assert!(e["message"].as_str().unwrap().contains("m, m-sql"), "{e}");
+    // SGLang's native route, whose clients seldom name a model, goes to the only SGLang model.
+    let r = h.post("/generate", &json!({"text": "hi", "sampling_params": {"max_new_tokens": 2}})).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     let r = h.post("/v1/completions", &json!({"model": "gpt-9", "prompt": "hi"})).await;
     assert_eq!(
         (r.status, openai_error(&r)["code"].as_str()),
