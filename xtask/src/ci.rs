@@ -176,6 +176,12 @@ fn run_steps(root: &Path, steps: &mut Steps) -> Result<()> {
         let args = crate::pd_check::Args { python: "python3".to_owned(), engine: None, sim: Some(sim) };
         crate::pd_check::run(root, &args)
     })?;
+    // Real clients: the official openai SDK and requests against the test build's demo gateway.
+    steps.time("sdk-check", || {
+        let gateway = crate::target_dir(root).join("debug").join("cortex-gateway");
+        let args = crate::sdk_check::Args { python: "python3".to_owned(), gateway: Some(gateway) };
+        crate::sdk_check::run(root, &args)
+    })?;
     // The deployment files: rendered, validated offline, checked against the gateway's own
     // verdict on their configuration (the test build's gateway) and against the Dockerfile.
     steps.time("deploy-check", || {

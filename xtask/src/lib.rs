@@ -12,6 +12,7 @@ pub mod fuzz;
 pub mod golden;
 pub mod pd_check;
 pub mod radix;
+pub mod sdk_check;
 pub mod tidy;
 
 use std::path::PathBuf;

@@ -56,14 +56,14 @@ pub struct Args {
 }
 
 /// A child process that is killed and reaped when dropped.
-struct Proc {
-    name: String,
-    child: Child,
-    log: Option<PathBuf>,
+pub(crate) struct Proc {
+    pub(crate) name: String,
+    pub(crate) child: Child,
+    pub(crate) log: Option<PathBuf>,
 }
 
 impl Proc {
-    fn tail(&self) -> String {
+    pub(crate) fn tail(&self) -> String {
         let Some(log) = &self.log else { return String::new() };
         let text = std::fs::read_to_string(log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
@@ -79,7 +79,7 @@ impl Drop for Proc {
     }
 }
 
-fn free_port() -> Result<u16> {
+pub(crate) fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0").context("binding a free port")?.local_addr()?.port())
 }
 
@@ -232,7 +232,8 @@ fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> Res
     Ok(a)
 }
 
-fn wait_ready(addr: SocketAddr, path: &str, proc: &mut Proc) -> Result<()> {
+/// Waits until `addr` answers `path` with 200, or `proc` exits, or [`STARTUP`] passes.
+pub(crate) fn wait_ready(addr: SocketAddr, path: &str, proc: &mut Proc) -> Result<()> {
     let start = Instant::now();
     loop {
         if let Ok(a) = http(addr, "GET", path, None)

@@ -23,7 +23,7 @@ use cortex_proxy::config::{
     AlignmentConfig, Limits, MIN_HEADER_BYTES, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy,
 };
 use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
-use cortex_proxy::{EventsOverride, ModelTable, WorkerConfig};
+use cortex_proxy::{EventsOverride, ModelTable, Tls, TlsConfig, Token, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
     BoundedLoad, BreakerConfig, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies,
@@ -109,6 +109,12 @@ fn parse_size(s: &str) -> Result<usize, String> {
 pub struct Config {
     /// Public listener (`host:port`).
     pub listen: SocketAddr,
+    /// TLS on the public listener.
+    #[serde(default)]
+    pub tls: Option<TlsFile>,
+    /// Bearer-token authentication of the public API.
+    #[serde(default)]
+    pub auth: Option<AuthFile>,
     /// Admin API.
     #[serde(default)]
     pub admin: Option<AdminFile>,
@@ -164,6 +170,57 @@ pub struct AdminFile {
     pub listen: SocketAddr,
     /// Name of the environment variable holding the bearer token.
     pub token_env: String,
+    /// TLS on the admin listener.
+    #[serde(default)]
+    pub tls: Option<TlsFile>,
+}
+
+/// `auth:` (the public API)
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthFile {
+    /// Name of the environment variable holding the bearer token clients must send.
+    pub token_env: String,
+}
+
+/// `tls:` and `admin.tls:`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TlsFile {
+    /// PEM certificate chain, leaf first (relative paths: against the file's directory).
+    pub cert: PathBuf,
+    /// PEM private key.
+    pub key: PathBuf,
+    /// How often both files are re-read (default 60s).
+    #[serde(default)]
+    pub reload_interval: Option<Dur>,
+}
+
+/// The default `reload_interval` of a listener's certificate and key.
+pub const TLS_RELOAD_INTERVAL: Duration = Duration::from_secs(60);
+
+/// The bearer token in the environment variable `var`, for the key `key`.
+fn token_from_env(key: &str, var: &str) -> Result<Token> {
+    let token = std::env::var(var)
+        .ok()
+        .filter(|t| !t.is_empty())
+        .with_context(|| format!("{key}: the environment variable `{var}` is not set or empty"))?;
+    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        bail!("{key}: the token in `{var}` contains whitespace, which no client can send in a bearer header");
+    }
+    Ok(Token::new(&token))
+}
+
+/// A listener's TLS settings, checked by loading the pair once (`key` names the section).
+fn tls(key: &str, t: TlsFile, base: &Path) -> Result<TlsConfig> {
+    let resolve = |p: &Path| if p.is_absolute() { p.to_path_buf() } else { base.join(p) };
+    let reload_interval = t.reload_interval.map_or(TLS_RELOAD_INTERVAL, |d| d.0);
+    if reload_interval.is_zero() {
+        bail!("{key}.reload_interval must be positive");
+    }
+    let cfg = TlsConfig { cert: resolve(&t.cert), key: resolve(&t.key), reload_interval };
+    Tls::load(cfg.clone()).with_context(|| format!("{key}: cannot serve this certificate and key"))?;
+    Ok(cfg)
 }
 
 /// `mode:`
@@ -503,12 +560,25 @@ pub struct LedgerFile {
     pub capacity_slack_percent: Option<u32>,
 }
 
+/// The admin listener, typed and validated.
+#[derive(Debug)]
+pub struct AdminSettings {
+    /// Its address (never the public listener's).
+    pub listen: SocketAddr,
+    /// The bearer token it requires.
+    pub token: Token,
+    /// Its TLS, if any.
+    pub tls: Option<TlsConfig>,
+}
+
 /// Everything, typed and validated.
 pub struct Settings {
     /// Public listener.
     pub listen: SocketAddr,
-    /// Admin listener and token.
-    pub admin: Option<(SocketAddr, String)>,
+    /// The public listener's TLS, if any.
+    pub tls: Option<TlsConfig>,
+    /// Admin listener, token and TLS.
+    pub admin: Option<AdminSettings>,
     /// Data plane.
     pub proxy: ProxyConfig,
     /// Served models.
@@ -664,6 +734,10 @@ impl Config {
             shutdown_grace: self.shutdown_grace.map_or(d.shutdown_grace, |v| v.0),
             shutdown_delay: self.shutdown_delay.map_or(d.shutdown_delay, |v| v.0),
             pd,
+            auth: match &self.auth {
+                Some(a) => Some(token_from_env("auth.token_env", &a.token_env)?),
+                None => None,
+            },
         };
         let (sched, health) = scheduler(&self.scheduler)?;
         if proxy.prefill_tokens_per_sec == 0 {
@@ -743,19 +817,25 @@ impl Config {
                         "admin.listen must differ from listen: the admin API never shares the public listener"
                     );
                 }
-                let token =
-                    std::env::var(&a.token_env).ok().filter(|t| !t.is_empty()).with_context(|| {
-                        format!("admin.token_env: the environment variable `{}` is not set", a.token_env)
-                    })?;
-                Some((a.listen, token))
+                let token = token_from_env("admin.token_env", &a.token_env)?;
+                let tls = match a.tls {
+                    Some(t) => Some(tls("admin.tls", t, base)?),
+                    None => None,
+                };
+                Some(AdminSettings { listen: a.listen, token, tls })
             }
         };
         let kubernetes = match self.discovery.kubernetes {
             Some(k) => Some(kubernetes(k, &models)?),
             None => None,
         };
+        let public_tls = match self.tls {
+            Some(t) => Some(tls("tls", t, base)?),
+            None => None,
+        };
         Ok(Settings {
             listen: self.listen,
+            tls: public_tls,
             admin,
             proxy,
             models,
@@ -1131,6 +1211,78 @@ mod tests {
             Config::parse(&yaml("    workers: []\n")).unwrap().into_settings(&base).unwrap_err()
         );
         assert!(err.contains("at least one selector"), "{err}");
+    }
+
+    #[test]
+    fn auth_and_tls_are_read_and_checked() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let err_of = |extra: &str| match Config::parse(&minimal(extra)) {
+            Err(e) => format!("{e:#}"),
+            Ok(c) => format!("{:#}", c.into_settings(&base).unwrap_err()),
+        };
+        // Cargo sets CARGO_PKG_NAME for the test process: a variable that is surely set.
+        let s = Config::parse(&minimal(
+            "auth: {token_env: CARGO_PKG_NAME}
+",
+        ))
+        .unwrap()
+        .into_settings(&base)
+        .unwrap();
+        assert_eq!(s.proxy.auth, Some(Token::new("cortex-gateway")));
+        let err = err_of(
+            "auth: {token_env: CORTEX_TEST_VARIABLE_NEVER_SET}
+",
+        );
+        assert!(err.contains("auth.token_env") && err.contains("CORTEX_TEST_VARIABLE_NEVER_SET"), "{err}");
+        let err = err_of(
+            "auth: {token: x}
+",
+        );
+        assert!(err.contains("unknown field `token`"), "{err}");
+        // A generated pair is loaded at start; each failure names its key and its file.
+        let dir = std::env::temp_dir().join(format!("cortex-config-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        let other = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        std::fs::write(dir.join("cert.pem"), cert.cert.pem()).unwrap();
+        std::fs::write(dir.join("key.pem"), cert.signing_key.serialize_pem()).unwrap();
+        std::fs::write(dir.join("other-key.pem"), other.signing_key.serialize_pem()).unwrap();
+        let d = dir.display();
+        let tls = format!(
+            "tls: {{cert: '{d}/cert.pem', key: '{d}/key.pem', reload_interval: 5s}}
+"
+        );
+        let s = Config::parse(&minimal(&tls)).unwrap().into_settings(&base).unwrap();
+        let t = s.tls.unwrap();
+        assert_eq!((t.cert, t.reload_interval), (dir.join("cert.pem"), Duration::from_secs(5)));
+        let admin = format!(
+            "admin: {{listen: 127.0.0.1:9090, token_env: CARGO_PKG_NAME, tls: {{cert: '{d}/cert.pem', key: '{d}/key.pem'}}}}
+"
+        );
+        let a = Config::parse(&minimal(&admin)).unwrap().into_settings(&base).unwrap().admin.unwrap();
+        assert_eq!(a.tls.unwrap().reload_interval, TLS_RELOAD_INTERVAL);
+        for (extra, key, says) in [
+            (format!("tls: {{cert: '{d}/missing.pem', key: '{d}/key.pem'}}
+"), "tls:", "missing.pem"),
+            (format!("tls: {{cert: '{d}/key.pem', key: '{d}/key.pem'}}
+"), "tls:", "no CERTIFICATE"),
+            (format!("tls: {{cert: '{d}/cert.pem', key: '{d}/cert.pem'}}
+"), "tls:", "cert.pem"),
+            (format!("tls: {{cert: '{d}/cert.pem', key: '{d}/other-key.pem'}}
+"), "tls:", "other-key.pem"),
+            (format!("tls: {{cert: '{d}/cert.pem', key: '{d}/key.pem', reload_interval: 0s}}
+"), "tls.reload_interval", ""),
+            (
+                format!("admin: {{listen: 127.0.0.1:9090, token_env: CARGO_PKG_NAME, tls: {{cert: '{d}/nope.pem', key: '{d}/key.pem'}}}}
+"),
+                "admin.tls:",
+                "nope.pem",
+            ),
+        ] {
+            let err = err_of(&extra);
+            assert!(err.contains(key) && err.contains(says), "{extra}: {err}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A valid file of one vLLM model `m`, then `extra`; paths relative to the repository root.

@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use cortex_sim::{SimConfig, SimWorker, Timing};
 
-use crate::config::{Config, Settings};
+use crate::config::{AdminSettings, Config, Settings};
 
 /// The served model names of the demo.
 pub const VLLM_MODEL: &str = "qwen3-vllm";
@@ -31,6 +31,8 @@ pub struct Demo {
     pub workers: Vec<SimWorker>,
     /// Gateway settings.
     pub settings: Settings,
+    /// The admin listener's bearer token (fresh for each run).
+    pub admin_token: String,
 }
 
 impl std::fmt::Debug for Demo {
@@ -50,12 +52,18 @@ pub enum Shape {
 
 /// Starts `per_engine` simulated vLLM and SGLang workers — with [`Shape::Disaggregated`],
 /// `per_engine` prefill and `per_engine` decode workers of each engine — and builds the
-/// gateway's settings for them; `speed` maps simulated time to wall-clock (1.0 = real time,
-/// 0 = instant).
+/// gateway's settings for them, with an admin listener on `admin_listen` behind a fresh token;
+/// `speed` maps simulated time to wall-clock (1.0 = real time, 0 = instant).
 ///
 /// # Errors
 /// A worker cannot start or the settings do not validate.
-pub fn start(listen: SocketAddr, per_engine: usize, speed: f64, shape: Shape) -> Result<Demo> {
+pub fn start(
+    listen: SocketAddr,
+    admin_listen: SocketAddr,
+    per_engine: usize,
+    speed: f64,
+    shape: Shape,
+) -> Result<Demo> {
     let mut workers = Vec::new();
     let mut yaml_workers = String::new();
     let roles: &[(cortex_sim::Role, &str)] = match shape {
@@ -106,13 +114,28 @@ workers:
         tok = qwen.join("tokenizer.json").display(),
         cfg = qwen.join("tokenizer_config.json").display(),
     );
-    let settings = Config::parse(&yaml)?.into_settings(&repo_root())?;
-    Ok(Demo { workers, settings })
+    let mut settings = Config::parse(&yaml)?.into_settings(&repo_root())?;
+    if admin_listen == listen && listen.port() != 0 {
+        anyhow::bail!("--admin-listen must differ from --listen");
+    }
+    // A fresh token per run: the standard library's randomly seeded hasher, twice.
+    let random = || {
+        use std::hash::{BuildHasher, Hasher};
+        std::collections::hash_map::RandomState::new().build_hasher().finish()
+    };
+    let admin_token = format!("{:016x}{:016x}", random(), random());
+    settings.admin = Some(AdminSettings {
+        listen: admin_listen,
+        token: cortex_proxy::Token::new(&admin_token),
+        tls: None,
+    });
+    Ok(Demo { workers, settings, admin_token })
 }
 
-/// What the demo prints once it is up.
+/// What the demo prints once it is up: the public URL, the workers, a request to try, and how
+/// to reach the admin listener (`admin`, behind `token`).
 #[must_use]
-pub fn banner(addr: SocketAddr, workers: &[SimWorker]) -> String {
+pub fn banner(addr: SocketAddr, admin: SocketAddr, token: &str, workers: &[SimWorker]) -> String {
     let mut s = format!("Cortex gateway listening on http://{addr}\n\nSimulated workers:\n");
     for w in workers {
         let ports: Vec<String> = w.event_endpoints().iter().map(|e| e.publish.port().to_string()).collect();
@@ -146,7 +169,14 @@ pub fn banner(addr: SocketAddr, workers: &[SimWorker]) -> String {
     ));
     s.push_str(&format!("    -d '{body}' | grep -i -e '^x-cortex' -e '^x-sim'\n"));
     s.push_str(&format!(
-        "\nAlso: http://{addr}/debug/workers  http://{addr}/metrics  http://{addr}/health/ready\n"
+        "\nAlso: http://{addr}/v1/models  http://{addr}/metrics  http://{addr}/health/ready\n"
+    ));
+    s.push_str(&format!(
+        "\nAdmin API and debug views on the admin listener http://{admin} (bearer token below):\n"
+    ));
+    s.push_str(&format!("  curl -s http://{admin}/debug/workers -H 'authorization: Bearer {token}'\n"));
+    s.push_str(&format!(
+        "  curl -s http://{admin}/debug/route -H 'authorization: Bearer {token}' -H 'content-type: application/json' \\\n    -d '{body}'\n"
     ));
     s
 }

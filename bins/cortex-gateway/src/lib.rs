@@ -22,7 +22,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use cortex_hash::kv::HolderId;
 use cortex_ingest::{DECODE_ERROR_KINDS, Ingest, Reason};
-use cortex_proxy::{Admin, Gateway, GatewayParts, RegistryEvent};
+use cortex_proxy::{Admin, Gateway, GatewayParts, RegistryEvent, Tls};
 use cortex_radix::Ledger;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
@@ -30,6 +30,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 pub use config::Settings;
+pub use cortex_proxy::Token;
 
 /// A started gateway.
 pub struct Running {
@@ -43,6 +44,8 @@ pub struct Running {
     pub ingest: Arc<Ingest>,
     stop: Vec<oneshot::Sender<()>>,
     tasks: Vec<JoinHandle<()>>,
+    /// The listeners' certificate reloaders (aborted at shutdown).
+    reloaders: Vec<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Running {
@@ -77,21 +80,30 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
         TcpListener::bind(settings.listen).await.with_context(|| format!("binding {}", settings.listen))?;
     let addr = listener.local_addr()?;
     let mut stop = Vec::new();
+    let mut reloaders = Vec::new();
+    let tls = match settings.tls {
+        Some(cfg) => Some(listener_tls(cfg, "tls", &mut reloaders)?),
+        None => None,
+    };
     let (tx, rx) = oneshot::channel::<()>();
     stop.push(tx);
     let gw = Arc::clone(&gateway);
     tasks.push(tokio::spawn(async move {
-        cortex_proxy::server::serve(listener, gw, async {
+        cortex_proxy::server::serve(listener, tls, gw, async {
             let _ = rx.await;
         })
         .await;
     }));
     let mut admin_addr = None;
-    if let Some((admin_listen, token)) = settings.admin {
+    if let Some(a) = settings.admin {
         let listener =
-            TcpListener::bind(admin_listen).await.with_context(|| format!("binding admin {admin_listen}"))?;
+            TcpListener::bind(a.listen).await.with_context(|| format!("binding admin {}", a.listen))?;
         admin_addr = Some(listener.local_addr()?);
-        let admin = Admin::new(Arc::clone(gateway.control()), settings.proxy.limits.clone(), &token);
+        let tls = match a.tls {
+            Some(cfg) => Some(listener_tls(cfg, "admin.tls", &mut reloaders)?),
+            None => None,
+        };
+        let admin = Admin::new(Arc::clone(&gateway), a.token);
         let (tx, rx) = oneshot::channel::<()>();
         stop.push(tx);
         let limits = settings.proxy.limits.clone();
@@ -99,6 +111,7 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
             let handler = move |req| admin.clone().serve(req);
             cortex_proxy::server::serve_with(
                 listener,
+                tls,
                 handler,
                 &limits,
                 std::time::Duration::from_secs(1),
@@ -119,7 +132,18 @@ pub async fn start(settings: Settings, prometheus: Option<PrometheusHandle>) -> 
             tasks.push(task);
         }
     }
-    Ok(Running { addr, admin_addr, gateway, ingest, stop, tasks })
+    Ok(Running { addr, admin_addr, gateway, ingest, stop, tasks, reloaders })
+}
+
+/// A listener's TLS, loaded, with its reloader among `tasks` (`key` names the section).
+fn listener_tls(
+    cfg: cortex_proxy::TlsConfig,
+    key: &str,
+    tasks: &mut Vec<JoinHandle<()>>,
+) -> Result<Arc<Tls>> {
+    let tls = Tls::load(cfg).with_context(|| format!("{key}: cannot serve this certificate and key"))?;
+    tasks.push(tls.spawn_reloader());
+    Ok(tls)
 }
 
 impl Running {
@@ -142,6 +166,9 @@ impl Running {
         self.gateway.begin_shutdown();
         for s in self.stop {
             let _ = s.send(());
+        }
+        for r in self.reloaders {
+            r.abort();
         }
         let mut tasks = self.tasks;
         // The event forwarder ends when the gateway (its sender) is dropped; do not wait on it.

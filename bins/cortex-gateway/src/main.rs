@@ -34,6 +34,9 @@ struct Cli {
     /// Public listener of the demo.
     #[arg(long, default_value = "127.0.0.1:8080", requires = "demo")]
     listen: SocketAddr,
+    /// Admin listener of the demo (the admin API and `/debug/*`, behind a token it prints).
+    #[arg(long, default_value = "127.0.0.1:8081", requires = "demo")]
+    admin_listen: SocketAddr,
     /// Simulated workers per engine in the demo (with --pd: prefill workers, and as many decode
     /// workers).
     #[arg(long, default_value_t = 2, requires = "demo")]
@@ -104,14 +107,14 @@ fn run(cli: Cli) -> Result<()> {
     }
     let runtime = runtime.enable_all().build().context("starting the runtime")?;
     runtime.block_on(async move {
-        let (settings, sims) = if cli.demo {
+        let (settings, sims, admin_token) = if cli.demo {
             let shape = if cli.pd { demo::Shape::Disaggregated } else { demo::Shape::Regular };
-            let d = demo::start(cli.listen, cli.workers_per_engine, cli.sim_speed, shape)?;
-            (d.settings, d.workers)
+            let d = demo::start(cli.listen, cli.admin_listen, cli.workers_per_engine, cli.sim_speed, shape)?;
+            (d.settings, d.workers, d.admin_token)
         } else {
             let path = cli.config.context("either --config FILE or --demo is required")?;
             let (cfg, base) = Config::load(&path)?;
-            (cfg.into_settings(&base)?, Vec::new())
+            (cfg.into_settings(&base)?, Vec::new(), String::new())
         };
         let running = start(settings, Some(prometheus)).await?;
         tracing::info!(addr = %running.addr, admin = ?running.admin_addr, "cortex-gateway serving");
@@ -123,7 +126,8 @@ fn run(cli: Cli) -> Result<()> {
             {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            println!("{}", demo::banner(running.addr, &sims));
+            let admin = running.admin_addr.context("the demo's admin listener")?;
+            println!("{}", demo::banner(running.addr, admin, &admin_token, &sims));
         }
         shutdown_signal().await;
         tracing::info!("shutting down: not ready at once, new connections refused after shutdown_delay, in-flight streams may finish");

@@ -32,7 +32,17 @@ fn zero_worker_threads_is_refused_with_the_flag_named() {
 #[test]
 fn demo_serves_on_one_runtime_thread() {
     let child = Command::new(BIN)
-        .args(["--demo", "--listen", "127.0.0.1:0", "--sim-speed", "0", "--worker-threads", "1"])
+        .args([
+            "--demo",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--sim-speed",
+            "0",
+            "--worker-threads",
+            "1",
+        ])
         .args(["--workers-per-engine", "1", "--log", "warn"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -99,7 +109,18 @@ fn check_config_prints_one_json_line_on_stdout() {
 #[test]
 fn the_pd_demo_serves_its_printed_request_disaggregated() {
     let child = Command::new(BIN)
-        .args(["--demo", "--pd", "--listen", "127.0.0.1:0", "--sim-speed", "0", "--workers-per-engine", "1"])
+        .args([
+            "--demo",
+            "--pd",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--sim-speed",
+            "0",
+            "--workers-per-engine",
+            "1",
+        ])
         .args(["--log", "warn"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

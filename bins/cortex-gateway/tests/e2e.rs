@@ -4,12 +4,12 @@
 
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // test helpers: a failed setup step should panic
 
+mod api;
 mod common;
 mod kubernetes;
 mod pd;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 
 use bytes::Bytes;
 use common::{
@@ -375,16 +375,8 @@ async fn a_worker_hashing_differently_is_caught_by_the_published_hashes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_api_adds_lists_and_removes_workers() {
-    let admin_listen: SocketAddr = "127.0.0.1:0".parse().unwrap();
-    let h = harness_with(
-        "sglang",
-        vec![sim("sglang")],
-        &[],
-        |s| s.admin = Some((admin_listen, "s3cret".into())),
-        None,
-    )
-    .await;
-    let admin = h.gw.admin_addr.unwrap();
+    let h = harness("sglang", vec![sim("sglang")], &[]).await;
+    let admin = h.admin_addr();
     let extra = SimWorker::start(sim("sglang")).unwrap();
     let call = |method: &str, path: &str, token: Option<&str>, body: Option<Value>| {
         let mut b = Request::builder().method(method).uri(format!("http://{admin}{path}"));
@@ -406,19 +398,22 @@ async fn admin_api_adds_lists_and_removes_workers() {
         call("POST", "/admin/workers", Some("wrong"), Some(new.clone())).await.0,
         StatusCode::UNAUTHORIZED
     );
-    let (status, body) = call("POST", "/admin/workers", Some("s3cret"), Some(new.clone())).await;
+    let (status, body) = call("POST", "/admin/workers", Some(common::ADMIN_TOKEN), Some(new.clone())).await;
     assert_eq!(status, StatusCode::CREATED, "{body}");
     assert_eq!(
-        call("POST", "/admin/workers", Some("s3cret"), Some(new)).await.0,
+        call("POST", "/admin/workers", Some(common::ADMIN_TOKEN), Some(new)).await.0,
         StatusCode::BAD_REQUEST,
         "duplicate name"
     );
     h.wait("the added worker is live", || h.live_workers() == 2).await;
-    let (_, list) = call("GET", "/admin/workers", Some("s3cret"), None).await;
+    let (_, list) = call("GET", "/admin/workers", Some(common::ADMIN_TOKEN), None).await;
     assert_eq!(list["workers"].as_array().unwrap().len(), 2);
-    // The admin API is not on the public listener.
-    assert_eq!(h.send("GET", "/admin/workers", Bytes::new()).await.status, StatusCode::NOT_FOUND);
-    let (status, _) = call("DELETE", "/admin/workers/extra", Some("s3cret"), None).await;
+    // The admin API and the debug views are not on the public listener.
+    for path in ["/admin/workers", "/debug/workers"] {
+        let r = h.send_to("GET", &format!("http://{}{path}", h.addr()), Bytes::new()).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{path}");
+    }
+    let (status, _) = call("DELETE", "/admin/workers/extra", Some(common::ADMIN_TOKEN), None).await;
     assert_eq!(status, StatusCode::OK);
     h.wait("the removed worker left the pool", || h.live_workers() == 1).await;
     assert!(h.gw.gateway.control().registry().by_name("extra").is_none());
@@ -665,9 +660,10 @@ async fn two_replicas_share_the_cache_view_and_the_load_through_the_engines() {
     let holder = first.header("x-cortex-assigned-worker").to_owned();
     // Replica B never saw that request; its own ledger holds the prefix on that worker.
     let via_b = |path: &str| format!("http://{}{path}", b.addr);
+    let via_b_admin = |path: &str| format!("http://{}{path}", b.admin_addr.unwrap());
     let deadline = tokio::time::Instant::now() + common::WAIT;
     let dry = loop {
-        let r = h.send_to("POST", &via_b("/debug/route"), Bytes::from(body.to_string())).await;
+        let r = h.send_to("POST", &via_b_admin("/debug/route"), Bytes::from(body.to_string())).await;
         let v = r.json();
         if v["candidates"][0]["worker"] == holder.as_str() && v["mode"] == "exact_kv_events" {
             break v;
@@ -699,7 +695,9 @@ async fn two_replicas_share_the_cache_view_and_the_load_through_the_engines() {
     };
     let deadline = tokio::time::Instant::now() + common::WAIT;
     loop {
-        let r = h.send_to("POST", &via_b("/debug/route"), Bytes::from(chat("load", false).to_string())).await;
+        let r = h
+            .send_to("POST", &via_b_admin("/debug/route"), Bytes::from(chat("load", false).to_string()))
+            .await;
         let v = r.json();
         let c = v["candidates"].as_array().unwrap().iter().find(|c| c["worker"] == busy.as_str()).cloned();
         if let Some(c) = c

@@ -1,14 +1,19 @@
-//! The admin API, on its own listener: list, add and remove workers, behind a bearer token.
+//! The admin API, on its own listener, behind a bearer token: list, add and remove workers,
+//! flush the workers' caches, and the debug views.
 //!
 //! ```text
 //! GET    /admin/workers          the registry (same shape as /debug/workers)
 //! POST   /admin/workers          {"name", "url", "engine": "vllm"|"sglang", "model",
 //!                                 "role"?, "unlabeled_stores"?, "max_running_requests"?}
 //! DELETE /admin/workers/{name}
+//! POST   /admin/cache/flush[?worker=NAME]   each worker's answer, the ledger before and after
+//! GET    /debug/workers          each worker's configuration, discovery, verdicts, ledger, load
+//! POST   /debug/route[?route=generate]      the dry run of a request body
 //! ```
 //!
-//! Key decisions: a separate listener (never the public one) and a constant-time token check, so
-//! that exposing the data plane never exposes control of the cluster. The API talks only to
+//! Key decisions: a separate listener (never the public one; `/debug/*` answers 404 there) and a
+//! constant-time token check ([`crate::auth`]), so that exposing the data plane never exposes
+//! control of the cluster nor what it knows of each worker. Membership changes go only through
 //! [`Control`], the owner of membership.
 
 use std::convert::Infallible;
@@ -19,18 +24,16 @@ use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use serde_json::{Value, json};
 
-use crate::config::Limits;
-use crate::control::Control;
+use crate::auth::Token;
 use crate::error::{Body, ProxyError};
-use crate::gateway::{json_response, read_body};
+use crate::gateway::{Gateway, json_response, read_body};
 use crate::registry::{WorkerConfig, parse_role, parse_unlabeled_stores};
 
 /// The admin service.
 #[derive(Clone)]
 pub struct Admin {
-    control: Arc<Control>,
-    limits: Arc<Limits>,
-    token: Arc<str>,
+    gateway: Arc<Gateway>,
+    token: Token,
 }
 
 impl std::fmt::Debug for Admin {
@@ -40,11 +43,11 @@ impl std::fmt::Debug for Admin {
 }
 
 impl Admin {
-    /// An admin API over `control` accepting `Authorization: Bearer <token>`, reading bodies
-    /// under `limits`.
+    /// An admin API over `gateway` (its control plane, its dry run, its body limits) accepting
+    /// `Authorization: Bearer <token>`.
     #[must_use]
-    pub fn new(control: Arc<Control>, limits: Limits, token: &str) -> Self {
-        Admin { control, limits: Arc::new(limits), token: token.into() }
+    pub fn new(gateway: Arc<Gateway>, token: Token) -> Self {
+        Admin { gateway, token }
     }
 
     /// The hyper service.
@@ -58,41 +61,44 @@ impl Admin {
         })
     }
 
-    fn authorized(&self, req: &Request<Incoming>) -> bool {
-        let given = req
-            .headers()
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or_default();
-        constant_time_eq(given.as_bytes(), self.token.as_bytes())
-    }
-
     async fn handle(&self, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
-        if !self.authorized(&req) {
+        if !self.token.admits(req.headers()) {
             return Err(ProxyError::Unauthorized);
         }
+        let control = self.gateway.control();
         let path = req.uri().path().to_owned();
         match (req.method().clone(), path.as_str()) {
-            (Method::GET, "/admin/workers") => {
-                Ok(json_response(StatusCode::OK, &crate::debug::workers(&self.control)))
+            (Method::GET, "/admin/workers" | "/debug/workers") => {
+                Ok(json_response(StatusCode::OK, &crate::debug::workers(control)))
+            }
+            (Method::POST, "/debug/route") => self.gateway.debug_route(req).await,
+            (Method::POST, "/admin/cache/flush") => {
+                let query = req.uri().query().unwrap_or_default();
+                let worker = query.split('&').find_map(|kv| kv.strip_prefix("worker="));
+                Ok(json_response(StatusCode::OK, &crate::fanout::flush(control, worker).await?))
+            }
+            (m, "/debug/route") => Err(ProxyError::MethodNotAllowed {
+                method: m.to_string(),
+                allowed: "/debug/route takes a POST whose body is a chat, completion or /generate request",
+            }),
+            (m, "/admin/cache/flush") => {
+                Err(ProxyError::MethodNotAllowed { method: m.to_string(), allowed: "use POST" })
             }
             (Method::POST, "/admin/workers") => {
-                let body = read_body(req.into_body(), &self.limits).await?;
+                let body = read_body(req.into_body(), self.gateway.limits()).await?;
                 let v: Value =
                     serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
                 let cfg = worker_config(&v)?;
-                let id = self.control.join(cfg)?;
+                let id = control.join(cfg)?;
                 Ok(json_response(StatusCode::CREATED, &json!({"id": id.0})))
             }
             (Method::DELETE, p) if p.starts_with("/admin/workers/") => {
                 let name = &p["/admin/workers/".len()..];
-                let w = self
-                    .control
+                let w = control
                     .registry()
                     .by_name(name)
                     .ok_or_else(|| ProxyError::NotFound { method: "DELETE".into(), path: p.to_owned() })?;
-                self.control.leave(w.id);
+                control.leave(w.id);
                 Ok(json_response(StatusCode::OK, &json!({"removed": name})))
             }
             (m, _) => Err(ProxyError::NotFound { method: m.to_string(), path }),
@@ -152,17 +158,6 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
     })
 }
 
-/// Whether `given` is `secret`, in a time that depends on the secret's length only: every byte
-/// of the secret is compared, whatever was given and wherever it differs (a shorter or longer
-/// token included), with no early return.
-fn constant_time_eq(given: &[u8], secret: &[u8]) -> bool {
-    let mut diff = given.len() ^ secret.len();
-    for (i, s) in secret.iter().enumerate() {
-        diff |= usize::from(given.get(i).copied().unwrap_or(0) ^ s);
-    }
-    diff == 0
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,16 +199,5 @@ mod tests {
         }
         let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": "leader"});
         assert!(worker_config(&v).unwrap_err().to_string().contains("leader"));
-    }
-
-    #[test]
-    fn token_compare() {
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
-        assert!(!constant_time_eq(b"ab", b"abc"));
-        assert!(!constant_time_eq(b"abc\0", b"abc"));
-        assert!(!constant_time_eq(b"", b"abc"));
-        assert!(constant_time_eq(b"", b""));
     }
 }

@@ -166,6 +166,8 @@ pub struct ProxyConfig {
     pub shutdown_delay: Duration,
     /// Prefill/decode disaggregation: retries, fallbacks, replay, bootstrap port.
     pub pd: cortex_pd::PdConfig,
+    /// The bearer token the public API requires (`/health/*` excepted); none: open.
+    pub auth: Option<crate::auth::Token>,
 }
 
 impl Default for ProxyConfig {
@@ -181,6 +183,7 @@ impl Default for ProxyConfig {
             shutdown_grace: Duration::from_secs(30),
             shutdown_delay: Duration::ZERO,
             pd: cortex_pd::PdConfig::default(),
+            auth: None,
         }
     }
 }

@@ -125,6 +125,11 @@ impl Control {
         (c, rx)
     }
 
+    /// The HTTP side of asking workers (probes, and the fan-outs of [`crate::fanout`]).
+    pub(crate) fn http(&self) -> &Probes {
+        &self.http
+    }
+
     /// The workers.
     #[must_use]
     pub fn registry(&self) -> &Arc<Registry> {

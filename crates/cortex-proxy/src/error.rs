@@ -1,15 +1,21 @@
 //! Errors of the data plane, and the one place where an error becomes an HTTP response or an SSE
 //! error event.
 //!
-//! Key decision: deep code returns a typed [`ProxyError`] that says who is to blame and whether a
-//! retry on another worker is safe; only [`ProxyError::into_response`] and
-//! [`ProxyError::sse_event`] turn it into bytes, in OpenAI's error format
-//! (`{"error": {"message", "type", "param", "code"}}`), so every route answers errors the same
-//! way and clients of both engines can parse them.
+//! Key decisions:
+//! - Deep code returns a typed [`ProxyError`] that says who is to blame and whether a retry on
+//!   another worker is safe; only [`ProxyError::into_response`], [`ProxyError::sse_event`] and
+//!   [`refusal`] (a worker's own refusal, rewritten) turn errors into bytes.
+//! - Each route answers in its clients' format ([`ErrorFormat`]): the OpenAI routes (and every
+//!   route of Cortex's own) in OpenAI's error object `{"error": {"message", "type", "param",
+//!   "code"}}`, SGLang's native `/generate` in SGLang's `{"error": {"message", "code"}}`. The
+//!   mid-stream SSE error event uses the same format.
+//! - A worker's refusal keeps the worker's status and message; what Cortex knows of it (its
+//!   failure class, such as `context_length_exceeded`) becomes `code`, so an OpenAI SDK raises
+//!   the right typed exception whichever engine refused.
 
 use bytes::Bytes;
 use cortex_sched::FailureClass;
-use http::{HeaderValue, Response, StatusCode};
+use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::{BodyExt, Full, combinators::UnsyncBoxBody};
 
 /// The error a response body may end with (hyper then aborts the connection).
@@ -17,6 +23,39 @@ pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The body type of every response the gateway writes.
 pub type Body = UnsyncBoxBody<Bytes, BodyError>;
+
+/// How a route writes its errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorFormat {
+    /// OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`.
+    OpenAi,
+    /// SGLang's native API (`/generate`): `{"error": {"message", "code"}}`.
+    Sglang,
+}
+
+impl ErrorFormat {
+    /// The format of `route`'s clients.
+    #[must_use]
+    pub const fn of(route: crate::request::Route) -> Self {
+        match route {
+            crate::request::Route::Generate => ErrorFormat::Sglang,
+            crate::request::Route::ChatCompletions | crate::request::Route::Completions => {
+                ErrorFormat::OpenAi
+            }
+        }
+    }
+
+    /// The error body of `message`, OpenAI `kind` and `code`.
+    #[must_use]
+    pub fn body(self, message: &str, kind: &str, code: &str) -> serde_json::Value {
+        match self {
+            ErrorFormat::OpenAi => serde_json::json!({
+                "error": {"message": message, "type": kind, "param": serde_json::Value::Null, "code": code}
+            }),
+            ErrorFormat::Sglang => serde_json::json!({"error": {"message": message, "code": code}}),
+        }
+    }
+}
 
 /// Who caused an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,6 +92,21 @@ pub enum ProxyError {
     /// No model of that name is served.
     #[error("the model `{0}` does not exist")]
     UnknownModel(String),
+    /// The request names no model and the gateway serves several.
+    #[error("`model` is required: this gateway serves {}", .0.join(", "))]
+    ModelRequired(Vec<String>),
+    /// The model's engine does not serve the route (SGLang's `/generate` for a vLLM model).
+    #[error("{route} is not served for `{model}`: its workers run {engine}, which has no such route{hint}")]
+    UnsupportedRoute {
+        /// The route's path.
+        route: &'static str,
+        /// The model named.
+        model: String,
+        /// The model's engine.
+        engine: &'static str,
+        /// What to use instead.
+        hint: &'static str,
+    },
     /// No route matches.
     #[error("no route for {method} {path}")]
     NotFound {
@@ -110,6 +164,8 @@ impl ProxyError {
             | ProxyError::MalformedJson(_)
             | ProxyError::InvalidRequest(_)
             | ProxyError::UnknownModel(_)
+            | ProxyError::ModelRequired(_)
+            | ProxyError::UnsupportedRoute { .. }
             | ProxyError::NotFound { .. }
             | ProxyError::MethodNotAllowed { .. }
             | ProxyError::Unauthorized => Blame::Client,
@@ -142,9 +198,11 @@ impl ProxyError {
         match self {
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
-            ProxyError::BodyRead(_) | ProxyError::MalformedJson(_) | ProxyError::InvalidRequest(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ProxyError::BodyRead(_)
+            | ProxyError::MalformedJson(_)
+            | ProxyError::InvalidRequest(_)
+            | ProxyError::ModelRequired(_)
+            | ProxyError::UnsupportedRoute { .. } => StatusCode::BAD_REQUEST,
             ProxyError::UnknownModel(_) | ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
@@ -186,6 +244,8 @@ impl ProxyError {
             ProxyError::MalformedJson(_) => "invalid_json",
             ProxyError::InvalidRequest(_) => "invalid_request",
             ProxyError::UnknownModel(_) => "model_not_found",
+            ProxyError::ModelRequired(_) => "model_required",
+            ProxyError::UnsupportedRoute { .. } => "unsupported_route",
             ProxyError::NotFound { .. } => "not_found",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::Unauthorized => "unauthorized",
@@ -198,23 +258,29 @@ impl ProxyError {
         }
     }
 
-    /// The JSON error object.
+    /// The JSON error object, in OpenAI's format.
     #[must_use]
     pub fn json(&self) -> serde_json::Value {
-        serde_json::json!({
-            "error": {
-                "message": self.to_string(),
-                "type": self.kind(),
-                "param": serde_json::Value::Null,
-                "code": self.code(),
-            }
-        })
+        self.json_in(ErrorFormat::OpenAi)
     }
 
-    /// The HTTP response for this error, carrying `x-request-id`.
+    /// The JSON error object in `format`.
+    #[must_use]
+    pub fn json_in(&self, format: ErrorFormat) -> serde_json::Value {
+        format.body(&self.to_string(), self.kind(), self.code())
+    }
+
+    /// The HTTP response for this error in OpenAI's format, carrying `x-request-id`.
     #[must_use]
     pub fn into_response(self, request_id: &str) -> Response<Body> {
-        let body = Bytes::from(self.json().to_string());
+        self.into_response_in(request_id, ErrorFormat::OpenAi)
+    }
+
+    /// The HTTP response for this error in `format`, carrying `x-request-id` (and
+    /// `retry-after: 1` when sending it again is safe).
+    #[must_use]
+    pub fn into_response_in(self, request_id: &str, format: ErrorFormat) -> Response<Body> {
+        let body = Bytes::from(self.json_in(format).to_string());
         let mut resp = Response::new(full(body));
         *resp.status_mut() = self.status();
         let h = resp.headers_mut();
@@ -228,12 +294,65 @@ impl ProxyError {
         resp
     }
 
-    /// A well-formed SSE error event followed by `data: [DONE]`, for a stream that already
-    /// started: vLLM and SGLang end their own streams this way.
+    /// A well-formed SSE error event in `format` followed by `data: [DONE]`, for a stream that
+    /// already started: vLLM and SGLang end their own streams this way.
     #[must_use]
-    pub fn sse_event(&self) -> Bytes {
-        Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", self.json()))
+    pub fn sse_event(&self, format: ErrorFormat) -> Bytes {
+        Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", self.json_in(format)))
     }
+}
+
+/// A worker's refusal (an error that is the request's own: another worker would answer the
+/// same), rewritten in the route's `format`: the worker's status and message are kept, `code` is
+/// the failure class Cortex gave it (`context_length_exceeded`, …) or, for an ordinary refusal,
+/// a name of the status; the worker's end-to-end headers are kept but its body's type.
+#[must_use]
+pub fn refusal(
+    status: StatusCode,
+    mut headers: HeaderMap,
+    body: &[u8],
+    class: Option<FailureClass>,
+    format: ErrorFormat,
+) -> Response<Body> {
+    let message = worker_message(body).unwrap_or_else(|| format!("the worker answered {status}"));
+    let code = class.map_or_else(|| refusal_code(status), FailureClass::as_str);
+    let kind = match status.as_u16() {
+        429 => "rate_limit_error",
+        400..=499 => "invalid_request_error",
+        _ => "server_error",
+    };
+    let json = format.body(&message, kind, code);
+    headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    let mut resp = Response::new(full(json.to_string()));
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
+    resp
+}
+
+/// The `code` of a refusal Cortex did not classify, by its status.
+fn refusal_code(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "unauthorized",
+        403 => "forbidden",
+        404 => "not_found",
+        413 => "request_too_large",
+        422 | 400 => "invalid_request",
+        _ => "upstream_refused",
+    }
+}
+
+/// The message of a worker's error body: OpenAI's and SGLang's `error.message`, SGLang's
+/// OpenAI-route `message`, FastAPI's `detail`, else the text itself; `None` when empty.
+#[must_use]
+pub fn worker_message(body: &[u8]) -> Option<String> {
+    let json: Option<serde_json::Value> = serde_json::from_slice(body).ok();
+    let text = json
+        .as_ref()
+        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("message")).or_else(|| v.get("detail")))
+        .map(|m| m.as_str().map_or_else(|| m.to_string(), str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned());
+    let text = text.trim();
+    (!text.is_empty()).then(|| text.to_owned())
 }
 
 /// Whether another worker may succeed where one failed with `class`: yes for the worker's own
@@ -287,8 +406,73 @@ mod tests {
         assert_eq!(v["error"]["code"], "model_not_found");
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert!(v["error"]["message"].as_str().unwrap().contains("gpt-x"));
-        let sse = String::from_utf8(ProxyError::Internal("boom".into()).sse_event().to_vec()).unwrap();
+        let sse =
+            String::from_utf8(ProxyError::Internal("boom".into()).sse_event(ErrorFormat::OpenAi).to_vec())
+                .unwrap();
         assert!(sse.starts_with("data: {\"error\""));
         assert!(sse.ends_with("data: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn each_format_has_its_own_shape() {
+        let e = ProxyError::ModelRequired(vec!["a".into(), "b".into()]);
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        let openai = e.json_in(ErrorFormat::OpenAi);
+        assert_eq!(openai["error"]["code"], "model_required");
+        assert_eq!(openai["error"]["type"], "invalid_request_error");
+        assert!(openai["error"].get("param").is_some());
+        assert!(openai["error"]["message"].as_str().unwrap().contains("a, b"));
+        let sglang = e.json_in(ErrorFormat::Sglang);
+        assert_eq!(
+            sglang,
+            serde_json::json!({"error": {"message": e.to_string(), "code": "model_required"}})
+        );
+        let sse = String::from_utf8(e.sse_event(ErrorFormat::Sglang).to_vec()).unwrap();
+        assert_eq!(sse, format!("data: {sglang}\n\ndata: [DONE]\n\n"));
+    }
+
+    #[test]
+    fn a_refusal_keeps_the_worker_s_status_and_message_and_gets_cortex_s_code() {
+        let body_of = |r: Response<Body>| {
+            let status = r.status();
+            let b = body_bytes(r);
+            (status, serde_json::from_slice::<serde_json::Value>(&b).unwrap())
+        };
+        // SGLang's OpenAI routes answer `{"object": "error", "code": 400}`.
+        let sglang = br#"{"object":"error","message":"Requested token count exceeds the model's maximum context length of 4096 tokens.","type":"BadRequestError","param":null,"code":400}"#;
+        let class = Some(FailureClass::ContextLengthExceeded);
+        let (status, v) =
+            body_of(refusal(StatusCode::BAD_REQUEST, HeaderMap::new(), sglang, class, ErrorFormat::OpenAi));
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(v["error"]["code"], "context_length_exceeded");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert!(v["error"]["message"].as_str().unwrap().starts_with("Requested token count"));
+        assert!(v.get("object").is_none());
+        let (_, v) = body_of(refusal(
+            StatusCode::BAD_REQUEST,
+            HeaderMap::new(),
+            br#"{"error":{"message":"bad sampling"}}"#,
+            None,
+            ErrorFormat::Sglang,
+        ));
+        assert_eq!(v, serde_json::json!({"error": {"message": "bad sampling", "code": "invalid_request"}}));
+        let (status, v) = body_of(refusal(
+            StatusCode::NOT_FOUND,
+            HeaderMap::new(),
+            br#"{"detail":"Not Found"}"#,
+            None,
+            ErrorFormat::OpenAi,
+        ));
+        assert_eq!((status.as_u16(), v["error"]["code"].as_str()), (404, Some("not_found")));
+        assert_eq!(v["error"]["message"], "Not Found");
+        let (_, v) =
+            body_of(refusal(StatusCode::BAD_REQUEST, HeaderMap::new(), b"", None, ErrorFormat::OpenAi));
+        assert_eq!(v["error"]["message"], "the worker answered 400 Bad Request");
+    }
+
+    /// The bytes of a response built from [`full`].
+    fn body_bytes(r: Response<Body>) -> Bytes {
+        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        rt.block_on(async { r.into_body().collect().await.unwrap().to_bytes() })
     }
 }

@@ -30,7 +30,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::alignment::{Prediction, Verifier};
 use crate::config::{ProxyConfig, RetryPolicy};
-use crate::error::{Body, ProxyError, full};
+use crate::error::{Body, ErrorFormat, ProxyError, refusal};
 use crate::planner::{Plan, RANK_HEADER};
 use crate::registry::{Registry, WorkerRecord};
 use crate::request::{self, RequestFacts, Route};
@@ -176,7 +176,8 @@ impl Forwarder {
                         self.verifier.on_complete(prediction(&plan, out.facts, cand, mode, &self.verifier));
                     let relay =
                         RelayBody::new(incoming, booking, self.clock, sse, self.idle_timeout, on_complete)
-                            .holding(permit);
+                            .holding(permit)
+                            .in_format(ErrorFormat::of(out.route));
                     let mut resp = Response::new(relay.boxed_unsync());
                     *resp.status_mut() = up.status;
                     *resp.headers_mut() = headers;
@@ -187,11 +188,10 @@ impl Forwarder {
                         Some(c) => booking.fail(c, self.clock.now()),
                         None => booking.succeed(self.clock.now()),
                     }
-                    let mut headers = up_headers;
-                    attempt.cortex_headers(&mut headers, mode, out.rid);
-                    let mut resp = Response::new(full(body));
-                    *resp.status_mut() = status;
-                    *resp.headers_mut() = headers;
+                    // The request's own error: in the route's format, with the worker's status and
+                    // message and Cortex's class as its `code`.
+                    let mut resp = refusal(status, up_headers, &body, class, ErrorFormat::of(out.route));
+                    attempt.cortex_headers(resp.headers_mut(), mode, out.rid);
                     return Ok(resp);
                 }
                 Err(f) => {

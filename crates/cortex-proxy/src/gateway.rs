@@ -28,9 +28,10 @@ use serde_json::json;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 
 use crate::alignment::Verifier;
+use crate::auth::Token;
 use crate::config::{Limits, Mode, ProxyConfig};
 use crate::control::{Control, ControlParts};
-use crate::error::{Body, ProxyError, full};
+use crate::error::{Body, ErrorFormat, ProxyError, full};
 use crate::forwarder::{Forwarder, Outgoing};
 use crate::models::ModelTable;
 use crate::planner::{Ask, Planner};
@@ -124,6 +125,8 @@ pub struct Gateway {
     scrape: Scrape,
     shutting_down: AtomicBool,
     draining: AtomicBool,
+    /// The public API's bearer token, when one is required.
+    auth: Option<Token>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -182,6 +185,7 @@ impl Gateway {
             scrape: Scrape::new(parts.prometheus),
             shutting_down: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            auth: cfg.auth,
         };
         Ok((Arc::new(gw), events))
     }
@@ -278,14 +282,27 @@ impl Gateway {
     /// Never: every error becomes a response here.
     pub async fn serve(self: Arc<Self>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
         let rid = request_id(req.headers());
-        let resp = match self.dispatch(req, &rid).await {
+        // SGLang's clients read SGLang's errors; every other route answers OpenAI's.
+        let format = if req.uri().path() == "/generate" { ErrorFormat::Sglang } else { ErrorFormat::OpenAi };
+        let open = req.uri().path().starts_with("/health/");
+        let answer = match &self.auth {
+            Some(token) if !open && !token.admits(req.headers()) => Err(ProxyError::Unauthorized),
+            _ => self.dispatch(req, &rid).await,
+        };
+        let resp = match answer {
             Ok(r) => r,
             Err(e) => {
                 metrics::counter!(crate::telemetry::ERRORS, "code" => e.code()).increment(1);
                 if e.status().is_server_error() {
                     tracing::warn!(request_id = %rid, error = %e, "request failed");
                 }
-                e.into_response(&rid)
+                let unauthorized = matches!(e, ProxyError::Unauthorized);
+                let mut resp = e.into_response_in(&rid, format);
+                if unauthorized {
+                    resp.headers_mut()
+                        .insert(http::header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
+                }
+                resp
             }
         };
         Ok(resp)
@@ -299,22 +316,16 @@ impl Gateway {
             (&Method::POST, "/v1/completions") => self.route(Route::Completions, req, rid).await,
             (&Method::POST, "/generate") => self.route(Route::Generate, req, rid).await,
             (&Method::POST, "/tokenize") => self.tokenize(req).await,
-            (&Method::POST, "/debug/route") => self.debug_route(req).await,
-            (&Method::GET, "/debug/workers") => {
-                Ok(json_response(StatusCode::OK, &debug::workers(&self.control)))
+            (&Method::GET, "/v1/models") => {
+                Ok(json_response(StatusCode::OK, &crate::fanout::models(&self.control).await))
             }
-            (&Method::GET, "/v1/models") => Ok(json_response(StatusCode::OK, &self.list_models())),
             (&Method::GET, "/health/live") => Ok(json_response(StatusCode::OK, &json!({"status": "live"}))),
             (&Method::GET, "/health/ready") => Ok(self.ready()),
             (&Method::GET, "/metrics") => Ok(self.metrics()),
-            (_, "/debug/route") => Err(ProxyError::MethodNotAllowed {
-                method: method.to_string(),
-                allowed: "/debug/route takes a POST whose body is a chat, completion or /generate request",
-            }),
             (_, "/v1/chat/completions" | "/v1/completions" | "/generate" | "/tokenize") => {
                 Err(ProxyError::MethodNotAllowed { method: method.to_string(), allowed: "use POST" })
             }
-            (_, "/debug/workers" | "/v1/models" | "/health/live" | "/health/ready" | "/metrics") => {
+            (_, "/v1/models" | "/health/live" | "/health/ready" | "/metrics") => {
                 Err(ProxyError::MethodNotAllowed { method: method.to_string(), allowed: "use GET" })
             }
             _ => Err(ProxyError::NotFound { method: method.to_string(), path: path.to_owned() }),
@@ -331,11 +342,15 @@ impl Gateway {
         if self.is_shutting_down() {
             return Err(ProxyError::ShuttingDown);
         }
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
         // The body first: a client sending it slowly holds its connection, never a slot.
         let body = read_body(body, &self.limits).await?;
         let permit = self.admission.acquire().await?;
         let ask = Ask::new(request::parse(route, &body)?, &parts.headers)?;
+        if self.auth.is_some() {
+            // Cortex's own token is for Cortex: the workers never see it.
+            parts.headers.remove(http::header::AUTHORIZATION);
+        }
         let out = Outgoing { route, facts: &ask.facts, headers: &parts.headers, body, rid };
         if self.planner.disaggregated(&ask)? {
             let plan = self.planner.plan_pd(&ask).await?;
@@ -356,10 +371,10 @@ impl Gateway {
         Ok(json_response(StatusCode::OK, &json!({"count": tokens.len(), "tokens": tokens})))
     }
 
-    /// `POST /debug/route`: the dry run of the body (and headers) of a chat, completion or
-    /// `/generate` request; answers the ranked candidates with their score breakdown and the
-    /// excluded holders with why.
-    async fn debug_route(&self, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
+    /// `POST /debug/route` (on the admin listener): the dry run of the body (and headers) of a
+    /// chat, completion or `/generate` request; answers the ranked candidates with their score
+    /// breakdown and the excluded holders with why.
+    pub(crate) async fn debug_route(&self, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
         let query = req.uri().query().unwrap_or_default().to_owned();
         let (parts, body) = req.into_parts();
         let body = read_body(body, &self.limits).await?;
@@ -405,16 +420,6 @@ impl Gateway {
             },
         });
         Ok(json_response(StatusCode::OK, &v))
-    }
-
-    fn list_models(&self) -> serde_json::Value {
-        let data: Vec<serde_json::Value> = self
-            .control
-            .models()
-            .names()
-            .map(|name| json!({"id": name, "object": "model", "created": 0, "owned_by": "cortex"}))
-            .collect();
-        json!({"object": "list", "data": data})
     }
 
     fn ready(&self) -> Response<Body> {

@@ -21,11 +21,13 @@
 
 pub mod admin;
 pub mod alignment;
+pub mod auth;
 pub mod config;
 pub mod control;
 mod debug;
 pub mod discovery;
 pub mod error;
+mod fanout;
 pub mod forwarder;
 pub mod gateway;
 pub mod models;
@@ -37,9 +39,11 @@ pub mod request;
 mod scrape;
 pub mod server;
 pub mod telemetry;
+pub mod tls;
 pub mod upstream;
 
 pub use admin::Admin;
+pub use auth::Token;
 pub use config::{AlignmentConfig, Limits, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy};
 pub use control::Control;
 pub use error::ProxyError;
@@ -48,3 +52,4 @@ pub use models::{ModelRoute, ModelTable};
 pub use planner::{Ask, PdPlan, Plan, Planner};
 pub use registry::{EventsOverride, RankEndpoints, RegistryEvent, WorkerConfig};
 pub use scrape::ScrapeHook;
+pub use tls::{Tls, TlsConfig};

@@ -47,7 +47,7 @@ use hyper::body::{Body as HttpBody, Incoming};
 use tokio::sync::OwnedSemaphorePermit;
 
 use crate::alignment::Prediction;
-use crate::error::{Body, ProxyError, full};
+use crate::error::{Body, ErrorFormat, ProxyError, refusal};
 use crate::forwarder::{Forwarder, Outgoing};
 use crate::planner::{PdPlan, RANK_HEADER};
 use crate::registry::WorkerRecord;
@@ -629,11 +629,8 @@ impl Driver<'_> {
                     }
                 }
                 metrics::counter!(t::PD_REQUESTS, "outcome" => "rejected", "pd" => "none").increment(1);
-                let mut headers = headers;
-                self.cortex_headers(&mut headers, leg, holder, None);
-                let mut resp = Response::new(full(body));
-                *resp.status_mut() = status;
-                *resp.headers_mut() = headers;
+                let mut resp = refusal(status, headers, &body, class, ErrorFormat::of(self.out.route));
+                self.cortex_headers(resp.headers_mut(), leg, holder, None);
                 return Some(Ended::Rejected(resp));
             }
         }
@@ -902,7 +899,8 @@ impl Forwarder {
         };
         let mut relay =
             RelayBody::resumed(bytes, rest, booking, self.clock(), sse, self.idle_timeout(), on_complete)
-                .holding(permit);
+                .holding(permit)
+                .in_format(ErrorFormat::of(d.out.route));
         if pair_prefill.is_some() {
             relay = relay.not_learning();
         }

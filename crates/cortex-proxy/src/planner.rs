@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cortex_hash::kv::{DpRank, HolderId};
-use cortex_hash::{SeqHash, Token};
+use cortex_hash::{Engine, SeqHash, Token};
 use cortex_radix::{Ledger, OverlapScores, QueryOptions};
 use cortex_sched::{
     CacheView, Candidate, Cluster, FallbackReason, MatchMode, MonotonicClock, PendingPrefixes, Ranking,
@@ -37,7 +37,7 @@ use http::HeaderMap;
 use crate::config::Mode;
 use crate::error::ProxyError;
 use crate::models::{ModelRoute, ModelTable, TokenizeError};
-use crate::request::{Prompt, RequestFacts};
+use crate::request::{Prompt, RequestFacts, Route};
 use crate::telemetry as t;
 
 /// The header a client pins a vLLM data-parallel rank with (vLLM reads it; Cortex reads it for
@@ -224,14 +224,28 @@ impl Planner {
     ///
     /// # Errors
     /// [`ProxyError::UnknownModel`] when neither names a served model or adapter;
+    /// [`ProxyError::ModelRequired`] when the request names none and several are served (but
+    /// `/generate`, which goes to the only SGLang model if there is one);
+    /// [`ProxyError::UnsupportedRoute`] for SGLang's `/generate` naming a vLLM model;
     /// [`ProxyError::InvalidRequest`] for a token id out of its vocabulary.
     pub fn model_for(&self, facts: &RequestFacts) -> Result<Arc<ModelRoute>, ProxyError> {
         let model = match facts.lora.as_deref().and_then(|l| self.models.get(Some(l))) {
             Some(m) => Arc::clone(m),
-            None => self.models.get(facts.model.as_deref()).map(Arc::clone).ok_or_else(|| {
-                ProxyError::UnknownModel(facts.model.clone().unwrap_or_else(|| "(none given)".to_owned()))
-            })?,
+            None => match (&facts.model, self.models.get(facts.model.as_deref())) {
+                (_, Some(m)) => Arc::clone(m),
+                (Some(m), None) => return Err(ProxyError::UnknownModel(m.clone())),
+                (None, None) => self.only_model_for(facts.route)?,
+            },
         };
+        let engine = model.spec().profile.engine();
+        if facts.route == Route::Generate && engine == Engine::Vllm {
+            return Err(ProxyError::UnsupportedRoute {
+                route: "/generate",
+                model: model.base_model().to_owned(),
+                engine: engine.as_str(),
+                hint: "; use /v1/completions or /v1/chat/completions",
+            });
+        }
         if let Some(id) = facts.max_token_id.filter(|&id| id > model.max_token_id()) {
             return Err(ProxyError::InvalidRequest(format!(
                 "token id {id} is out of the vocabulary of `{}` (ids 0..={})",
@@ -240,6 +254,21 @@ impl Planner {
             )));
         }
         Ok(model)
+    }
+
+    /// The model of a request that names none, when several are served: SGLang's `/generate`
+    /// (whose clients seldom name one) goes to the only SGLang model, if there is exactly one.
+    ///
+    /// # Errors
+    /// [`ProxyError::ModelRequired`] listing the models served.
+    fn only_model_for(&self, route: Route) -> Result<Arc<ModelRoute>, ProxyError> {
+        let sglang = |m: &&Arc<ModelRoute>| m.lora().is_none() && m.spec().profile.engine() == Engine::Sglang;
+        let candidates: Vec<&Arc<ModelRoute>> =
+            self.models.names().filter_map(|n| self.models.get(Some(n))).filter(sglang).collect();
+        match candidates.as_slice() {
+            [only] if route == Route::Generate => Ok(Arc::clone(only)),
+            _ => Err(ProxyError::ModelRequired(self.models.names().map(str::to_owned).collect())),
+        }
     }
 
     /// The token ids the worker will compute for the request's prompt (`/tokenize`: the first

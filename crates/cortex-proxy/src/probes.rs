@@ -46,7 +46,8 @@ impl Probes {
         Probes { client, timeout }
     }
 
-    async fn call(
+    /// One call to `w` within the probe timeout: its status and (at most 8 MiB of) body.
+    pub(crate) async fn call(
         &self,
         w: &WorkerRecord,
         method: Method,

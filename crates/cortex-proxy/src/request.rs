@@ -145,14 +145,36 @@ fn max_token_id(v: &Value) -> Option<u32> {
 }
 
 fn chat_prompt(obj: &Map<String, Value>) -> Result<Prompt, ProxyError> {
-    let Some(Value::Array(messages)) = obj.get("messages") else {
-        return Err(ProxyError::InvalidRequest("`messages` must be an array".into()));
+    let messages = match obj.get("messages") {
+        None | Some(Value::Null) => {
+            return Err(ProxyError::InvalidRequest(
+                "`messages` is required: a list of at least one message".into(),
+            ));
+        }
+        Some(Value::Array(m)) if m.is_empty() => {
+            return Err(ProxyError::InvalidRequest("`messages` is empty: give at least one message".into()));
+        }
+        Some(Value::Array(m)) => m,
+        Some(_) => return Err(ProxyError::InvalidRequest("`messages` must be a list of messages".into())),
     };
     let mut normalized = Vec::with_capacity(messages.len());
-    for m in messages {
+    for (i, m) in messages.iter().enumerate() {
         let Value::Object(m) = m else {
-            return Err(ProxyError::InvalidRequest("each message must be an object".into()));
+            return Err(ProxyError::InvalidRequest(format!("`messages[{i}]` must be an object")));
         };
+        match m.get("role") {
+            Some(Value::String(r)) if !r.is_empty() => {}
+            None | Some(Value::Null) => {
+                return Err(ProxyError::InvalidRequest(format!(
+                    "`messages[{i}].role` is required (system, user, assistant or tool)"
+                )));
+            }
+            Some(_) => {
+                return Err(ProxyError::InvalidRequest(format!(
+                    "`messages[{i}].role` must be a non-empty string"
+                )));
+            }
+        }
         let mut m = m.clone();
         // OpenAI content parts: engines join the text parts with newlines for string templates.
         if let Some(Value::Array(parts)) = m.get("content") {
@@ -307,7 +329,7 @@ mod tests {
         assert_eq!(max(Route::Completions, r#"{"prompt":[[1],[99999999999]]}"#), Some(u32::MAX));
         assert_eq!(max(Route::Generate, r#"{"input_ids":[[4],[5,6]]}"#), Some(6));
         assert_eq!(max(Route::Completions, r#"{"prompt":"text"}"#), None);
-        assert_eq!(max(Route::ChatCompletions, r#"{"messages":[]}"#), None);
+        assert_eq!(max(Route::ChatCompletions, r#"{"messages":[{"role":"user","content":"x"}]}"#), None);
     }
 
     #[test]
@@ -315,10 +337,23 @@ mod tests {
         assert!(matches!(parse(Route::Completions, b"{not json"), Err(ProxyError::MalformedJson(_))));
         assert!(matches!(parse(Route::Completions, b"[1]"), Err(ProxyError::MalformedJson(_))));
         assert!(matches!(parse(Route::Completions, br#"{"model":"m"}"#), Err(ProxyError::InvalidRequest(_))));
-        assert!(matches!(
-            parse(Route::ChatCompletions, br#"{"messages":3}"#),
-            Err(ProxyError::InvalidRequest(_))
-        ));
+        // Each chat fault names the field.
+        for (body, field) in [
+            (r#"{"messages":3}"#, "`messages`"),
+            (r#"{"model":"m"}"#, "`messages` is required"),
+            (r#"{"messages":[]}"#, "`messages` is empty"),
+            (
+                r#"{"messages":[{"role":"user","content":"a"},{"content":"b"}]}"#,
+                "`messages[1].role` is required",
+            ),
+            (r#"{"messages":[{"role":7,"content":"b"}]}"#, "`messages[0].role`"),
+            (r#"{"messages":["hi"]}"#, "`messages[0]`"),
+        ] {
+            match parse(Route::ChatCompletions, body.as_bytes()) {
+                Err(ProxyError::InvalidRequest(m)) => assert!(m.contains(field), "{body}: {m}"),
+                other => panic!("{body}: {other:?}"),
+            }
+        }
         assert!(matches!(
             parse(Route::Completions, br#"{"prompt":"x","stream":"yes"}"#),
             Err(ProxyError::InvalidRequest(_))

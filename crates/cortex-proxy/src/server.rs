@@ -28,6 +28,9 @@
 //!   responses finish; idle ones close now), and at the deadline aborts the connections still
 //!   open, which drops their response bodies and, with them, their upstream requests.
 //! - `TCP_NODELAY` on every accepted socket.
+//! - With TLS ([`crate::tls`]), the handshake runs in the connection's own task under the same
+//!   `header_read_timeout` (a client that never finishes it holds a connection slot, never the
+//!   accept loop), with the certificate in service at that moment.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -43,7 +46,8 @@ use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore, watch};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -51,6 +55,7 @@ use tokio::time::Instant;
 use crate::config::{Limits, MIN_HEADER_BYTES};
 use crate::error::{Body, BodyError};
 use crate::gateway::Gateway;
+use crate::tls::Tls;
 
 /// Requests of one connection in flight, and a signal when that number changes.
 #[derive(Debug, Default)]
@@ -128,10 +133,12 @@ fn builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     b
 }
 
-/// Serves `handler` on `listener` under `limits` (connections, heads, timeouts) until
-/// `shutdown` resolves, then drains for up to `grace` and closes what is left.
+/// Serves `handler` on `listener` (over TLS when `tls` is given) under `limits` (connections,
+/// heads, timeouts) until `shutdown` resolves, then drains for up to `grace` and closes what is
+/// left.
 pub async fn serve_with<H, Fut, S>(
     listener: TcpListener,
+    tls: Option<Arc<Tls>>,
     handler: H,
     limits: &Limits,
     grace: Duration,
@@ -167,15 +174,21 @@ pub async fn serve_with<H, Fut, S>(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let conn = serve_connection(
-                    stream,
-                    handler.clone(),
-                    builder.clone(),
-                    header_read_timeout,
-                    closing_rx.clone(),
-                );
+                let (handler, builder, closing_rx) = (handler.clone(), builder.clone(), closing_rx.clone());
+                let acceptor = tls.as_ref().map(|t| t.acceptor());
                 connections.spawn(async move {
-                    conn.await;
+                    match acceptor {
+                        None => serve_connection(stream, handler, builder, header_read_timeout, closing_rx).await,
+                        Some(acceptor) => {
+                            match tokio::time::timeout(header_read_timeout, acceptor.accept(stream)).await {
+                                Ok(Ok(tls)) => {
+                                    serve_connection(tls, handler, builder, header_read_timeout, closing_rx).await;
+                                }
+                                Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                                Err(_) => tracing::debug!("TLS handshake not finished within header_read_timeout"),
+                            }
+                        }
+                    }
                     drop(slot);
                 });
             }
@@ -199,13 +212,14 @@ pub async fn serve_with<H, Fut, S>(
 }
 
 /// One connection, until it ends, idles past its deadline, or the server closes it.
-async fn serve_connection<H, Fut>(
-    stream: TcpStream,
+async fn serve_connection<IO, H, Fut>(
+    stream: IO,
     handler: H,
     builder: auto::Builder<TokioExecutor>,
     header_read_timeout: Duration,
     mut closing: watch::Receiver<bool>,
 ) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     H: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
 {
@@ -258,8 +272,14 @@ async fn serve_connection<H, Fut>(
     }
 }
 
-/// Serves the gateway's public API on `listener` until `shutdown` resolves.
-pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: impl Future<Output = ()>) {
+/// Serves the gateway's public API on `listener` (over TLS when `tls` is given) until `shutdown`
+/// resolves.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Option<Arc<Tls>>,
+    gateway: Arc<Gateway>,
+    shutdown: impl Future<Output = ()>,
+) {
     let limits = gateway.limits().clone();
     let grace = gateway.shutdown_grace();
     let gw = Arc::clone(&gateway);
@@ -268,5 +288,5 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, shutdown: impl 
         shutdown.await;
         gateway.begin_shutdown();
     };
-    serve_with(listener, handler, &limits, grace, stop).await;
+    serve_with(listener, tls, handler, &limits, grace, stop).await;
 }

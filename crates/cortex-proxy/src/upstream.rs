@@ -24,7 +24,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-use crate::error::{BodyError, ProxyError};
+use crate::error::{BodyError, ErrorFormat, ProxyError};
 
 /// The pooled HTTP client to workers (keep-alive, `TCP_NODELAY`).
 pub type UpstreamClient = Client<HttpConnector, Full<Bytes>>;
@@ -177,12 +177,7 @@ pub async fn send(
 /// `message` when it has one), on one line.
 fn worker_said(status: StatusCode, body: &[u8]) -> String {
     const MAX: usize = 300;
-    let json: Option<serde_json::Value> = serde_json::from_slice(body).ok();
-    let text = json
-        .as_ref()
-        .and_then(|v| v.pointer("/error/message").or_else(|| v.get("message")).or_else(|| v.get("detail")))
-        .and_then(serde_json::Value::as_str)
-        .map_or_else(|| String::from_utf8_lossy(body).into_owned(), str::to_owned);
+    let text = crate::error::worker_message(body).unwrap_or_default();
     let text: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
     if text.is_empty() {
         return format!("worker answered {status}");
@@ -206,9 +201,13 @@ pub fn classify(status: StatusCode, body: &[u8]) -> Option<FailureClass> {
         500..=599 => Some(FailureClass::ServerError),
         400 | 413 | 422
             if mentions(&[
+                // vLLM ≤ 0.10 and both engines' OpenAI routes: "maximum context length";
+                // SGLang: "longer than the model's context length"; newer vLLM: "longer than
+                // the maximum model length".
                 "context length",
                 "context_length",
                 "maximum context",
+                "maximum model length",
                 "too long",
                 "max_model_len",
             ]) =>
@@ -271,6 +270,8 @@ pub struct RelayBody {
     /// Whether a streaming answer's first chunk teaches the holder's prefill speed (not for a
     /// disaggregated pair's decode leg, whose first chunk is the prefill worker's work).
     learn: bool,
+    /// The format of a mid-stream error event (the route's).
+    format: ErrorFormat,
 }
 
 impl RelayBody {
@@ -300,6 +301,7 @@ impl RelayBody {
             _permit: None,
             _guard: None,
             learn: true,
+            format: ErrorFormat::OpenAi,
         }
     }
 
@@ -337,7 +339,15 @@ impl RelayBody {
             _permit: None,
             _guard: None,
             learn: true,
+            format: ErrorFormat::OpenAi,
         }
+    }
+
+    /// Ends a broken stream with an error event in `format` (the route's; OpenAI's by default).
+    #[must_use]
+    pub fn in_format(mut self, format: ErrorFormat) -> Self {
+        self.format = format;
+        self
     }
 
     /// Does not learn the holder's prefill speed from the first chunk.
@@ -393,7 +403,7 @@ impl RelayBody {
         if self.sse {
             let err = ProxyError::Upstream { class, attempts: 1, message };
             self.state = RelayState::Done;
-            Poll::Ready(Some(Ok(Frame::data(err.sse_event()))))
+            Poll::Ready(Some(Ok(Frame::data(err.sse_event(self.format)))))
         } else {
             // A JSON body cannot be ended well-formed: fail the body, so hyper aborts the
             // connection and the client sees a broken response, never a silently short one.
@@ -583,6 +593,13 @@ mod tests {
             c(400, r#"{"error":{"message":"This model's maximum context length is 4096 tokens"}}"#),
             Some(FailureClass::ContextLengthExceeded)
         );
+        // SGLang's OpenAI routes and its native one, and vLLM ≥ 0.11.
+        let sglang = r#"{"object":"error","message":"The input (5000 tokens) is longer than the model's context length (4096 tokens).","type":"BadRequestError","param":null,"code":400}"#;
+        assert_eq!(c(400, sglang), Some(FailureClass::ContextLengthExceeded));
+        let sglang_total = r#"{"error":{"message":"Requested token count exceeds the model's maximum context length of 4096 tokens. You requested a total of 5000 tokens"}}"#;
+        assert_eq!(c(400, sglang_total), Some(FailureClass::ContextLengthExceeded));
+        let vllm = r#"{"error":{"message":"The decoder prompt (length 5000) is longer than the maximum model length of 4096. Make sure that `max_model_len` is no smaller than the number of text tokens.","type":"BadRequestError","param":null,"code":400}}"#;
+        assert_eq!(c(400, vllm), Some(FailureClass::ContextLengthExceeded));
         assert_eq!(c(400, "missing field"), None);
         assert_eq!(c(404, "no such model"), None);
     }

@@ -431,6 +431,25 @@ async fn streams_are_relayed_untouched_and_a_broken_one_ends_with_an_error_event
     h.shutdown().await;
 }
 
+/// With the public API's own token on, Cortex's token is Cortex's: it is checked and removed,
+/// and the workers never see it (without `auth`, the header goes to the workers unchanged: see
+/// `the_header_set_forwarded_and_answered`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cortex_s_own_token_never_reaches_the_workers() {
+    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+    opts.proxy.auth = Some(cortex_proxy::Token::new("gateway-token"));
+    let h = start(opts).await;
+    let r = h.post("/v1/completions", &[("authorization", "Bearer wrong")], &completion("hello")).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert!(h.fakes[0].served().is_empty(), "nothing unauthenticated is forwarded");
+    let r =
+        h.post("/v1/completions", &[("authorization", "Bearer gateway-token")], &completion("hello")).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
+    let seen = &h.fakes[0].served()[0];
+    assert!(!seen.headers.contains_key("authorization"), "{:?}", seen.headers);
+    h.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_header_set_forwarded_and_answered() {
     let h = start(Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)])).await;
@@ -502,7 +521,7 @@ async fn a_connection_that_sends_nothing_is_closed_and_one_that_asks_is_served()
     let (stop, stopped) = oneshot::channel::<()>();
     let limits = Limits { header_read_timeout: Duration::from_millis(300), ..Limits::default() };
     let server = tokio::spawn(async move {
-        cortex_proxy::server::serve_with(listener, ok, &limits, Duration::from_secs(1), async {
+        cortex_proxy::server::serve_with(listener, None, ok, &limits, Duration::from_secs(1), async {
             let _ = stopped.await;
         })
         .await;
@@ -545,7 +564,7 @@ where
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(async move {
-        cortex_proxy::server::serve_with(listener, handler, &limits, grace, async {
+        cortex_proxy::server::serve_with(listener, None, handler, &limits, grace, async {
             let _ = stopped.await;
         })
         .await;

@@ -62,6 +62,9 @@ pub struct VllmOptions {
     pub none_hash_seed: NoneHashSeed,
     /// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` (default on): hashes as u64, else the digest bytes.
     pub int_block_hashes: bool,
+    /// `VLLM_SERVER_DEV_MODE=1`: the development routes, `/reset_prefix_cache` among them, are
+    /// served (vLLM serves them only in that mode; default off, as vLLM).
+    pub dev_mode: bool,
 }
 
 impl Default for VllmOptions {
@@ -71,6 +74,7 @@ impl Default for VllmOptions {
             hash_algo: HashAlgo::Sha256,
             none_hash_seed: NoneHashSeed::Default,
             int_block_hashes: true,
+            dev_mode: false,
         }
     }
 }

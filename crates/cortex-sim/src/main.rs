@@ -126,6 +126,9 @@ struct Args {
     /// frame ≥ 0.26; /kv_event_sources ≥ 0.31).
     #[arg(long, default_value = "0.33.0", value_parser = parse_version)]
     vllm_version: VllmVersion,
+    /// vLLM: VLLM_SERVER_DEV_MODE=1, which serves the development routes (`/reset_prefix_cache`).
+    #[arg(long)]
+    vllm_dev_mode: bool,
     /// vLLM --prefix-caching-hash-algo: sha256, sha256_cbor, xxhash, xxhash_cbor.
     #[arg(long, default_value = "sha256", value_parser = parse_algo)]
     hash_algo: VllmHashAlgo,
@@ -239,6 +242,7 @@ fn base_config(a: &Args) -> Result<SimConfig> {
                 .clone()
                 .map_or(NoneHashSeed::Default, NoneHashSeed::PythonHashSeed),
             int_block_hashes: !a.bytes_block_hashes,
+            dev_mode: a.vllm_dev_mode,
         }),
         EngineArg::Sglang => EngineConfig::Sglang(SglangOptions {
             encoding: match a.sglang_encoding {

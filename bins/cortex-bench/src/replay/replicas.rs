@@ -21,13 +21,21 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 
-/// The line a `gateway` command prints once it listens.
+/// The line a `gateway` command prints once it listens: the public address, then ` admin ` and
+/// the admin listener's (where `/debug/workers` is).
 pub const LISTENING: &str = "cortex-bench gateway listening on ";
+
+/// The environment variable that hands a replica its admin token.
+pub const ADMIN_TOKEN_ENV: &str = "CORTEX_BENCH_ADMIN_TOKEN";
 
 /// Running replicas.
 pub struct Replicas {
     /// Their public addresses, in order.
     pub addrs: Vec<SocketAddr>,
+    /// Their admin listeners, in the same order.
+    admins: Vec<SocketAddr>,
+    /// The admin token every replica was given.
+    token: String,
     children: Vec<Child>,
 }
 
@@ -48,12 +56,19 @@ impl Replicas {
         let file = dir.join("replica.cortex.yaml");
         std::fs::write(&file, yaml).with_context(|| format!("writing {}", file.display()))?;
         let exe = std::env::current_exe().context("this binary's path")?;
-        let mut r = Replicas { addrs: Vec::new(), children: Vec::new() };
+        // A fresh token per run (the standard library's randomly seeded hasher, twice).
+        let random = || {
+            use std::hash::{BuildHasher, Hasher};
+            std::collections::hash_map::RandomState::new().build_hasher().finish()
+        };
+        let token = format!("{:016x}{:016x}", random(), random());
+        let mut r = Replicas { addrs: Vec::new(), admins: Vec::new(), token, children: Vec::new() };
         for i in 0..n {
             let log = std::fs::File::create(dir.join(format!("replica-{i}.log")))?;
             let mut child = Command::new(&exe)
                 .args(["gateway", "--config"])
                 .arg(&file)
+                .env(ADMIN_TOKEN_ENV, &r.token)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(log)
@@ -65,7 +80,11 @@ impl Replicas {
                 BufReader::new(stdout).lines().map_while(Result::ok).find(|l| l.starts_with(LISTENING))
             })
             .await?;
-            let Some(addr) = line.and_then(|l| l[LISTENING.len()..].trim().parse().ok()) else {
+            let addrs = line.and_then(|l| {
+                let (public, admin) = l[LISTENING.len()..].trim().split_once(" admin ")?;
+                Some((public.parse().ok()?, admin.parse().ok()?))
+            });
+            let Some((addr, admin)) = addrs else {
                 r.stop().await;
                 bail!(
                     "replica {i} exited before it listened; see {}",
@@ -73,13 +92,14 @@ impl Replicas {
                 );
             };
             r.addrs.push(addr);
+            r.admins.push(admin);
         }
         let client: Client<HttpConnector, Full<Bytes>> =
             Client::builder(TokioExecutor::new()).build(HttpConnector::new());
         let deadline = Instant::now() + Duration::from_secs(60);
-        for (i, addr) in r.addrs.clone().into_iter().enumerate() {
+        for (i, admin) in r.admins.clone().into_iter().enumerate() {
             loop {
-                if ready(&client, addr, workers).await {
+                if ready(&client, admin, &r.token, workers).await {
                     break;
                 }
                 if Instant::now() > deadline {
@@ -101,10 +121,21 @@ impl Replicas {
     }
 }
 
-/// Whether the replica at `addr` sees `workers` workers healthy, confirmed, READY.
-async fn ready(client: &Client<HttpConnector, Full<Bytes>>, addr: SocketAddr, workers: usize) -> bool {
-    let Ok(uri) = format!("http://{addr}/debug/workers").parse::<http::Uri>() else { return false };
-    let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), client.get(uri)).await else {
+/// Whether the replica whose admin listener is `admin` sees `workers` workers healthy,
+/// confirmed, READY.
+async fn ready(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    admin: SocketAddr,
+    token: &str,
+    workers: usize,
+) -> bool {
+    let Ok(req) = http::Request::get(format!("http://{admin}/debug/workers"))
+        .header("authorization", format!("Bearer {token}"))
+        .body(Full::new(Bytes::new()))
+    else {
+        return false;
+    };
+    let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), client.request(req)).await else {
         return false;
     };
     let Ok(body) = resp.into_body().collect().await.map(|b| b.to_bytes()) else { return false };
@@ -118,18 +149,26 @@ async fn ready(client: &Client<HttpConnector, Full<Bytes>>, addr: SocketAddr, wo
         })
 }
 
-/// The `gateway` command: the gateway of `config`, until killed.
+/// The `gateway` command: the gateway of `config`, with an admin listener on a free loopback
+/// port behind the token in [`ADMIN_TOKEN_ENV`], until killed.
 ///
 /// # Errors
 /// The configuration does not validate or the gateway cannot start.
 #[allow(clippy::print_stdout)] // the address is the command's output
 pub fn serve(root: &Path, config: &Path) -> Result<std::process::ExitCode> {
     let yaml = std::fs::read_to_string(config).with_context(|| format!("reading {}", config.display()))?;
-    let settings = cortex_gateway::config::Config::parse(&yaml)?.into_settings(root)?;
+    let mut settings = cortex_gateway::config::Config::parse(&yaml)?.into_settings(root)?;
+    let token = std::env::var(ADMIN_TOKEN_ENV).with_context(|| format!("{ADMIN_TOKEN_ENV} is not set"))?;
+    settings.admin = Some(cortex_gateway::config::AdminSettings {
+        listen: "127.0.0.1:0".parse()?,
+        token: cortex_gateway::Token::new(&token),
+        tls: None,
+    });
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     rt.block_on(async move {
         let running = cortex_gateway::start(settings, None).await?;
-        println!("{LISTENING}{}", running.addr);
+        let admin = running.admin_addr.context("the admin listener")?;
+        println!("{LISTENING}{} admin {admin}", running.addr);
         std::future::pending::<()>().await;
         drop(running);
         Ok(std::process::ExitCode::SUCCESS)

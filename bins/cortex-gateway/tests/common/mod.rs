@@ -22,6 +22,22 @@ use serde_json::{Value, json};
 
 pub(crate) const WAIT: Duration = Duration::from_secs(20);
 pub(crate) const MODEL: &str = "m";
+/// The admin listener's token: every harness opens an admin listener, where `/debug/*` lives.
+pub(crate) const ADMIN_TOKEN: &str = "admin-s3cret";
+
+/// An admin listener on a free loopback port, behind [`ADMIN_TOKEN`].
+pub(crate) fn admin_settings() -> cortex_gateway::config::AdminSettings {
+    cortex_gateway::config::AdminSettings {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        token: cortex_proxy::Token::new(ADMIN_TOKEN),
+        tls: None,
+    }
+}
+
+/// `path` is served by the admin listener (the debug views).
+fn on_admin(path: &str) -> bool {
+    path.starts_with("/debug/")
+}
 
 /// The gateway's YAML sections every test starts from (fast probes, small alignment windows,
 /// short ingest timeouts); a test replaces one by naming it.
@@ -130,6 +146,7 @@ workers:{workers}",
         yaml.push_str(&format!("{key}: {value}\n"));
     }
     let mut settings = Config::parse(&yaml).unwrap().into_settings(&demo::repo_root()).unwrap();
+    settings.admin = Some(admin_settings());
     adjust(&mut settings);
     let gw = cortex_gateway::start(settings, prometheus).await.unwrap();
     let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
@@ -180,11 +197,17 @@ impl Harness {
         self.gw.addr
     }
 
+    /// The admin listener's address.
+    pub(crate) fn admin_addr(&self) -> SocketAddr {
+        self.gw.admin_addr.unwrap()
+    }
+
     /// Another gateway replica in front of the same workers, from the same configuration (its
     /// own listener, ledger, event subscriptions and bookings); waits until it sees every
     /// worker live.
     pub(crate) async fn replica(&self) -> Running {
-        let settings = Config::parse(&self.yaml).unwrap().into_settings(&demo::repo_root()).unwrap();
+        let mut settings = Config::parse(&self.yaml).unwrap().into_settings(&demo::repo_root()).unwrap();
+        settings.admin = Some(admin_settings());
         let gw = cortex_gateway::start(settings, None).await.unwrap();
         let deadline = tokio::time::Instant::now() + WAIT;
         while gw.gateway.control().live_workers() < self.sims.len() {
@@ -218,11 +241,14 @@ impl Harness {
 
     /// What a spawned task needs to send requests to the gateway.
     pub(crate) fn caller(&self) -> Caller {
-        Caller { addr: self.addr(), client: self.client.clone() }
+        Caller { addr: self.addr(), admin: self.admin_addr(), client: self.client.clone() }
     }
 
+    /// A request to the gateway: `/debug/*` to the admin listener (with its token), the rest to
+    /// the public one.
     pub(crate) async fn send(&self, method: &str, path: &str, body: Bytes) -> Reply {
-        self.send_to(method, &format!("http://{}{path}", self.addr()), body).await
+        let host = if on_admin(path) { self.admin_addr() } else { self.addr() };
+        self.send_to(method, &format!("http://{host}{path}"), body).await
     }
 
     pub(crate) async fn post(&self, path: &str, v: &Value) -> Reply {
@@ -320,6 +346,7 @@ impl Harness {
 #[derive(Clone)]
 pub(crate) struct Caller {
     addr: SocketAddr,
+    admin: SocketAddr,
     client: Client<HttpConnector, Full<Bytes>>,
 }
 
@@ -329,13 +356,13 @@ impl Caller {
         &self.client
     }
 
+    /// A request to `url`; one to a `/debug/*` path carries the admin token.
     pub(crate) async fn send_to(&self, method: &str, url: &str, body: Bytes) -> Reply {
-        let req = Request::builder()
-            .method(method)
-            .uri(url)
-            .header("content-type", "application/json")
-            .body(Full::new(body))
-            .unwrap();
+        let mut req = Request::builder().method(method).uri(url).header("content-type", "application/json");
+        if url.parse::<http::Uri>().is_ok_and(|u| on_admin(u.path())) {
+            req = req.header("authorization", format!("Bearer {ADMIN_TOKEN}"));
+        }
+        let req = req.body(Full::new(body)).unwrap();
         let resp = self.client.request(req).await.unwrap();
         let (parts, body) = resp.into_parts();
         let body = body.collect().await.map(|b| b.to_bytes()).unwrap_or_default();
@@ -347,7 +374,8 @@ impl Caller {
     }
 
     pub(crate) async fn post(&self, path: &str, v: &Value) -> Reply {
-        self.send_to("POST", &format!("http://{}{path}", self.addr), Bytes::from(v.to_string())).await
+        let host = if on_admin(path) { self.admin } else { self.addr };
+        self.send_to("POST", &format!("http://{host}{path}"), Bytes::from(v.to_string())).await
     }
 }
 

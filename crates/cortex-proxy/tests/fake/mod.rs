@@ -565,12 +565,19 @@ impl Options {
 /// A gateway in front of fakes `w0`, `w1`, …
 pub(crate) struct Harness {
     pub(crate) addr: SocketAddr,
+    /// The admin listener (the admin API and `/debug/*`, behind [`ADMIN_TOKEN`]).
+    pub(crate) admin: SocketAddr,
     pub(crate) gateway: Arc<Gateway>,
     pub(crate) fakes: Vec<Fake>,
     pub(crate) client: Client<HttpConnector, Full<Bytes>>,
     stop: Option<oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<()>>,
+    admin_stop: Option<oneshot::Sender<()>>,
+    admin_server: Option<tokio::task::JoinHandle<()>>,
 }
+
+/// The admin listener's token.
+pub(crate) const ADMIN_TOKEN: &str = "fake-admin-token";
 
 pub(crate) struct Reply {
     pub(crate) status: StatusCode,
@@ -621,9 +628,28 @@ pub(crate) async fn start(opts: Options) -> Harness {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
-    let server = tokio::spawn(cortex_proxy::server::serve(listener, Arc::clone(&gateway), async {
+    let server = tokio::spawn(cortex_proxy::server::serve(listener, None, Arc::clone(&gateway), async {
         let _ = stopped.await;
     }));
+    let admin_listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = admin_listener.local_addr().unwrap();
+    let (admin_stop, admin_stopped) = oneshot::channel::<()>();
+    let admin_api = cortex_proxy::Admin::new(Arc::clone(&gateway), cortex_proxy::Token::new(ADMIN_TOKEN));
+    let limits = gateway.limits().clone();
+    let admin_server = tokio::spawn(async move {
+        let handler = move |req| admin_api.clone().serve(req);
+        cortex_proxy::server::serve_with(
+            admin_listener,
+            None,
+            handler,
+            &limits,
+            Duration::from_secs(1),
+            async {
+                let _ = admin_stopped.await;
+            },
+        )
+        .await;
+    });
     let mut fakes = Vec::new();
     for (i, cfg) in opts.workers.into_iter().enumerate() {
         let configured = cfg.configured_max_running;
@@ -646,7 +672,17 @@ pub(crate) async fn start(opts: Options) -> Harness {
         fakes.push(fake);
     }
     let client = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let h = Harness { addr, gateway, fakes, client, stop: Some(stop), server: Some(server) };
+    let h = Harness {
+        addr,
+        admin,
+        gateway,
+        fakes,
+        client,
+        stop: Some(stop),
+        server: Some(server),
+        admin_stop: Some(admin_stop),
+        admin_server: Some(admin_server),
+    };
     h.wait("every worker live", || h.gateway.control().live_workers() == h.fakes.len()).await;
     h.wait("every followed holder READY in the scheduler", || {
         let c = h.gateway.control();
@@ -684,7 +720,13 @@ impl Harness {
         headers: &[(&str, &str)],
         body: Bytes,
     ) -> Request<Full<Bytes>> {
-        let mut b = Request::builder().method(method).uri(format!("http://{}{path}", self.addr));
+        // The debug views are on the admin listener, behind its token.
+        let debug = path.starts_with("/debug/");
+        let host = if debug { self.admin } else { self.addr };
+        let mut b = Request::builder().method(method).uri(format!("http://{host}{path}"));
+        if debug {
+            b = b.header("authorization", format!("Bearer {ADMIN_TOKEN}"));
+        }
         for (k, v) in headers {
             b = b.header(*k, *v);
         }
@@ -751,6 +793,12 @@ impl Harness {
             let _ = s.send(());
         }
         if let Some(t) = self.server.take() {
+            let _ = t.await;
+        }
+        if let Some(s) = self.admin_stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.admin_server.take() {
             let _ = t.await;
         }
     }

@@ -63,7 +63,8 @@ pub(super) async fn vllm(shared: Arc<Shared>, req: Request<Incoming>, path: &str
         (Method::GET, "/version") => {
             json_resp(StatusCode::OK, &json!({"version": info::engine_version(&shared)}))
         }
-        (Method::POST, "/reset_prefix_cache") => flush(&shared, Flavor::Vllm),
+        // Only in vLLM's dev mode (VLLM_SERVER_DEV_MODE=1); otherwise a 404 like any unknown path.
+        (Method::POST, "/reset_prefix_cache") if vllm_dev_mode(&shared) => flush(&shared, Flavor::Vllm),
         _ => json_resp(StatusCode::NOT_FOUND, &json!({"detail": "Not Found"})),
     })
 }
@@ -93,6 +94,10 @@ pub(super) async fn sglang(shared: Arc<Shared>, req: Request<Incoming>, path: &s
         (Method::POST, "/tokenize") => info::tokenize(&shared, req).await,
         _ => json_resp(StatusCode::NOT_FOUND, &json!({"detail": "Not Found"})),
     })
+}
+
+fn vllm_dev_mode(shared: &Shared) -> bool {
+    matches!(&shared.cfg.engine, crate::config::EngineConfig::Vllm(o) if o.dev_mode)
 }
 
 fn health(shared: &Shared) -> Resp {
@@ -471,18 +476,24 @@ async fn prepare(
             return Err(bad(flavor, kind, "The prompt cannot be empty").into());
         }
         if p.len().saturating_add(max_tokens) > shared.cfg.max_model_len {
-            return Err(bad(
-                flavor,
-                kind,
-                &format!(
+            // Each engine's own wording (vLLM's serving layer; SGLang's tokenizer manager).
+            let message = match flavor {
+                Flavor::Vllm => format!(
                     "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the messages, {} in the completion).",
                     shared.cfg.max_model_len,
                     p.len() + max_tokens,
                     p.len(),
                     max_tokens
                 ),
-            )
-            .into());
+                Flavor::Sglang => format!(
+                    "Requested token count exceeds the model's maximum context length of {} tokens. You requested a total of {} tokens: {} tokens from the input messages and {} tokens for the completion. Please reduce the number of tokens in the input messages or the completion to fit within the limit.",
+                    shared.cfg.max_model_len,
+                    p.len() + max_tokens,
+                    p.len(),
+                    max_tokens
+                ),
+            };
+            return Err(bad(flavor, kind, &message).into());
         }
     }
     let header = |k: &str| parts.headers.get(k).and_then(|h| h.to_str().ok()).map(str::to_owned);

@@ -157,3 +157,20 @@ fn dropped_batches_leave_a_gap_that_replay_fills() {
     assert_eq!(state["ranks"][0]["subscribed"], true);
     w.shutdown();
 }
+
+#[test]
+fn vllm_serves_reset_prefix_cache_only_in_dev_mode() {
+    let w = SimWorker::start(SimConfig::vllm()).expect("worker");
+    assert_eq!(post(w.http_addr(), "/reset_prefix_cache", &json!({})).status, 404, "not in dev mode");
+    w.shutdown();
+    let mut cfg = SimConfig::vllm();
+    if let cortex_sim::EngineConfig::Vllm(o) = &mut cfg.engine {
+        o.dev_mode = true;
+    }
+    let w = SimWorker::start(cfg).expect("worker");
+    assert_eq!(post(w.http_addr(), "/v1/completions", &prompt(1)).status, 200);
+    let r = post(w.http_addr(), "/reset_prefix_cache", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(w.held_blocks(0).expect("rank").is_empty());
+    w.shutdown();
+}

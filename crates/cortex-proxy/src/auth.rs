@@ -1,0 +1,91 @@
+//! Bearer tokens: the admin API's, and the public API's optional one.
+//!
+//! Key decision: one comparison for both listeners, in constant time for a given secret — every
+//! byte of the secret is compared whatever was given, with no early return on a length mismatch
+//! or at the first differing byte — so timing tells an attacker nothing about the token but its
+//! length bound.
+
+use std::sync::Arc;
+
+use http::HeaderMap;
+
+/// A bearer token a listener requires (`Authorization: Bearer <token>`). Its `Debug` never
+/// shows the secret.
+#[derive(Clone)]
+pub struct Token(Arc<str>);
+
+impl Token {
+    /// The token `secret`.
+    #[must_use]
+    pub fn new(secret: &str) -> Self {
+        Token(secret.into())
+    }
+
+    /// Whether `headers` carry this token as `Authorization: Bearer <token>`.
+    #[must_use]
+    pub fn admits(&self, headers: &HeaderMap) -> bool {
+        let given = headers
+            .get(http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or_default();
+        constant_time_eq(given.as_bytes(), self.0.as_bytes())
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(<redacted>)")
+    }
+}
+
+impl PartialEq for Token {
+    fn eq(&self, other: &Self) -> bool {
+        constant_time_eq(self.0.as_bytes(), other.0.as_bytes())
+    }
+}
+
+/// Whether `given` is `secret`, in a time that depends on the secret's length only: every byte
+/// of the secret is compared, whatever was given and wherever it differs (a shorter or longer
+/// token included), with no early return.
+#[must_use]
+pub fn constant_time_eq(given: &[u8], secret: &[u8]) -> bool {
+    let mut diff = given.len() ^ secret.len();
+    for (i, s) in secret.iter().enumerate() {
+        diff |= usize::from(given.get(i).copied().unwrap_or(0) ^ s);
+    }
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_compare() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+        assert!(!constant_time_eq(b"ab", b"abc"));
+        assert!(!constant_time_eq(b"abc\0", b"abc"));
+        assert!(!constant_time_eq(b"abcd", b"abc"));
+        assert!(!constant_time_eq(b"", b"abc"));
+        assert!(constant_time_eq(b"", b""));
+    }
+
+    #[test]
+    fn only_the_exact_bearer_token_is_admitted() {
+        let t = Token::new("s3cret");
+        let with = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(http::header::AUTHORIZATION, v.parse().unwrap());
+            h
+        };
+        assert!(t.admits(&with("Bearer s3cret")));
+        for bad in ["Bearer s3cre", "Bearer s3cret!", "Bearer S3cret", "s3cret", "Basic s3cret", "Bearer "] {
+            assert!(!t.admits(&with(bad)), "{bad}");
+        }
+        assert!(!t.admits(&HeaderMap::new()));
+        assert_eq!(format!("{t:?}"), "Token(<redacted>)");
+    }
+}
