@@ -32,9 +32,11 @@
 //!   candidate's estimated time to first token — its learned fixed overhead, then the prefill
 //!   work queued ahead (the engine's report plus this gateway's bookings since) and the request's
 //!   own uncached tokens, at the holder's prefill speed learned online ([`learn`]) — so cache and
-//!   load are weighed in one unit. A high watermark gives up affinity when the best holder is
-//!   saturated; a load bound (consistent hashing with bounded loads) caps every holder at
-//!   ⌈(1+ε)·mean⌉ of this gateway's requests in flight. `cache_aware_v1` keeps the first wave's
+//!   load are weighed in one unit, with the prefill a request adds to a holder counted again
+//!   (`recompute_weight`) and prefixes in flight credited where they are being prefilled
+//!   ([`pending`]). A high watermark gives up affinity when the best holder is saturated; a load
+//!   bound (consistent hashing with bounded loads) caps every holder at ⌈(1+ε)·mean⌉ of this
+//!   gateway's requests in flight. `cache_aware_v1` keeps the first wave's
 //!   [`WeightedScorer`], `α·matched_tokens − β·active_requests − γ·expected_queue_latency` in
 //!   prompt tokens, whose queue latency is a per-rank *virtual prefill clock* at the configured
 //!   rate.
