@@ -6,6 +6,7 @@
 
 mod common;
 mod kubernetes;
+mod observability;
 mod pd;
 
 use std::collections::HashMap;

@@ -166,6 +166,10 @@ pub struct ProxyConfig {
     pub shutdown_delay: Duration,
     /// Prefill/decode disaggregation: retries, fallbacks, replay, bootstrap port.
     pub pd: cortex_pd::PdConfig,
+    /// The access log's format.
+    pub access_log: crate::observe::AccessLog,
+    /// Span export (off when `None`).
+    pub tracing: Option<crate::trace::TracingConfig>,
 }
 
 impl Default for ProxyConfig {
@@ -181,6 +185,8 @@ impl Default for ProxyConfig {
             shutdown_grace: Duration::from_secs(30),
             shutdown_delay: Duration::ZERO,
             pd: cortex_pd::PdConfig::default(),
+            access_log: crate::observe::AccessLog::Text,
+            tracing: None,
         }
     }
 }

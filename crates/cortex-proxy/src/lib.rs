@@ -29,6 +29,7 @@ pub mod error;
 pub mod forwarder;
 pub mod gateway;
 pub mod models;
+pub mod observe;
 pub mod pd;
 pub mod planner;
 pub mod probes;
@@ -37,6 +38,7 @@ pub mod request;
 mod scrape;
 pub mod server;
 pub mod telemetry;
+pub mod trace;
 pub mod upstream;
 
 pub use admin::Admin;

@@ -116,6 +116,17 @@ pub enum Answer {
     },
 }
 
+impl Answer {
+    /// The worker's status.
+    #[must_use]
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Answer::Stream(r) => r.status(),
+            Answer::Reject { status, .. } => *status,
+        }
+    }
+}
+
 /// Sends one attempt and waits for the response head (and, for an error, its small body).
 ///
 /// # Errors
@@ -132,7 +143,10 @@ pub async fn send(
     *req.method_mut() = http::Method::POST;
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
-    let resp = match tokio::time::timeout(head_timeout, client.request(req)).await {
+    let sent = std::time::Instant::now();
+    let resp = tokio::time::timeout(head_timeout, client.request(req)).await;
+    metrics::histogram!(crate::telemetry::UPSTREAM_HEAD_SECONDS).record(sent.elapsed().as_secs_f64());
+    let resp = match resp {
         Err(_) => {
             return Err(Failure {
                 class: FailureClass::Timeout,
@@ -271,6 +285,8 @@ pub struct RelayBody {
     /// Whether a streaming answer's first chunk teaches the holder's prefill speed (not for a
     /// disaggregated pair's decode leg, whose first chunk is the prefill worker's work).
     learn: bool,
+    /// Where the request's observer learns how the relay ended.
+    tap: Option<crate::observe::Tap>,
 }
 
 impl RelayBody {
@@ -300,6 +316,7 @@ impl RelayBody {
             _permit: None,
             _guard: None,
             learn: true,
+            tap: None,
         }
     }
 
@@ -337,6 +354,7 @@ impl RelayBody {
             _permit: None,
             _guard: None,
             learn: true,
+            tap: None,
         }
     }
 
@@ -351,6 +369,13 @@ impl RelayBody {
     #[must_use]
     pub fn guarding(mut self, guard: Box<dyn std::any::Any + Send>) -> Self {
         self._guard = Some(guard);
+        self
+    }
+
+    /// Reports how the relay ended to `tap` (the request's observer).
+    #[must_use]
+    pub fn tapped(mut self, tap: Option<crate::observe::Tap>) -> Self {
+        self.tap = tap;
         self
     }
 
@@ -390,6 +415,9 @@ impl RelayBody {
             b.fail(class, self.clock.now());
         }
         self.on_complete = None;
+        if let Some(tap) = self.tap.take() {
+            tap.failed();
+        }
         if self.sse {
             let err = ProxyError::Upstream { class, attempts: 1, message };
             self.state = RelayState::Done;
@@ -406,9 +434,15 @@ impl RelayBody {
         if let Some(b) = self.booking.take() {
             b.succeed(self.clock.now());
         }
-        if let Some(f) = self.on_complete.take() {
+        if self.on_complete.is_some() || self.tap.is_some() {
             let usage = if self.tail_overflowed { None } else { find_usage(&self.tail, self.sse) };
-            f(usage.unwrap_or(Completion { cached_tokens: None, prompt_tokens: None }));
+            let usage = usage.unwrap_or(Completion { cached_tokens: None, prompt_tokens: None });
+            if let Some(tap) = self.tap.take() {
+                tap.completed(usage);
+            }
+            if let Some(f) = self.on_complete.take() {
+                f(usage);
+            }
         }
     }
 }

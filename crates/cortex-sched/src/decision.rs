@@ -45,8 +45,12 @@ pub enum MatchMode {
 
 impl MatchMode {
     /// Every mode, best first (so that metrics can register each label value at zero).
-    pub const ALL: [MatchMode; 4] =
-        [MatchMode::ExactKvEvents, MatchMode::LoadAware, MatchMode::FallbackP2c, MatchMode::FallbackRoundRobin];
+    pub const ALL: [MatchMode; 4] = [
+        MatchMode::ExactKvEvents,
+        MatchMode::LoadAware,
+        MatchMode::FallbackP2c,
+        MatchMode::FallbackRoundRobin,
+    ];
 
     /// The header spelling.
     #[must_use]
@@ -461,9 +465,10 @@ mod tests {
     fn all_lists_every_variant_once() {
         // The matches are exhaustive: a new variant fails to compile here until it is listed.
         let mode = |m: MatchMode| match m {
-            MatchMode::ExactKvEvents | MatchMode::LoadAware | MatchMode::FallbackP2c | MatchMode::FallbackRoundRobin => {
-                m.as_str()
-            }
+            MatchMode::ExactKvEvents
+            | MatchMode::LoadAware
+            | MatchMode::FallbackP2c
+            | MatchMode::FallbackRoundRobin => m.as_str(),
         };
         let names: std::collections::BTreeSet<_> = MatchMode::ALL.iter().map(|&m| mode(m)).collect();
         assert_eq!(names.len(), MatchMode::ALL.len());
