@@ -85,6 +85,8 @@ enum Cmd {
     PdCheck(xtask::pd_check::Args),
     /// The deployment files: kustomizations rendered, objects validated offline, the Dockerfile.
     DeployCheck(xtask::deploy_check::Args),
+    /// The Grafana dashboard and the alert rules against a real Prometheus scraping the demo.
+    ObsCheck(xtask::obs_check::Args),
     /// Long differential and fuzz runs (the tokenizer's by default), `--minutes` per target.
     Fuzz(xtask::fuzz::Args),
 }
@@ -109,6 +111,7 @@ fn main() -> Result<ExitCode> {
         Cmd::Replay { args } => xtask::bench_driver(&root, "replay", &args),
         Cmd::PdCheck(args) => xtask::pd_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::DeployCheck(args) => xtask::deploy_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
+        Cmd::ObsCheck(args) => xtask::obs_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::Fuzz(args) => xtask::fuzz::run(&root, &args),
         Cmd::Tidy => {
             let violations = tidy::run(&root)?;
