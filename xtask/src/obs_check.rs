@@ -465,6 +465,55 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::{grouping_labels, selectors};
+    use serde_json::Value;
+
+    /// docs/observability.md lists every metric (the constants of telemetry.rs and of the
+    /// binary's discovery), every panel of the dashboard and every alert.
+    #[test]
+    fn the_doc_lists_every_metric_panel_and_alert() {
+        let root = crate::workspace_root();
+        let read = |p: &str| std::fs::read_to_string(root.join(p)).unwrap_or_default();
+        let doc = read("docs/observability.md");
+        let mut missing = Vec::new();
+        let mut names = 0;
+        for file in ["crates/cortex-proxy/src/telemetry.rs", "bins/cortex-gateway/src/discovery/mod.rs"] {
+            for line in read(file).lines().filter(|l| l.contains(": &str = \"cortex_")) {
+                let name = line.split('"').nth(1).unwrap_or_default();
+                names += 1;
+                if !doc.contains(&format!("| `{name}` |")) {
+                    missing.push(format!("metric {name}"));
+                }
+            }
+        }
+        assert!(names > 40, "only {names} metric names found");
+        let dash: Value = serde_json::from_str(&read("deploy/grafana/cortex.json")).unwrap_or_default();
+        let panels: Vec<&Value> = dash["panels"].as_array().into_iter().flatten().collect();
+        assert!(panels.len() > 20);
+        for p in panels {
+            let title = p["title"].as_str().unwrap_or_default();
+            // A row is a heading of the panels' table, a panel a line of it.
+            let listed = if p["type"] == "row" { format!("**{title}**") } else { format!("| {title} |") };
+            if !doc.contains(&listed) {
+                missing.push(format!("panel {title}"));
+            }
+        }
+        let rules: Value =
+            serde_yaml_ng::from_str(&read("deploy/prometheus/cortex-rules.yaml")).unwrap_or_default();
+        let alerts: Vec<&str> = rules["groups"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["rules"].as_array().into_iter().flatten())
+            .filter_map(|r| r["alert"].as_str())
+            .collect();
+        assert_eq!(alerts.len(), 9);
+        for alert in alerts {
+            if !doc.contains(&format!("`{alert}`")) {
+                missing.push(format!("alert {alert}"));
+            }
+        }
+        assert!(missing.is_empty(), "docs/observability.md does not list: {missing:?}");
+    }
 
     #[test]
     fn selectors_and_labels_are_found() {

@@ -1269,6 +1269,40 @@ mod tests {
     }
 
     #[test]
+    fn access_log_and_tracing_are_validated_by_key() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let settings = |extra: &str| Config::parse(&minimal(extra)).and_then(|c| c.into_settings(&base));
+        let s = settings("").unwrap();
+        assert_eq!((s.proxy.access_log, s.proxy.tracing.is_none()), (AccessLog::Text, true));
+        assert_eq!(settings("access_log: {format: json}\n").unwrap().proxy.access_log, AccessLog::Json);
+        assert_eq!(settings("access_log: {format: off}\n").unwrap().proxy.access_log, AccessLog::Off);
+        let t = settings("tracing: {endpoint: 'http://127.0.0.1:4318', sample_ratio: 0.25}\n")
+            .unwrap()
+            .proxy
+            .tracing;
+        let t = t.unwrap();
+        assert_eq!(
+            (t.endpoint.to_string().as_str(), t.service_name.as_str(), t.sample_ratio),
+            ("http://127.0.0.1:4318/", "cortex-gateway", 0.25)
+        );
+        for (extra, says) in [
+            ("access_log: {format: xml}\n", "access_log.format"),
+            ("access_log: {fromat: json}\n", "fromat"),
+            ("tracing: {endpoint: 'https://collector:4318'}\n", "tracing.endpoint"),
+            ("tracing: {endpoint: 'https://collector:4318'}\n", "no TLS"),
+            ("tracing: {endpoint: 'collector:4318'}\n", "tracing.endpoint"),
+            ("tracing: {endpoint: 'http://collector:4318?x=1'}\n", "tracing.endpoint"),
+            ("tracing: {endpoint: 'http://c:4318', sample_ratio: 1.5}\n", "tracing.sample_ratio"),
+            ("tracing: {endpoint: 'http://c:4318', service_name: ''}\n", "tracing.service_name"),
+            ("tracing: {endpoint: 'http://c:4318', headers: {}}\n", "headers"),
+            ("tracing: {sample_ratio: 1.0}\n", "endpoint"),
+        ] {
+            let err = format!("{:#}", settings(extra).err().unwrap());
+            assert!(err.contains(says), "{extra}: {err}");
+        }
+    }
+
+    #[test]
     fn pd_roles_pool_policies_and_the_pd_section() {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let yaml = minimal;
