@@ -353,6 +353,7 @@ impl Gateway {
         let body = read_body(body, &self.limits).await?;
         let permit = self.admission.acquire().await?;
         let ask = Ask::new(request::parse(route, &body)?, &parts.headers)?;
+        watch.asked(ask.facts.model.as_deref());
         let out = Outgoing { route, facts: &ask.facts, headers: &parts.headers, body, rid, watch };
         if self.planner.disaggregated(&ask)? {
             let plan = self.planner.plan_pd(&ask).await?;

@@ -252,6 +252,13 @@ impl Watch {
         self.shared.as_ref()
     }
 
+    /// The model the request names (before any decision, which may fail).
+    pub(crate) fn asked(&self, model: Option<&str>) {
+        if let (Some(s), Some(m)) = (self.shared(), model) {
+            s.state().model = Some(m.to_owned());
+        }
+    }
+
     /// The planner's decision: the model, the ranking's mode and fallback reason, and the
     /// prompt's length.
     pub(crate) fn planned(
