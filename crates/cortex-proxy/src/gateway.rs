@@ -270,6 +270,12 @@ impl Gateway {
         self.control.shutdown();
     }
 
+    /// Sends the trace spans still queued (the last step of a graceful shutdown), waiting at
+    /// most 5 s for the collector.
+    pub async fn flush_traces(&self) {
+        self.observer.flush(Duration::from_secs(5)).await;
+    }
+
     /// True once [`Gateway::begin_shutdown`] ran.
     #[must_use]
     pub fn is_shutting_down(&self) -> bool {

@@ -68,6 +68,13 @@ impl Observer {
         Observer { access, tracer: tracing.and_then(|c| Tracer::start(c, client)) }
     }
 
+    /// Sends the spans queued so far, waiting at most `within` (at shutdown).
+    pub async fn flush(&self, within: Duration) {
+        if let Some(tr) = &self.tracer {
+            tr.flush(within).await;
+        }
+    }
+
     /// Starts following a generation request of `route` with id `rid` and the client's
     /// `headers`.
     pub(crate) fn watch(self: &Arc<Self>, route: Route, rid: &str, headers: &HeaderMap) -> Watch {

@@ -142,11 +142,20 @@ pub struct SpanRecord {
     pub error: bool,
 }
 
+/// What the exporter task is sent.
+#[derive(Debug)]
+enum Msg {
+    /// A finished span.
+    Span(SpanRecord),
+    /// Send what is queued now, then answer.
+    Flush(tokio::sync::oneshot::Sender<()>),
+}
+
 /// The exporter's front: decides sampling and queues finished spans.
 #[derive(Debug)]
 pub struct Tracer {
     ratio: f64,
-    tx: mpsc::Sender<SpanRecord>,
+    tx: mpsc::Sender<Msg>,
 }
 
 impl Tracer {
@@ -181,8 +190,17 @@ impl Tracer {
 
     /// Queues a finished span (dropped when the queue is full).
     pub fn export(&self, span: SpanRecord) {
-        if self.tx.try_send(span).is_err() {
+        if self.tx.try_send(Msg::Span(span)).is_err() {
             tracing::debug!("span queue full: span dropped");
+        }
+    }
+
+    /// Sends every span queued so far, waiting at most `within` (at shutdown).
+    pub async fn flush(&self, within: Duration) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let asked = tokio::time::timeout(within, self.tx.send(Msg::Flush(tx))).await;
+        if matches!(asked, Ok(Ok(()))) {
+            let _ = tokio::time::timeout(within, rx).await;
         }
     }
 }
@@ -196,32 +214,45 @@ pub fn sampled_by_ratio(trace_id: [u8; 16], ratio: f64) -> bool {
     ratio >= 1.0 || (u64::from_be_bytes(low) as f64) < ratio * u64::MAX as f64
 }
 
-async fn export(mut rx: mpsc::Receiver<SpanRecord>, client: UpstreamClient, uri: Uri, service: String) {
+async fn export(mut rx: mpsc::Receiver<Msg>, client: UpstreamClient, uri: Uri, service: String) {
     let mut batch = Vec::with_capacity(BATCH);
+    let mut flushed = Vec::new();
     loop {
-        let first = rx.recv().await;
-        let Some(first) = first else { return };
-        batch.push(first);
+        let Some(first) = rx.recv().await else { return };
+        match first {
+            Msg::Span(s) => batch.push(s),
+            Msg::Flush(done) => flushed.push(done),
+        }
         let deadline = tokio::time::Instant::now() + FLUSH_EVERY;
-        while batch.len() < BATCH {
+        while batch.len() < BATCH && flushed.is_empty() {
             match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(s)) => batch.push(s),
+                Ok(Some(Msg::Span(s))) => batch.push(s),
+                Ok(Some(Msg::Flush(done))) => flushed.push(done),
                 Ok(None) | Err(_) => break,
             }
         }
-        let body = otlp_json(&service, &batch).to_string();
-        batch.clear();
-        let mut req = Request::new(Full::new(Bytes::from(body)));
-        *req.method_mut() = http::Method::POST;
-        *req.uri_mut() = uri.clone();
-        req.headers_mut()
-            .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
-        match tokio::time::timeout(Duration::from_secs(10), client.request(req)).await {
-            Ok(Ok(r)) if r.status().is_success() => {}
-            Ok(Ok(r)) => tracing::warn!(status = %r.status(), "the trace collector refused spans"),
-            Ok(Err(e)) => tracing::warn!(error = %e, "spans not exported"),
-            Err(_) => tracing::warn!("spans not exported: the collector did not answer within 10s"),
+        if !batch.is_empty() {
+            post(&client, &uri, &service, &batch).await;
+            batch.clear();
         }
+        for done in flushed.drain(..) {
+            let _ = done.send(());
+        }
+    }
+}
+
+/// POSTs one batch; a failure is logged, never retried.
+async fn post(client: &UpstreamClient, uri: &Uri, service: &str, batch: &[SpanRecord]) {
+    let body = otlp_json(service, batch).to_string();
+    let mut req = Request::new(Full::new(Bytes::from(body)));
+    *req.method_mut() = http::Method::POST;
+    *req.uri_mut() = uri.clone();
+    req.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    match tokio::time::timeout(Duration::from_secs(10), client.request(req)).await {
+        Ok(Ok(r)) if r.status().is_success() => {}
+        Ok(Ok(r)) => tracing::warn!(status = %r.status(), "the trace collector refused spans"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "spans not exported"),
+        Err(_) => tracing::warn!("spans not exported: the collector did not answer within 10s"),
     }
 }
 
@@ -303,6 +334,74 @@ mod tests {
         assert!(!sampled_by_ratio(low, 0.0));
         assert!(sampled_by_ratio([0xff; 16], 1.0));
         assert!(!sampled_by_ratio([0xff; 16], 0.99));
+    }
+
+    /// A collector on loopback that answers 200 to every request and counts the spans POSTed.
+    async fn collector() -> (std::net::SocketAddr, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
+        let addr = listener.local_addr().unwrap_or_else(|e| panic!("{e}"));
+        let spans = std::sync::Arc::new(AtomicUsize::new(0));
+        let counted = std::sync::Arc::clone(&spans);
+        tokio::spawn(async move {
+            let Ok((mut s, _)) = listener.accept().await else { return };
+            let mut buf = Vec::new();
+            loop {
+                let mut chunk = [0u8; 4096];
+                let Ok(n) = s.read(&mut chunk).await else { return };
+                if n == 0 {
+                    return;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else { continue };
+                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                if buf.len() < end + 4 + len {
+                    continue;
+                }
+                let body: Value = serde_json::from_slice(&buf[end + 4..end + 4 + len]).unwrap_or_default();
+                let n = body["resourceSpans"][0]["scopeSpans"][0]["spans"].as_array().map_or(0, Vec::len);
+                counted.fetch_add(n, Ordering::SeqCst);
+                buf.drain(..end + 4 + len);
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n").await;
+            }
+        });
+        (addr, spans)
+    }
+
+    /// `flush` sends what is queued at once, without waiting for the batch's timer.
+    #[tokio::test]
+    async fn flush_sends_the_queued_spans_now() {
+        let (addr, got) = collector().await;
+        let cfg = TracingConfig {
+            endpoint: format!("http://{addr}").parse().unwrap_or_else(|e| panic!("{e}")),
+            service_name: "t".into(),
+            sample_ratio: 1.0,
+        };
+        let tracer = Tracer::start(&cfg, crate::upstream::client(Duration::from_secs(1)))
+            .unwrap_or_else(|| panic!("no tracer"));
+        let span = SpanRecord {
+            trace_id: [1; 16],
+            span_id: [2; 8],
+            parent: None,
+            name: "s".into(),
+            server: true,
+            start: 1,
+            end: 2,
+            attrs: Vec::new(),
+            error: false,
+        };
+        tracer.export(span.clone());
+        tracer.export(span);
+        let started = std::time::Instant::now();
+        tracer.flush(Duration::from_secs(5)).await;
+        assert_eq!(got.load(std::sync::atomic::Ordering::SeqCst), 2);
+        assert!(started.elapsed() < FLUSH_EVERY, "the flush waited for the batch timer");
     }
 
     #[test]

@@ -383,7 +383,22 @@ async fn spans_reach_the_collector_and_the_worker_sees_its_parent() {
     assert_eq!(spans(&got).len(), before, "an unsampled request made spans");
     let w = r.header("x-cortex-assigned-worker");
     assert_eq!(h.worker(w).traceparents().last(), Some(&tp));
+    // A graceful shutdown sends what is queued: the spans of a request just answered arrive
+    // before it returns.
+    let last_span = "00f067aa0ba902ff";
+    let r = post_with(
+        &h,
+        "/v1/chat/completions",
+        &body,
+        &[("traceparent", &format!("00-{TRACE}-{last_span}-01"))],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
     h.shutdown().await;
+    assert!(
+        spans(&got).iter().any(|s| s["parentSpanId"] == last_span),
+        "the last request's span was not flushed"
+    );
 }
 
 async fn pd_legs_are_traced(engine: &str) {
