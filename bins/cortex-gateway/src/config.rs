@@ -507,7 +507,7 @@ pub struct SchedulerFile {
 }
 
 fn default_epsilon() -> Option<f64> {
-    Some(0.25)
+    SchedConfig::default().bounded_load.map(|b| b.epsilon)
 }
 
 /// `probes:`

@@ -320,9 +320,9 @@ impl Default for SchedConfig {
         SchedConfig {
             weights: Weights::default(),
             per_active_ms: 0.5,
-            recompute_weight: 0.0,
+            recompute_weight: 1.0,
             watermark: Watermark::default(),
-            bounded_load: Some(BoundedLoad { epsilon: 0.25 }),
+            bounded_load: Some(BoundedLoad { epsilon: 1.0 }),
             load_signals: LoadSignals::Booked,
             unready_holders: UnreadyHolders::LoadRouted,
             pools: PoolPolicies::default(),

@@ -324,6 +324,13 @@ impl<S: Scorer> Scheduler<S> {
             };
             let est = rs.estimate();
             if time {
+                // A holder whose requests are on average past the first token estimated at
+                // their dispatch is behind its estimate (stalled, or slower than learned so
+                // far): the next request waits at least that much longer too.
+                let late = rs.unanswered_lateness(now).as_secs_f64();
+                if late > 0.0 && est.secs_per_token > 0.0 {
+                    queue_tokens = queue_tokens.saturating_add((late / est.secs_per_token) as u64);
+                }
                 queue_ms = est.secs_per_token * queue_tokens as f64 * 1e3;
             }
             if excluded.is_none() {
@@ -434,11 +441,15 @@ impl<S: Scorer> Scheduler<S> {
         best.map(|(_, i)| i)
     }
 
-    fn over_watermark(&self, c: &Candidate, capacity: crate::cluster::Capacity) -> bool {
+    /// Whether the best cache holder is past the high watermark: its in-flight requests against
+    /// its capacity and, for `cache_aware_v1`, its expected queue latency. `cache_aware` (`time`)
+    /// already weighs each candidate's queue against the prefill its cache saves, in the same
+    /// unit, so a latency threshold on top would only throw away hits that win on time.
+    fn over_watermark(&self, c: &Candidate, capacity: crate::cluster::Capacity, time: bool) -> bool {
         let w = self.config.watermark;
         let limit = (w.inflight_fraction * f64::from(capacity.max_running_requests)).ceil().max(1.0);
         f64::from(c.active_requests) >= limit
-            || f64::from(c.queue_latency_ms) >= w.queue_latency.as_secs_f64() * 1000.0
+            || (!time && f64::from(c.queue_latency_ms) >= w.queue_latency.as_secs_f64() * 1000.0)
     }
 
     /// The load bound `⌈(1+ε)·(Σbooked + 1)/n⌉` over `n` admissible holders with `Σbooked`
@@ -501,7 +512,10 @@ impl<S: Scorer> Scheduler<S> {
                 [(HolderId::new(cortex_hash::kv::WorkerId(0), cortex_hash::kv::DpRank(0)), 0u32); 16];
             let n = self.pending.matches(req.prefix, req.now, &mut found);
             for &(holder, blocks) in &found[..n] {
-                if let Some(i) = snap.index_in_pool(pool.id, holder) {
+                // Like its ledger's hits, a holder's prefixes in flight count only while READY.
+                if let Some(i) = snap.index_in_pool(pool.id, holder)
+                    && out.candidates[i].ledger == LedgerState::Ready
+                {
                     let tokens = u64::from(blocks) * u64::from(block_tokens);
                     out.candidates[i].pending_tokens = tokens.min(u64::from(req.prompt_tokens)) as u32;
                 }
@@ -542,8 +556,8 @@ impl<S: Scorer> Scheduler<S> {
                 best = Some((i, c.matched_tokens, c.active_requests));
             }
         }
-        let over_watermark =
-            best.is_some_and(|(i, _, _)| self.over_watermark(&out.candidates[i], pool.holders[i].capacity));
+        let over_watermark = best
+            .is_some_and(|(i, _, _)| self.over_watermark(&out.candidates[i], pool.holders[i].capacity, time));
         let counted = distrust.is_none() && !over_watermark;
         let top = if time {
             self.score_all(&self.scorer, pool.holders, req, counted, true, out)

@@ -148,6 +148,11 @@ pub(crate) struct RankState {
     /// a waiting request an engine counts but does not size is taken to be).
     booked_total_requests: AtomicU64,
     booked_total_tokens: AtomicU64,
+    /// Bookings of this gateway still waiting for their first token, and the sum of the times
+    /// (ns) each was due by the estimate at its dispatch: how late they are on average says
+    /// whether the holder is behind its estimate.
+    unanswered: AtomicU32,
+    unanswered_due_sum_ns: AtomicU64,
     /// The learner, and the engine's last cumulative prefill totals (updates only).
     learn: Mutex<Learner>,
 }
@@ -168,6 +173,8 @@ impl RankState {
             since_report_tokens: AtomicU64::new(0),
             booked_total_requests: AtomicU64::new(0),
             booked_total_tokens: AtomicU64::new(0),
+            unanswered: AtomicU32::new(0),
+            unanswered_due_sum_ns: AtomicU64::new(0),
             learn: Mutex::new(Learner { fit, last_totals: None }),
             booked_requests: AtomicU32::new(0),
             booked_prefill_tokens: AtomicU64::new(0),
@@ -233,6 +240,21 @@ impl RankState {
     #[inline]
     pub(crate) fn booked_prefill_tokens(&self) -> u64 {
         self.booked_prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    /// How late, on average at `now`, this gateway's bookings without a first token are: past
+    /// twice the time to first token estimated at their dispatch, plus a second (zero when on
+    /// time or none are outstanding).
+    #[inline]
+    pub(crate) fn unanswered_lateness(&self, now: Timestamp) -> Duration {
+        // Relaxed (both): an estimate; the two loads may straddle a booking, which moves the
+        // mean by one request's share at most.
+        let n = self.unanswered.load(Ordering::Relaxed);
+        if n == 0 {
+            return Duration::ZERO;
+        }
+        let mean_due = self.unanswered_due_sum_ns.load(Ordering::Relaxed) / u64::from(n);
+        Duration::from_nanos(now.as_nanos().saturating_sub(mean_due))
     }
 
     /// Expected wait for this gateway's booked prefill work at `now`, in nanoseconds.
@@ -558,6 +580,9 @@ pub struct Booking {
     epoch: u32,
     /// Its prompt's chain in the prefixes in flight, when tracked.
     pending: Option<(Arc<PendingPrefixes>, PendingKey)>,
+    /// When its first token was due by the estimate at dispatch (ns), while it is counted among
+    /// the holder's bookings without one.
+    due_ns: Option<u64>,
 }
 
 impl Booking {
@@ -578,6 +603,14 @@ impl Booking {
         r.booked_prefill_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
         r.booked_total_requests.fetch_add(1, Ordering::Relaxed);
         r.booked_total_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
+        let est = r.estimate();
+        let work_tokens = queue_tokens.saturating_add(prefill_tokens);
+        // Late means past twice the estimate and a second: estimates err by tens of percent
+        // under load; a stall is what this is for.
+        let due_s = 2.0 * (est.overhead_s + est.secs_per_token * work_tokens as f64) + 1.0;
+        let due_ns = now.as_nanos().saturating_add((due_s.clamp(0.0, 1e6) * 1e9) as u64);
+        r.unanswered_due_sum_ns.fetch_add(due_ns, Ordering::Relaxed);
+        r.unanswered.fetch_add(1, Ordering::Relaxed);
         let epoch = r.report_epoch.load(Ordering::Relaxed);
         r.since_report_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
         let work = prefill_tokens.saturating_mul(ns_per_token);
@@ -592,9 +625,10 @@ impl Booking {
             ns_per_token,
             first_token_seen: false,
             dispatched_at: now,
-            work_tokens: queue_tokens.saturating_add(prefill_tokens),
+            work_tokens,
             epoch,
             pending: None,
+            due_ns: Some(due_ns),
         })
     }
 
@@ -633,6 +667,16 @@ impl Booking {
         &self.state
     }
 
+    /// Leaves the holder's bookings without a first token.
+    fn answered(&mut self) {
+        let Some(due) = self.due_ns.take() else { return };
+        if let Some(r) = self.state.rank_state(self.holder.rank) {
+            // Relaxed (both): see `new`.
+            r.unanswered.fetch_sub(1, Ordering::Relaxed);
+            r.unanswered_due_sum_ns.fetch_sub(due, Ordering::Relaxed);
+        }
+    }
+
     /// Releases the prefill tokens; with `now`, also pulls the holder's virtual prefill clock
     /// back to at most what is still booked (the engine may be faster than its nominal rate, and
     /// a request that ends before its first token no longer occupies the prefill queue).
@@ -663,6 +707,7 @@ impl Booking {
     pub fn first_token(&mut self, now: Timestamp) {
         if !self.first_token_seen {
             self.first_token_seen = true;
+            self.answered();
             self.release_prefill(Some(now));
             if let Some((p, key)) = &self.pending {
                 p.expire(*key, now);
@@ -709,6 +754,7 @@ impl Drop for Booking {
         {
             p.remove(key);
         }
+        self.answered();
         // No clock here: the virtual prefill clock keeps a cancelled request's share until it
         // runs out (at most that request's own prefill time).
         self.release_prefill(None);
@@ -773,6 +819,28 @@ mod tests {
         assert_eq!(busy(&s), ms(1050));
         c.fail(FailureClass::Timeout, ms(1010));
         assert_eq!(busy(&s), ms(1010), "a failed request leaves the queue");
+    }
+
+    #[test]
+    fn unanswered_bookings_are_late_past_their_estimated_first_token() {
+        let s = state(HealthPolicy::default());
+        let r = s.rank_state(DpRank(0)).expect("rank");
+        assert_eq!(r.unanswered_lateness(ms(5)), Duration::ZERO);
+        // At the prior (10 ms + 0.1 ms per token), due after twice the estimate and a second:
+        // at 2·(10 + 30) + 1,000 = 1,080 ms and at 100 + 2·10 + 1,000 = 1,120 ms.
+        let mut a = Booking::new(s.clone(), holder(0), 300, 0, 10_000, ms(0)).expect("rank");
+        let b = Booking::new(s.clone(), holder(0), 0, 0, 10_000, ms(100)).expect("rank");
+        // (Milliseconds: the estimate's seconds are floating point.)
+        let late = |at| r.unanswered_lateness(ms(at)).as_millis();
+        assert_eq!(late(1_090), 0, "on time on average");
+        // At 2 s: 920 and 880 ms late, 900 on average.
+        assert_eq!(late(2_000), 900);
+        a.first_token(ms(2_000));
+        a.first_token(ms(2_001));
+        assert_eq!(late(2_000), 880);
+        drop(b);
+        drop(a);
+        assert_eq!(r.unanswered_lateness(ms(3_000)), Duration::ZERO);
     }
 
     #[test]

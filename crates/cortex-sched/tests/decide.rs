@@ -222,7 +222,11 @@ fn unready_holders_excluded_when_configured() {
 fn the_bound_counts_only_holders_left_after_the_ledger_filter() {
     // w0 READY with 5 bookings, w1 syncing and idle. Over both, the cap would be ⌈1.25·6/2⌉ = 4
     // and exclude w0 too; over w0 alone it is 8.
-    let cfg = SchedConfig { unready_holders: UnreadyHolders::Excluded, ..SchedConfig::default() };
+    let cfg = SchedConfig {
+        unready_holders: UnreadyHolders::Excluded,
+        bounded_load: Some(BoundedLoad { epsilon: 0.25 }),
+        ..SchedConfig::default()
+    };
     let mut f = Fixture::new(2, cfg);
     f.state(1).set_ledger(DpRank(0), LedgerState::Syncing);
     f.load(h(0), 5, 0).hits(&[(h(0), 10)]);
@@ -311,9 +315,15 @@ fn watermark_gives_up_affinity_for_the_request() {
     let cap = Capacity { max_running_requests: 4, ..Capacity::default() };
     let specs =
         (0..3).map(|i| WorkerSpec { capacity: cap, ..WorkerSpec::new(WorkerId(i), MODEL, Engine::Vllm) });
-    // Cases: (bookings on the holder, prefill tokens each, expect watermark)
-    for (n, prefill, watermark) in [(3, 0, false), (4, 0, true), (1, 30_000, true), (1, 1_000, false)] {
-        let mut f = Fixture::with_specs(specs.clone().collect(), no_bound());
+    // Cases: (policy, bookings on the holder, prefill tokens each, expect watermark). The queue
+    // latency threshold is `cache_aware_v1`'s: `cache_aware` weighs the queue in its estimate.
+    for (cfg, n, prefill, watermark) in [
+        (no_bound(), 3, 0, false),
+        (no_bound(), 4, 0, true),
+        (v1(no_bound()), 1, 30_000, true),
+        (v1(no_bound()), 1, 1_000, false),
+    ] {
+        let mut f = Fixture::with_specs(specs.clone().collect(), cfg);
         f.load(h(1), n, prefill).hits(&[(h(1), 128)]);
         let r = f.decide();
         let w1 = *r.all().find(|c| c.holder == h(1)).expect("w1");
@@ -334,7 +344,8 @@ fn watermark_gives_up_affinity_for_the_request() {
 
 #[test]
 fn bounded_load_caps_the_best_holder() {
-    let mut f = Fixture::new(4, SchedConfig::default()); // ε = 0.25
+    let cfg = SchedConfig { bounded_load: Some(BoundedLoad { epsilon: 0.25 }), ..SchedConfig::default() };
+    let mut f = Fixture::new(4, cfg);
     // Bookings 6,2,2,2: cap = ⌈1.25 · 13 / 4⌉ = 5.
     f.load(h(0), 6, 0).load(h(1), 2, 0).load(h(2), 2, 0).load(h(3), 2, 0).hits(&[(h(0), 128)]);
     let r = f.decide();
@@ -765,8 +776,9 @@ fn time_a_queue_longer_than_the_recompute_sends_the_request_to_an_idle_worker() 
     let r = f.decide();
     assert_eq!(r.first().expect("first").holder, h(0), "1,448 tokens of work beat 2,048");
     assert_eq!(r.mode(), MatchMode::ExactKvEvents);
-    // 3,000 tokens queued: 3,448 tokens of work on w0 lose to 2,048 on the idle w1.
-    f.load(h(0), 1, 2_000);
+    // 4,000 tokens queued: 4,448 tokens of wait on w0 plus the 448 it would add (the default
+    // `recompute_weight` of 1) lose to 2,048 plus 2,048 on the idle w1.
+    f.load(h(0), 1, 3_000);
     let r = f.decide();
     assert_eq!((r.first().expect("first").holder, r.mode()), (h(1), MatchMode::LoadAware));
     assert_eq!(r.reason(), Some(FallbackReason::HitOverruled));

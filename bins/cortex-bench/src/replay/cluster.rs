@@ -197,9 +197,13 @@ pub fn cortex_yaml(
     sections: &str,
 ) -> String {
     let mut extra = if scheduler.trim().is_empty() { String::new() } else { format!(", {scheduler}") };
-    // `cache_aware_v1` is the first wave's default, which weighed this gateway's bookings alone.
-    if policy == "cache_aware_v1" && !scheduler.contains("load_signals") {
-        extra.push_str(", load_signals: booked");
+    // `cache_aware_v1` is the first wave's default: this gateway's bookings alone, and its bound.
+    if policy == "cache_aware_v1" {
+        for (key, value) in [("load_signals", "booked"), ("bounded_load_epsilon", "0.25")] {
+            if !scheduler.contains(key) {
+                extra.push_str(&format!(", {key}: {value}"));
+            }
+        }
     }
     let mut workers = String::new();
     for (i, s) in sims.workers.iter().enumerate() {
