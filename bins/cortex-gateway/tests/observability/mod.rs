@@ -151,7 +151,9 @@ async fn histograms_and_per_worker_hits() {
         "cortex_requests_total{route=\"generate\",mode=\"fallback_p2c\",outcome=\"client_gone\"} ",
         "cortex_pd_fallbacks_total{reason=\"transfer_failed\"} ",
         "cortex_realized_hit_tokens_total{worker=\"w1\"} ",
-        "cortex_worker_admissible{worker=\"w0\"} 1",
+        // (Presence only: the recorder is shared with other tests' gateways, whose own w0 may
+        // be down when they scrape.)
+        "cortex_worker_admissible{worker=\"w0\"} ",
         "cortex_worker_kv_usage_ratio{",
     ] {
         assert!(fresh.contains(series), "{series} missing from a fresh scrape:\n{fresh}");
