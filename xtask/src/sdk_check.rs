@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
-use crate::pd_check::{Proc, free_port, wait_ready};
+use crate::net::{Proc, free_port, wait_ready};
 
 /// What the venv gets from PyPI: the two clients and every package they pull, pinned.
 pub const REQUIREMENTS: &[&str] = &[
