@@ -1,6 +1,6 @@
 //! Small blocking helpers the checks that run real processes share: a child process killed
 //! when dropped, a free loopback port, one HTTP/1.1 request read to its end, and a wait for a
-//! process's endpoint to answer.
+//! process's endpoint to answer, and the `--demo` gateway with its admin listener and token.
 //!
 //! Key decision: a dozen lines of HTTP/1.1 over `TcpStream` (`Connection: close`, chunked bodies
 //! decoded) instead of an HTTP client crate, so that xtask stays small and quick to build.
@@ -103,13 +103,24 @@ fn dechunk(mut b: &[u8]) -> Result<Vec<u8>> {
 /// # Errors
 /// The connection fails, times out, or the answer is not HTTP/1.1.
 pub fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> Result<Answer> {
+    request(addr, method, path, body, None)
+}
+
+fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    token: Option<&str>,
+) -> Result<Answer> {
     let mut s =
         TcpStream::connect_timeout(&addr, REQUEST).with_context(|| format!("connecting to {addr}"))?;
     s.set_read_timeout(Some(REQUEST))?;
     let payload = body.map(Value::to_string).unwrap_or_default();
     let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        payload.len()
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}Connection: close\r\n\r\n",
+        payload.len(),
+        token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default()
     );
     s.write_all(head.as_bytes())?;
     s.write_all(payload.as_bytes())?;
@@ -157,6 +168,84 @@ pub fn wait_ready(addr: SocketAddr, path: &str, proc: &mut Proc) -> Result<()> {
         // A poll interval, not a wait for readiness: readiness is the 200 above.
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// A `--demo` gateway with an admin listener: its process, both listeners and the admin token
+/// its banner printed.
+pub struct DemoGateway {
+    /// Killed when dropped.
+    pub proc: Proc,
+    /// The public listener.
+    pub public: SocketAddr,
+    /// The admin listener (`/debug/*`, the admin API).
+    pub admin: SocketAddr,
+    /// The admin listener's bearer token.
+    pub token: String,
+}
+
+/// The banner line whose curl carries the admin token.
+const TOKEN_MARK: &str = "authorization: Bearer ";
+
+/// Starts `cmd` (the gateway binary, or `cargo run` of it) as `--demo` with `extra` arguments on
+/// two free loopback ports, its log in `log`; waits up to `deadline` for the banner's admin
+/// token, then for `/health/ready`.
+///
+/// # Errors
+/// It does not start, prints no token in time, or does not become ready.
+pub fn start_demo(
+    root: &std::path::Path,
+    mut cmd: std::process::Command,
+    extra: &[&str],
+    name: &str,
+    log: PathBuf,
+    deadline: Duration,
+) -> Result<DemoGateway> {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+    let public: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
+    let mut child = cmd
+        .args(["--demo", "--sim-speed", "0", "--log", "warn"])
+        .args(extra)
+        .arg("--listen")
+        .arg(public.to_string())
+        .arg("--admin-listen")
+        .arg(admin.to_string())
+        .current_dir(root)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(&log).context("creating the gateway's log")?)
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    let stdout = child.stdout.take().context("the gateway's stdout")?;
+    let mut proc = Proc { name: name.to_owned(), child, log: Some(log) };
+    // The banner comes once the workers are discovered; read it on a thread so a gateway that
+    // never prints fails the deadline, then keep draining.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut sent = false;
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if !sent && let Some(i) = line.find(TOKEN_MARK) {
+                let token: String =
+                    line[i + TOKEN_MARK.len()..].chars().take_while(char::is_ascii_alphanumeric).collect();
+                sent = tx.send(token).is_ok();
+            }
+        }
+    });
+    let token = match rx.recv_timeout(deadline) {
+        Ok(t) if !t.is_empty() => t,
+        _ => bail!("{name} printed no admin token within {deadline:?}\n{}", proc.tail()),
+    };
+    wait_ready(public, "/health/ready", &mut proc)?;
+    Ok(DemoGateway { proc, public, admin, token })
+}
+
+/// `GET path` on `addr` with a bearer token.
+///
+/// # Errors
+/// As [`http`].
+pub fn get_with_token(addr: SocketAddr, path: &str, token: &str) -> Result<Answer> {
+    request(addr, "GET", path, None, Some(token))
 }
 
 #[cfg(test)]

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
 
-use crate::net::{Proc, free_port, http, wait_ready};
+use crate::net::{self, Proc, STARTUP, free_port, http, wait_ready};
 
 /// `cargo xtask obs-check` arguments.
 #[derive(Clone, Debug, clap::Args)]
@@ -178,25 +178,17 @@ struct Demo {
 }
 
 fn start_demo(root: &Path, exe: &Path, pd: bool, logs: &Path) -> Result<Demo> {
-    let port = free_port()?;
-    let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
     let name = if pd { "demo-pd" } else { "demo" };
-    let log = logs.join(format!("{name}.log"));
-    let mut cmd = Command::new(exe);
-    cmd.args(["--demo", "--listen", &addr.to_string(), "--sim-speed", "0", "--log", "warn"]);
-    if pd {
-        cmd.arg("--pd");
-    }
-    let child = cmd
-        .current_dir(root)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).context("creating the gateway's log")?)
-        .spawn()
-        .with_context(|| format!("starting {}", exe.display()))?;
-    let mut proc = Proc { name: format!("cortex-gateway ({name})"), child, log: Some(log) };
-    wait_ready(addr, "/health/ready", &mut proc)?;
-    let dbg = http(addr, "GET", "/debug/workers", None)?;
+    let d = net::start_demo(
+        root,
+        Command::new(exe),
+        if pd { &["--pd"] } else { &[] },
+        &format!("cortex-gateway ({name})"),
+        logs.join(format!("{name}.log")),
+        STARTUP,
+    )?;
+    // The workers' own addresses, for the faults: `/debug/workers` on the admin listener.
+    let dbg = net::get_with_token(d.admin, "/debug/workers", &d.token)?;
     let v: Value = serde_json::from_slice(&dbg.body).context("/debug/workers")?;
     let workers = v["workers"]
         .as_array()
@@ -206,7 +198,7 @@ fn start_demo(root: &Path, exe: &Path, pd: bool, logs: &Path) -> Result<Demo> {
         .map(|u| u.trim_start_matches("http://").trim_end_matches('/').parse())
         .collect::<Result<Vec<SocketAddr>, _>>()
         .context("a worker URL")?;
-    Ok(Demo { proc, addr, workers })
+    Ok(Demo { proc: d.proc, addr: d.public, workers })
 }
 
 /// One round of requests of every route, streaming and not, to both demo models.
