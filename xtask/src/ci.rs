@@ -189,6 +189,12 @@ fn run_steps(root: &Path, steps: &mut Steps) -> Result<()> {
         let args = crate::deploy_check::Args { python: "python3".to_owned(), gateway: Some(gateway) };
         crate::deploy_check::run(root, &args)
     })?;
+    // The dashboard and the alert rules, against a real Prometheus scraping the test build's
+    // demo gateway.
+    steps.time("obs-check", || {
+        let gateway = crate::target_dir(root).join("debug").join("cortex-gateway");
+        crate::obs_check::run(root, &crate::obs_check::Args { gateway: Some(gateway) })
+    })?;
     steps.time("tidy", || check_tidy(root))?;
 
     steps.time("cargo-deny", || {

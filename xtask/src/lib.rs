@@ -10,6 +10,8 @@ pub mod deploy_check;
 pub mod fuzz;
 #[cfg(feature = "golden")]
 pub mod golden;
+pub mod net;
+pub mod obs_check;
 pub mod pd_check;
 pub mod radix;
 pub mod sdk_check;

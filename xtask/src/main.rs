@@ -87,6 +87,8 @@ enum Cmd {
     DeployCheck(xtask::deploy_check::Args),
     /// The official openai SDK and requests against the demo gateway (needs python3).
     SdkCheck(xtask::sdk_check::Args),
+    /// The Grafana dashboard and the alert rules against a real Prometheus scraping the demo.
+    ObsCheck(xtask::obs_check::Args),
     /// Long differential and fuzz runs (the tokenizer's by default), `--minutes` per target.
     Fuzz(xtask::fuzz::Args),
 }
@@ -112,6 +114,7 @@ fn main() -> Result<ExitCode> {
         Cmd::PdCheck(args) => xtask::pd_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::DeployCheck(args) => xtask::deploy_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::SdkCheck(args) => xtask::sdk_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
+        Cmd::ObsCheck(args) => xtask::obs_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::Fuzz(args) => xtask::fuzz::run(&root, &args),
         Cmd::Tidy => {
             let violations = tidy::run(&root)?;

@@ -16,14 +16,16 @@
 //!   are on observable state (the simulator's printed addresses, a proxy's health endpoint),
 //!   each with a deadline; every process started is stopped, whatever happens.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdout, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{ChildStdout, Command, Stdio};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::{Value, json};
+
+use crate::net::{Answer, Proc, STARTUP, free_port, http, wait_ready};
 
 /// The simulator's package and the arguments before its own (the one place to change if the
 /// package is renamed).
@@ -33,12 +35,6 @@ const SIM: &[&str] = &["run", "--quiet", "-p", "cortex-sim-bin", "--bin", "corte
 /// What the venv gets from PyPI, pinned so that a fresh machine checks what this one did.
 const REQUIREMENTS: &[&str] =
     &["fastapi==0.165.0", "uvicorn==0.54.0", "httpx==0.28.1", "sglang-router==0.3.2"];
-
-/// How long a process may take to show it is up.
-const STARTUP: Duration = Duration::from_secs(60);
-
-/// How long one request through a proxy may take.
-const REQUEST: Duration = Duration::from_secs(30);
 
 /// `cargo xtask pd-check` arguments.
 #[derive(Clone, Debug, clap::Args)]
@@ -53,34 +49,6 @@ pub struct Args {
     /// simulator is built and run with `cargo run`.
     #[arg(long)]
     pub sim: Option<PathBuf>,
-}
-
-/// A child process that is killed and reaped when dropped.
-pub(crate) struct Proc {
-    pub(crate) name: String,
-    pub(crate) child: Child,
-    pub(crate) log: Option<PathBuf>,
-}
-
-impl Proc {
-    pub(crate) fn tail(&self) -> String {
-        let Some(log) = &self.log else { return String::new() };
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        let from = lines.len().saturating_sub(30);
-        format!("--- last lines of {} ({}) ---\n{}", self.name, log.display(), lines[from..].join("\n"))
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-pub(crate) fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0").context("binding a free port")?.local_addr()?.port())
 }
 
 /// A simulated worker as the simulator binary printed it.
@@ -164,95 +132,6 @@ fn start_sim(root: &Path, sim: Option<&Path>, engine: &str, logs: &Path) -> Resu
     let p = take("prefill", &mut workers)?;
     let d = take("decode", &mut workers)?;
     Ok((proc, p, d))
-}
-
-/// An HTTP/1.1 answer.
-struct Answer {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Answer {
-    fn text(&self) -> String {
-        String::from_utf8_lossy(&self.body).into_owned()
-    }
-
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
-    }
-}
-
-fn dechunk(mut b: &[u8]) -> Result<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let nl = b.windows(2).position(|w| w == b"\r\n").context("chunk size line")?;
-        let size_line = std::str::from_utf8(&b[..nl])?;
-        let size = usize::from_str_radix(size_line.split(';').next().unwrap_or("").trim(), 16)
-            .with_context(|| format!("chunk size `{size_line}`"))?;
-        b = &b[nl + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        ensure!(b.len() >= size + 2, "a chunk is cut short");
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
-    }
-}
-
-/// One request, `Connection: close`, read to its end.
-fn http(addr: SocketAddr, method: &str, path: &str, body: Option<&Value>) -> Result<Answer> {
-    let mut s =
-        TcpStream::connect_timeout(&addr, REQUEST).with_context(|| format!("connecting to {addr}"))?;
-    s.set_read_timeout(Some(REQUEST))?;
-    let payload = body.map(Value::to_string).unwrap_or_default();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        payload.len()
-    );
-    s.write_all(head.as_bytes())?;
-    s.write_all(payload.as_bytes())?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).with_context(|| format!("reading {method} {path} from {addr}"))?;
-    let end = raw.windows(4).position(|w| w == b"\r\n\r\n").context("no response head")?;
-    let head = std::str::from_utf8(&raw[..end]).context("response head")?;
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|c| c.parse().ok())
-        .context("status line")?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':').map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned())))
-        .collect();
-    let mut a = Answer { status, headers, body: raw[end + 4..].to_vec() };
-    if a.header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
-        a.body = dechunk(&a.body)?;
-    }
-    Ok(a)
-}
-
-/// Waits until `addr` answers `path` with 200, or `proc` exits, or [`STARTUP`] passes.
-pub(crate) fn wait_ready(addr: SocketAddr, path: &str, proc: &mut Proc) -> Result<()> {
-    let start = Instant::now();
-    loop {
-        if let Ok(a) = http(addr, "GET", path, None)
-            && a.status == 200
-        {
-            return Ok(());
-        }
-        if let Some(status) = proc.child.try_wait()? {
-            bail!("{} exited ({status}) before answering {path}\n{}", proc.name, proc.tail());
-        }
-        ensure!(
-            start.elapsed() < STARTUP,
-            "{} did not answer {path} within {STARTUP:?}\n{}",
-            proc.name,
-            proc.tail()
-        );
-        // A poll interval, not a wait for readiness: readiness is the 200 above.
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// The prefill and decode counters of a worker's rank 0.
@@ -423,13 +302,6 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn chunked_bodies_are_joined() {
-        assert_eq!(dechunk(b"3\r\nabc\r\n2;x=1\r\nde\r\n0\r\n\r\n").unwrap(), b"abcde");
-        assert!(dechunk(b"5\r\nab\r\n").is_err());
-        assert!(dechunk(b"zz\r\n").is_err());
-    }
 
     #[test]
     fn answers_are_checked_for_the_engines_shapes() {

@@ -12,15 +12,13 @@
 //!   the admin token read from its banner (the script injects the mid-stream fault through the
 //!   simulated workers the admin API lists). CI passes the test build's binary.
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 
-use crate::pd_check::{Proc, free_port, wait_ready};
+use crate::net::start_demo;
 
 /// What the venv gets from PyPI: the two clients and every package they pull, pinned.
 pub const REQUIREMENTS: &[&str] = &[
@@ -56,9 +54,6 @@ pub struct Args {
     pub gateway: Option<PathBuf>,
 }
 
-/// The banner line whose curl carries the admin token.
-const TOKEN_MARK: &str = "authorization: Bearer ";
-
 /// Runs the check.
 ///
 /// # Errors
@@ -78,10 +73,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         ),
         None => println!("sdk-check: venv already there"),
     }
-    let public: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
-    let log = logs.join("gateway.log");
-    let mut cmd = match &args.gateway {
+    let cmd = match &args.gateway {
         Some(exe) => Command::new(exe),
         None => {
             let mut c = Command::new(crate::cargo());
@@ -89,39 +81,16 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
             c
         }
     };
-    let mut child = cmd
-        .args(["--demo", "--sim-speed", "0", "--log", "warn"])
-        .arg("--listen")
-        .arg(public.to_string())
-        .arg("--admin-listen")
-        .arg(admin.to_string())
-        .current_dir(root)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(&log).context("creating the gateway's log")?)
-        .spawn()
-        .context("starting the demo gateway")?;
-    let stdout = child.stdout.take().context("the gateway's stdout")?;
-    let mut proc = Proc { name: "cortex-gateway --demo".to_owned(), child, log: Some(log) };
-    // The banner comes once the workers are discovered; read it on a thread so a gateway that
-    // never prints fails the deadline, then keep draining.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut sent = false;
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if !sent && let Some(i) = line.find(TOKEN_MARK) {
-                let token: String =
-                    line[i + TOKEN_MARK.len()..].chars().take_while(char::is_ascii_alphanumeric).collect();
-                sent = tx.send(token).is_ok();
-            }
-        }
-    });
-    let deadline = std::time::Duration::from_secs(600); // the first run builds the gateway
-    let token = match rx.recv_timeout(deadline) {
-        Ok(t) if !t.is_empty() => t,
-        _ => bail!("the demo printed no admin token within {deadline:?}\n{}", proc.tail()),
-    };
-    wait_ready(public, "/health/ready", &mut proc)?;
+    // The first run without `--gateway` builds the gateway.
+    let demo = start_demo(
+        root,
+        cmd,
+        &[],
+        "cortex-gateway --demo",
+        logs.join("gateway.log"),
+        std::time::Duration::from_secs(600),
+    )?;
+    let (public, admin, token) = (demo.public, demo.admin, demo.token.clone());
     let script = root.join("xtask").join("assets").join("sdk_check.py");
     let checked = Instant::now();
     let status = Command::new(&py)
@@ -138,7 +107,7 @@ pub fn run(root: &Path, args: &Args) -> Result<()> {
         .status()
         .with_context(|| format!("running {}", script.display()))?;
     if !status.success() {
-        bail!("sdk-check: {} failed ({status})\n{}", script.display(), proc.tail());
+        bail!("sdk-check: {} failed ({status})\n{}", script.display(), demo.proc.tail());
     }
     println!(
         "sdk-check: the openai SDK and requests passed in {:.1}s ({:.1}s in all)",

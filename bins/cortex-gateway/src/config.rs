@@ -22,6 +22,7 @@ use cortex_pd::{PdConfig, Replay, TransferFailure};
 use cortex_proxy::config::{
     AlignmentConfig, Limits, MIN_HEADER_BYTES, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy,
 };
+use cortex_proxy::observe::AccessLog;
 use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, Tls, TlsConfig, Token, WorkerConfig};
 use cortex_radix::LedgerConfig;
@@ -160,6 +161,66 @@ pub struct Config {
     /// Workers found by watching an orchestrator.
     #[serde(default)]
     pub discovery: DiscoveryFile,
+    /// The access log (one line per generation request).
+    #[serde(default)]
+    pub access_log: AccessLogFile,
+    /// Span export, OTLP over HTTP (off when absent).
+    #[serde(default)]
+    pub tracing: Option<TracingFile>,
+}
+
+/// `access_log:`
+#[derive(Debug, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct AccessLogFile {
+    /// `text` (default), `json` or `off`.
+    pub format: Option<String>,
+}
+
+/// `tracing:`
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TracingFile {
+    /// The collector's OTLP/HTTP base URL (`http://host:4318`); spans are POSTed to
+    /// `<endpoint>/v1/traces`.
+    pub endpoint: String,
+    /// `service.name` of the spans (default `cortex-gateway`).
+    pub service_name: Option<String>,
+    /// Fraction of requests traced when the client's `traceparent` does not decide (default 1).
+    pub sample_ratio: Option<f64>,
+}
+
+/// Validates `tracing:`.
+fn tracing_settings(t: Option<&TracingFile>) -> Result<Option<cortex_proxy::trace::TracingConfig>> {
+    let Some(t) = t else { return Ok(None) };
+    let endpoint: http::Uri = t
+        .endpoint
+        .parse()
+        .map_err(|e| anyhow::anyhow!("tracing.endpoint `{}` is not a URL: {e}", t.endpoint))?;
+    match endpoint.scheme_str() {
+        Some("http") => {}
+        Some("https") => bail!(
+            "tracing.endpoint `{}`: https is not supported (the gateway's HTTP client has no TLS); \
+             send to an http:// collector or agent next to the gateway",
+            t.endpoint
+        ),
+        _ => bail!("tracing.endpoint `{}` must be an http:// URL", t.endpoint),
+    }
+    if endpoint.authority().is_none() || endpoint.query().is_some() {
+        bail!(
+            "tracing.endpoint `{}` must be http://host:port with an optional path and no query",
+            t.endpoint
+        );
+    }
+    let sample_ratio = t.sample_ratio.unwrap_or(1.0);
+    if !(0.0..=1.0).contains(&sample_ratio) {
+        bail!("tracing.sample_ratio must be within [0, 1]");
+    }
+    let service_name = t.service_name.clone().unwrap_or_else(|| "cortex-gateway".to_owned());
+    if service_name.is_empty() {
+        bail!("tracing.service_name must not be empty");
+    }
+    Ok(Some(cortex_proxy::trace::TracingConfig { endpoint, service_name, sample_ratio }))
 }
 
 /// `admin:`
@@ -738,6 +799,13 @@ impl Config {
                 Some(a) => Some(token_from_env("auth.token_env", &a.token_env)?),
                 None => None,
             },
+            access_log: match self.access_log.format.as_deref() {
+                None | Some("text") => AccessLog::Text,
+                Some("json") => AccessLog::Json,
+                Some("off") => AccessLog::Off,
+                Some(o) => bail!("access_log.format must be text, json or off, not `{o}`"),
+            },
+            tracing: tracing_settings(self.tracing.as_ref())?,
         };
         let (sched, health) = scheduler(&self.scheduler)?;
         if proxy.prefill_tokens_per_sec == 0 {
@@ -1349,6 +1417,40 @@ mod tests {
             let err =
                 format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
             assert!(err.contains(key), "{extra}: {err}");
+        }
+    }
+
+    #[test]
+    fn access_log_and_tracing_are_validated_by_key() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let settings = |extra: &str| Config::parse(&minimal(extra)).and_then(|c| c.into_settings(&base));
+        let s = settings("").unwrap();
+        assert_eq!((s.proxy.access_log, s.proxy.tracing.is_none()), (AccessLog::Text, true));
+        assert_eq!(settings("access_log: {format: json}\n").unwrap().proxy.access_log, AccessLog::Json);
+        assert_eq!(settings("access_log: {format: off}\n").unwrap().proxy.access_log, AccessLog::Off);
+        let t = settings("tracing: {endpoint: 'http://127.0.0.1:4318', sample_ratio: 0.25}\n")
+            .unwrap()
+            .proxy
+            .tracing;
+        let t = t.unwrap();
+        assert_eq!(
+            (t.endpoint.to_string().as_str(), t.service_name.as_str(), t.sample_ratio),
+            ("http://127.0.0.1:4318/", "cortex-gateway", 0.25)
+        );
+        for (extra, says) in [
+            ("access_log: {format: xml}\n", "access_log.format"),
+            ("access_log: {fromat: json}\n", "fromat"),
+            ("tracing: {endpoint: 'https://collector:4318'}\n", "tracing.endpoint"),
+            ("tracing: {endpoint: 'https://collector:4318'}\n", "no TLS"),
+            ("tracing: {endpoint: 'collector:4318'}\n", "tracing.endpoint"),
+            ("tracing: {endpoint: 'http://collector:4318?x=1'}\n", "tracing.endpoint"),
+            ("tracing: {endpoint: 'http://c:4318', sample_ratio: 1.5}\n", "tracing.sample_ratio"),
+            ("tracing: {endpoint: 'http://c:4318', service_name: ''}\n", "tracing.service_name"),
+            ("tracing: {endpoint: 'http://c:4318', headers: {}}\n", "headers"),
+            ("tracing: {sample_ratio: 1.0}\n", "endpoint"),
+        ] {
+            let err = format!("{:#}", settings(extra).err().unwrap());
+            assert!(err.contains(says), "{extra}: {err}");
         }
     }
 

@@ -177,6 +177,8 @@ impl Running {
             let _ = t.await;
         }
         forwarder.abort();
+        // The requests' last spans, sent before the process may exit.
+        self.gateway.flush_traces().await;
         let ingest = self.ingest;
         let _ = tokio::task::spawn_blocking(move || drop(ingest)).await;
     }

@@ -73,14 +73,69 @@ fn main() -> ExitCode {
     }
 }
 
+/// The log subscriber: `--log`'s filter on stderr; with a JSON access log, its lines on stdout
+/// whatever `--log` says (and not on stderr).
+fn init_logging(log: &str, access_json: bool) -> Result<()> {
+    use tracing_subscriber::Layer;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter = tracing_subscriber::EnvFilter::try_new(log).context("--log")?;
+    // stdout is the command's output (the --check-config summary, the demo's URL and curl).
+    let main = tracing_subscriber::fmt::layer().with_target(false).with_writer(std::io::stderr);
+    if access_json {
+        let target = cortex_proxy::observe::ACCESS_TARGET;
+        let filter = filter.add_directive(format!("{target}=off").parse().context("--log")?);
+        let access = tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stdout)
+            .event_format(MessageOnly)
+            .with_filter(
+                tracing_subscriber::filter::Targets::new().with_target(target, tracing::Level::INFO),
+            );
+        tracing_subscriber::registry().with(main.with_filter(filter)).with(access).init();
+    } else {
+        tracing_subscriber::registry().with(main.with_filter(filter)).init();
+    }
+    Ok(())
+}
+
+/// Writes an event's message alone (a JSON access line).
+struct MessageOnly;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for MessageOnly
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        _ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        struct Message<'a, 'b>(&'a mut tracing_subscriber::fmt::format::Writer<'b>, std::fmt::Result);
+        impl tracing::field::Visit for Message<'_, '_> {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                if field.name() == "message" {
+                    self.1 = write!(self.0, "{value:?}");
+                }
+            }
+        }
+        let mut m = Message(&mut writer, Ok(()));
+        event.record(&mut m);
+        m.1?;
+        writeln!(writer)
+    }
+}
+
 #[allow(clippy::print_stdout)]
 fn run(cli: Cli) -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&cli.log).context("--log")?)
-        .with_target(false)
-        // stdout is the command's output (the --check-config summary, the demo's URL and curl).
-        .with_writer(std::io::stderr)
-        .init();
+    // The configuration is read before logging starts: it says where the access log goes.
+    let loaded = match (&cli.config, cli.demo) {
+        (Some(path), false) => Some(Config::load(path)?),
+        _ => None,
+    };
+    let access_json = loaded.as_ref().is_some_and(|(c, _)| c.access_log.format.as_deref() == Some("json"));
+    init_logging(&cli.log, access_json)?;
     if let Some(path) = &cli.check_config {
         let (cfg, base) = Config::load(path)?;
         let s = cfg.into_settings(&base)?;
@@ -97,7 +152,7 @@ fn run(cli: Cli) -> Result<()> {
         println!("{summary}");
         return Ok(());
     }
-    let prometheus = metrics_exporter_prometheus::PrometheusBuilder::new()
+    let prometheus = cortex_proxy::telemetry::prometheus_builder()
         .install_recorder()
         .context("installing the metrics recorder")?;
     cortex_proxy::telemetry::describe();
@@ -112,8 +167,7 @@ fn run(cli: Cli) -> Result<()> {
             let d = demo::start(cli.listen, cli.admin_listen, cli.workers_per_engine, cli.sim_speed, shape)?;
             (d.settings, d.workers, d.admin_token)
         } else {
-            let path = cli.config.context("either --config FILE or --demo is required")?;
-            let (cfg, base) = Config::load(&path)?;
+            let (cfg, base) = loaded.context("either --config FILE or --demo is required")?;
             (cfg.into_settings(&base)?, Vec::new(), String::new())
         };
         let running = start(settings, Some(prometheus)).await?;

@@ -156,3 +156,66 @@ fn the_pd_demo_serves_its_printed_request_disaggregated() {
     assert!(lower.contains("x-cortex-prefill-worker: sim-vllm-prefill-0"), "{r}");
     assert!(lower.contains("x-cortex-assigned-worker: sim-vllm-decode-0"), "{r}");
 }
+
+/// With `access_log: {format: json}` every generation request gets one JSON line on stdout, even
+/// when `--log` turns the access target off (the other logs stay on stderr).
+#[test]
+fn the_json_access_log_goes_to_stdout_whatever_log_says() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let qwen = root.join("golden/models/qwen3");
+    let dir = std::env::temp_dir().join(format!("cortex-access-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("cortex.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "listen: 127.0.0.1:0\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: {}\n    \
+             tokenizer_config: {}\n    block_size: 16\nworkers: []\naccess_log: {{format: json}}\n",
+            qwen.join("tokenizer.json").display(),
+            qwen.join("tokenizer_config.json").display()
+        ),
+    )
+    .unwrap();
+    let child = Command::new(BIN)
+        .args(["--log", "info,cortex::access=off", "--config"])
+        .arg(&file)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut running = Running(child);
+    let stderr = running.0.stderr.take().unwrap();
+    // The bound address, from the start-up log line on stderr.
+    let mut addr = None;
+    for line in BufReader::new(stderr).lines() {
+        let line = line.unwrap();
+        if line.contains("cortex-gateway serving") {
+            let at = line.find("127.0.0.1:").expect("the address is logged");
+            let port: String = line[at + 10..].chars().take_while(char::is_ascii_digit).collect();
+            addr = Some(format!("127.0.0.1:{port}"));
+            break;
+        }
+    }
+    let addr = addr.expect("the gateway logs its address");
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":1}"#;
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\nx-request-id: cli-access-1\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut r = String::new();
+    s.read_to_string(&mut r).unwrap();
+    assert!(r.starts_with("HTTP/1.1 503"), "no worker: {r}");
+    let stdout = running.0.stdout.take().unwrap();
+    let line = BufReader::new(stdout).lines().next().expect("an access line").unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: `{line}`"));
+    assert_eq!(v["request_id"], "cli-access-1", "{v}");
+    assert_eq!(v["model"], "m", "{v}");
+    assert_eq!(v["route"], "completions", "{v}");
+    assert_eq!(v["status"], 503, "{v}");
+    assert_eq!(v["outcome"], "error", "{v}");
+}

@@ -7,6 +7,7 @@
 mod api;
 mod common;
 mod kubernetes;
+mod observability;
 mod pd;
 
 use std::collections::HashMap;

@@ -46,6 +46,9 @@ pub enum Leg {
 }
 
 impl Leg {
+    /// Every leg, in declaration order (so that metrics can register each label value at zero).
+    pub const ALL: [Leg; 4] = [Leg::Prefill, Leg::Decode, Leg::DecodeLocal, Leg::Regular];
+
     /// Snake-case name for metrics labels.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
@@ -202,6 +205,15 @@ pub enum FallbackCause {
 }
 
 impl FallbackCause {
+    /// Every cause, in declaration order (so that metrics can register each label value at
+    /// zero).
+    pub const ALL: [FallbackCause; 4] = [
+        FallbackCause::TransferFailed,
+        FallbackCause::NoTransferParams,
+        FallbackCause::PrefillUnavailable,
+        FallbackCause::DecodeUnavailable,
+    ];
+
     /// Snake-case name for metrics labels.
     #[must_use]
     pub const fn as_str(self) -> &'static str {

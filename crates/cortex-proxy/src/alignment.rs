@@ -228,8 +228,16 @@ impl Verifier {
         let v = Arc::clone(self);
         Box::new(move |c: Completion| {
             if let Some(realized) = c.cached_tokens {
-                metrics::counter!(t::PREDICTED_HIT_TOKENS).increment(u64::from(p.predicted_hit));
-                metrics::counter!(t::REALIZED_HIT_TOKENS).increment(u64::from(realized));
+                let worker = v.registry.name(p.holder.worker).unwrap_or_default();
+                metrics::counter!(t::PREDICTED_HIT_TOKENS, "worker" => worker.clone())
+                    .increment(u64::from(p.predicted_hit));
+                metrics::counter!(t::REALIZED_HIT_TOKENS, "worker" => worker.clone())
+                    .increment(u64::from(realized));
+                // The hit rate's denominator, as the worker counted it (the usage's prompt
+                // tokens), so that realized / prompt is a ratio of sums over any window.
+                if let Some(prompt) = c.prompt_tokens {
+                    metrics::counter!(t::PROMPT_TOKENS, "worker" => worker).increment(u64::from(prompt));
+                }
                 if p.exact && p.predicted_hit > 0 {
                     v.record(p.holder.worker, hit_check(p.predicted_hit, realized));
                 }

@@ -168,6 +168,10 @@ pub struct ProxyConfig {
     pub pd: cortex_pd::PdConfig,
     /// The bearer token the public API requires (`/health/*` excepted); none: open.
     pub auth: Option<crate::auth::Token>,
+    /// The access log's format.
+    pub access_log: crate::observe::AccessLog,
+    /// Span export (off when `None`).
+    pub tracing: Option<crate::trace::TracingConfig>,
 }
 
 impl Default for ProxyConfig {
@@ -184,6 +188,8 @@ impl Default for ProxyConfig {
             shutdown_delay: Duration::ZERO,
             pd: cortex_pd::PdConfig::default(),
             auth: None,
+            access_log: crate::observe::AccessLog::Text,
+            tracing: None,
         }
     }
 }

@@ -31,6 +31,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use crate::alignment::{Prediction, Verifier};
 use crate::config::{ProxyConfig, RetryPolicy};
 use crate::error::{Body, ErrorFormat, ProxyError, refusal};
+use crate::observe::{SpanGuard, Watch};
 use crate::planner::{Plan, RANK_HEADER};
 use crate::registry::{Registry, WorkerRecord};
 use crate::request::{self, RequestFacts, Route};
@@ -50,6 +51,8 @@ pub struct Outgoing<'a> {
     pub body: Bytes,
     /// The request id (`x-request-id`).
     pub rid: &'a str,
+    /// The request's observer (its attempts' spans, and how the relay ended).
+    pub watch: &'a Watch,
 }
 
 /// Sends planned requests to workers. Shared by every request task.
@@ -156,13 +159,13 @@ impl Forwarder {
             attempts += 1;
             let attempt = Attempt { worker: &worker, cand };
             let mode = effective_mode(plan.mode, cand);
-            match attempt.send(self, &out).await {
+            let mut span = out.watch.span("attempt", &worker.config.name, u32::from(cand.holder.rank.0));
+            let answer = attempt.send(self, &out, span.as_ref()).await;
+            if let (Some(s), Ok(a)) = (span.as_mut(), &answer) {
+                s.answered(a.status().as_u16());
+            }
+            match answer {
                 Ok(Answer::Stream(resp)) => {
-                    metrics::counter!(t::REQUESTS, "route" => out.route.as_str(), "mode" => mode.as_str())
-                        .increment(1);
-                    if let Some(r) = plan.reason {
-                        metrics::counter!(t::FALLBACKS, "reason" => r.as_str()).increment(1);
-                    }
                     let (up, incoming) = resp.into_parts();
                     let mut headers = upstream::end_to_end(&up.headers);
                     attempt.cortex_headers(&mut headers, mode, out.rid);
@@ -174,10 +177,15 @@ impl Forwarder {
                             .is_some_and(|v| v.starts_with("text/event-stream"));
                     let on_complete =
                         self.verifier.on_complete(prediction(&plan, out.facts, cand, mode, &self.verifier));
-                    let relay =
+                    let mut relay =
                         RelayBody::new(incoming, booking, self.clock, sse, self.idle_timeout, on_complete)
                             .holding(permit)
-                            .in_format(ErrorFormat::of(out.route));
+                            .in_format(ErrorFormat::of(out.route))
+                            .tapped(out.watch.tap());
+                    if let Some(s) = span {
+                        // The attempt's span lasts as long as its answer is relayed.
+                        relay = relay.guarding(Box::new(s));
+                    }
                     let mut resp = Response::new(relay.boxed_unsync());
                     *resp.status_mut() = up.status;
                     *resp.headers_mut() = headers;
@@ -212,9 +220,17 @@ impl Forwarder {
 
 impl Attempt<'_> {
     /// Sends the request to the holder and waits for the response head.
-    async fn send(&self, fw: &Forwarder, out: &Outgoing<'_>) -> Result<Answer, Failure> {
+    async fn send(
+        &self,
+        fw: &Forwarder,
+        out: &Outgoing<'_>,
+        span: Option<&SpanGuard>,
+    ) -> Result<Answer, Failure> {
         let mut headers = upstream::end_to_end(out.headers);
         upstream::set_header(&mut headers, "x-request-id", out.rid);
+        if let Some(s) = span {
+            upstream::set_header(&mut headers, "traceparent", &s.traceparent());
+        }
         let rank = self.cand.holder.rank.0;
         let body = match self.worker.config.engine {
             // Only a multi-rank worker is told a rank; a body that already pins it (the planner

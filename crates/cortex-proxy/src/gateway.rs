@@ -34,6 +34,7 @@ use crate::control::{Control, ControlParts};
 use crate::error::{Body, ErrorFormat, ProxyError, full};
 use crate::forwarder::{Forwarder, Outgoing};
 use crate::models::ModelTable;
+use crate::observe::{Observer, Watch};
 use crate::planner::{Ask, Planner};
 use crate::probes::Probes;
 use crate::registry::{Registry, RegistryEvent};
@@ -122,6 +123,7 @@ pub struct Gateway {
     planner: Planner,
     forwarder: Forwarder,
     control: Arc<Control>,
+    observer: Arc<Observer>,
     scrape: Scrape,
     shutting_down: AtomicBool,
     draining: AtomicBool,
@@ -150,6 +152,7 @@ impl Gateway {
         let cluster = Arc::new(Cluster::new(parts.health));
         let clock = cortex_sched::MonotonicClock::new();
         let client = upstream::client(cfg.probes.timeout);
+        let observer = Arc::new(Observer::new(cfg.access_log, cfg.tracing.as_ref(), client.clone()));
         let verifier =
             Arc::new(Verifier::new(cfg.alignment, Arc::clone(&parts.ledger), Arc::clone(&registry)));
         let planner = Planner::new(
@@ -182,6 +185,7 @@ impl Gateway {
             planner,
             forwarder,
             control: Arc::new(control),
+            observer,
             scrape: Scrape::new(parts.prometheus),
             shutting_down: AtomicBool::new(false),
             draining: AtomicBool::new(false),
@@ -270,6 +274,12 @@ impl Gateway {
         self.control.shutdown();
     }
 
+    /// Sends the trace spans still queued (the last step of a graceful shutdown), waiting at
+    /// most 5 s for the collector.
+    pub async fn flush_traces(&self) {
+        self.observer.flush(Duration::from_secs(5)).await;
+    }
+
     /// True once [`Gateway::begin_shutdown`] ran.
     #[must_use]
     pub fn is_shutting_down(&self) -> bool {
@@ -332,12 +342,25 @@ impl Gateway {
         }
     }
 
-    /// The request path: read, admit, parse, plan, forward.
+    /// The request path, followed to its end by a [`Watch`] (counted, logged and traced once).
     async fn route(
         &self,
         route: Route,
         req: Request<Incoming>,
         rid: &str,
+    ) -> Result<Response<Body>, ProxyError> {
+        let watch = self.observer.watch(route, rid, req.headers());
+        let result = self.route_watched(route, req, rid, &watch).await;
+        watch.respond(result)
+    }
+
+    /// The request path: read, admit, parse, plan, forward.
+    async fn route_watched(
+        &self,
+        route: Route,
+        req: Request<Incoming>,
+        rid: &str,
+        watch: &Watch,
     ) -> Result<Response<Body>, ProxyError> {
         if self.is_shutting_down() {
             return Err(ProxyError::ShuttingDown);
@@ -351,12 +374,17 @@ impl Gateway {
             // Cortex's own token is for Cortex: the workers never see it.
             parts.headers.remove(http::header::AUTHORIZATION);
         }
-        let out = Outgoing { route, facts: &ask.facts, headers: &parts.headers, body, rid };
+        watch.asked(ask.facts.model.as_deref());
+        let out = Outgoing { route, facts: &ask.facts, headers: &parts.headers, body, rid, watch };
         if self.planner.disaggregated(&ask)? {
             let plan = self.planner.plan_pd(&ask).await?;
+            // The prefill ranking decides the cache hit (and the fallback reason) of a pair.
+            let model = plan.model.base_model();
+            watch.planned(model, plan.prefill.mode(), plan.prefill.reason(), plan.prompt_tokens);
             return self.forwarder.forward_pd(out, plan, permit).await;
         }
         let plan = self.planner.plan(&ask, Role::Regular).await?;
+        watch.planned(plan.model.base_model(), plan.mode, plan.reason, plan.prompt_tokens);
         self.forwarder.forward(out, plan, permit).await
     }
 

@@ -31,6 +31,7 @@ mod fanout;
 pub mod forwarder;
 pub mod gateway;
 pub mod models;
+pub mod observe;
 pub mod pd;
 pub mod planner;
 pub mod probes;
@@ -40,6 +41,7 @@ mod scrape;
 pub mod server;
 pub mod telemetry;
 pub mod tls;
+pub mod trace;
 pub mod upstream;
 
 pub use admin::Admin;

@@ -49,6 +49,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use crate::alignment::Prediction;
 use crate::error::{Body, ErrorFormat, ProxyError, refusal};
 use crate::forwarder::{Forwarder, Outgoing};
+use crate::observe::SpanGuard;
 use crate::planner::{PdPlan, RANK_HEADER};
 use crate::registry::WorkerRecord;
 use crate::request::{self, Route};
@@ -125,6 +126,9 @@ struct Slot {
     sent: Instant,
     booking: Option<Booking>,
     fut: Option<LegFuture>,
+    /// The leg's client span (a traced request), ended with the slot, or with the relay of the
+    /// serving leg's answer.
+    span: Option<SpanGuard>,
 }
 
 impl Slot {
@@ -391,9 +395,13 @@ impl Driver<'_> {
         holder: HolderId,
         body: Bytes,
         pin_sglang: bool,
+        span: Option<&SpanGuard>,
     ) -> Option<LegRequest> {
         let mut headers = upstream::end_to_end(self.out.headers);
         upstream::set_header(&mut headers, "x-request-id", self.out.rid);
+        if let Some(s) = span {
+            upstream::set_header(&mut headers, "traceparent", &s.traceparent());
+        }
         headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
         let body = match w.config.engine {
             Engine::Sglang if pin_sglang && w.dp_size() > 1 && self.out.facts.client_rank.is_none() => {
@@ -416,7 +424,14 @@ impl Driver<'_> {
         })
     }
 
-    fn slot(&self, attempt: u32, leg: Leg, holder: HolderId, fut: LegFuture) -> Slot {
+    fn slot(
+        &self,
+        attempt: u32,
+        leg: Leg,
+        holder: HolderId,
+        fut: LegFuture,
+        span: Option<SpanGuard>,
+    ) -> Slot {
         let mut booking = self.book(leg, holder);
         // The worker that computes the prompt holds it next: the prefill leg, or a single one.
         if leg != Leg::Decode
@@ -424,29 +439,39 @@ impl Driver<'_> {
         {
             b.track_prefix(&self.plan.pending, &self.plan.seq, self.fw.clock().now());
         }
-        Slot { attempt, leg, holder, sent: Instant::now(), booking, fut: Some(fut) }
+        Slot { attempt, leg, holder, sent: Instant::now(), booking, fut: Some(fut), span }
+    }
+
+    /// The client span of a leg to `holder` (when the request is traced).
+    fn span(&self, leg: Leg, holder: HolderId) -> Option<SpanGuard> {
+        let name = self.worker(holder).map(|w| w.config.name.clone()).unwrap_or_default();
+        self.out.watch.span(leg.as_str(), &name, u32::from(holder.rank.0))
     }
 
     /// A serving leg (decode or single) of `body` to `holder`.
     fn start_serving(&mut self, attempt: u32, leg: Leg, holder: HolderId, body: Bytes, pin_sglang: bool) {
         let stream = self.out.facts.stream;
+        let span = self.span(leg, holder);
         let fut: LegFuture =
-            match self.worker(holder).and_then(|w| self.request(&w, holder, body, pin_sglang)) {
+            match self.worker(holder).and_then(|w| self.request(&w, holder, body, pin_sglang, span.as_ref()))
+            {
                 Some(req) => Box::pin(serving_leg(req, stream)),
                 None => gone(holder),
             };
         self.output = None;
-        self.serving = Some(self.slot(attempt, leg, holder, fut));
+        self.serving = Some(self.slot(attempt, leg, holder, fut, span));
     }
 
     fn start_prefill(&mut self, attempt: u32, holder: HolderId, body: Bytes) {
         let (protocol, stream) = (self.protocol, self.out.facts.stream && self.protocol == Protocol::Sglang);
-        let fut: LegFuture = match self.worker(holder).and_then(|w| self.request(&w, holder, body, false)) {
-            Some(req) => Box::pin(prefill_leg(req, protocol, stream)),
-            None => gone(holder),
-        };
+        let span = self.span(Leg::Prefill, holder);
+        let fut: LegFuture =
+            match self.worker(holder).and_then(|w| self.request(&w, holder, body, false, span.as_ref())) {
+                Some(req) => Box::pin(prefill_leg(req, protocol, stream)),
+                None => gone(holder),
+            };
         self.prefill_answer = None;
-        self.prefill = Some(self.slot(attempt, Leg::Prefill, holder, fut));
+        self.prefill = Some(self.slot(attempt, Leg::Prefill, holder, fut, span));
     }
 
     /// Executes one effect; `Some` when the request ended.
@@ -454,9 +479,11 @@ impl Driver<'_> {
         match effect {
             Effect::Dispatch { attempt, pair, room } => {
                 let Some(p) = self.worker(pair.prefill) else {
-                    self.prefill = Some(self.slot(attempt, Leg::Prefill, pair.prefill, gone(pair.prefill)));
+                    self.prefill =
+                        Some(self.slot(attempt, Leg::Prefill, pair.prefill, gone(pair.prefill), None));
                     if room.is_some() {
-                        self.serving = Some(self.slot(attempt, Leg::Decode, pair.decode, gone(pair.decode)));
+                        self.serving =
+                            Some(self.slot(attempt, Leg::Decode, pair.decode, gone(pair.decode), None));
                     }
                     return None;
                 };
@@ -582,6 +609,15 @@ impl Driver<'_> {
         let slot = if which == Leg::Prefill { &mut self.prefill } else { &mut self.serving };
         let s = slot.as_mut()?;
         s.fut = None;
+        let status = match &end {
+            LegEnd::Output(held) => Some(held.head.status.as_u16()),
+            LegEnd::PrefillDone { .. } => Some(200),
+            LegEnd::Rejected { status, .. } => Some(status.as_u16()),
+            LegEnd::Failed { .. } => None,
+        };
+        if let (Some(span), Some(status)) = (s.span.as_mut(), status) {
+            span.answered(status);
+        }
         let (attempt, leg, holder, sent) = (s.attempt, s.leg, s.holder, s.sent);
         let mut input = |event| inputs.push(Input::Leg { attempt, leg, event });
         match end {
@@ -870,12 +906,6 @@ impl Forwarder {
         if let PdMode::FallbackSingle(cause) = mode {
             metrics::counter!(t::PD_FALLBACKS, "reason" => cause.as_str()).increment(1);
         }
-        let route_mode = d
-            .plan
-            .ranking(role_of(if pair_prefill.is_some() { Leg::Prefill } else { leg }))
-            .map_or(MatchMode::LoadAware, |r| r.mode());
-        metrics::counter!(t::REQUESTS, "route" => d.out.route.as_str(), "mode" => route_mode.as_str())
-            .increment(1);
         let Held { head, mut bytes, rest, sse } = held;
         let mut merge_from = None;
         if logprob && let Some((answer, prefill_sse)) = &d.prefill_answer {
@@ -900,7 +930,14 @@ impl Forwarder {
         let mut relay =
             RelayBody::resumed(bytes, rest, booking, self.clock(), sse, self.idle_timeout(), on_complete)
                 .holding(permit)
-                .in_format(ErrorFormat::of(d.out.route));
+                .in_format(ErrorFormat::of(d.out.route))
+                .tapped(d.out.watch.tap());
+        // The serving leg's span lasts as long as its answer is relayed (the prefill leg's ends
+        // with it, below, or was ended when the leg finished).
+        let mut guards: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
+        if let Some(s) = slot.span {
+            guards.push(Box::new(s));
+        }
         if pair_prefill.is_some() {
             relay = relay.not_learning();
         }
@@ -915,8 +952,14 @@ impl Forwarder {
                         b.succeed(clock.now());
                     }
                 });
-                relay = relay.guarding(Box::new(AbortOnDrop(task.abort_handle())));
+                guards.push(Box::new(AbortOnDrop(task.abort_handle())));
             }
+            if let Some(s) = p.span {
+                guards.push(Box::new(s));
+            }
+        }
+        if !guards.is_empty() {
+            relay = relay.guarding(Box::new(guards));
         }
         let body: Body = match merge_from {
             Some(prefill) => MergeLogprobs::new(relay, prefill).boxed_unsync(),

@@ -8,7 +8,7 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use cortex_hash::kv::DpRank;
+use cortex_hash::kv::{DpRank, HolderId};
 use cortex_hash::profile::Alignment;
 use cortex_sched::Health;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -58,6 +58,13 @@ impl Scrape {
             let entry = snap.worker(w.id);
             let live = entry.is_some_and(|e| e.health() == Health::Healthy);
             metrics::gauge!(t::WORKER_LIVE, "worker" => name.clone()).set(if live { 1.0 } else { 0.0 });
+            let admissible = (0..w.dp_size()).any(|r| snap.admissible(HolderId::new(w.id, DpRank(r)), now));
+            metrics::gauge!(t::WORKER_ADMISSIBLE, "worker" => name.clone()).set(if admissible {
+                1.0
+            } else {
+                0.0
+            });
+            t::register_worker(&name);
             let aligned = matches!(w.status().alignment, Alignment::Confirmed)
                 && !matches!(c.verdict(w.id), Verdict::Misaligned(_));
             metrics::gauge!(t::ALIGNED, "worker" => name.clone()).set(if aligned { 1.0 } else { 0.0 });

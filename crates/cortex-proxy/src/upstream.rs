@@ -116,6 +116,17 @@ pub enum Answer {
     },
 }
 
+impl Answer {
+    /// The worker's status.
+    #[must_use]
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Answer::Stream(r) => r.status(),
+            Answer::Reject { status, .. } => *status,
+        }
+    }
+}
+
 /// Sends one attempt and waits for the response head (and, for an error, its small body).
 ///
 /// # Errors
@@ -132,7 +143,10 @@ pub async fn send(
     *req.method_mut() = http::Method::POST;
     *req.uri_mut() = uri;
     *req.headers_mut() = headers;
-    let resp = match tokio::time::timeout(head_timeout, client.request(req)).await {
+    let sent = std::time::Instant::now();
+    let resp = tokio::time::timeout(head_timeout, client.request(req)).await;
+    metrics::histogram!(crate::telemetry::UPSTREAM_HEAD_SECONDS).record(sent.elapsed().as_secs_f64());
+    let resp = match resp {
         Err(_) => {
             return Err(Failure {
                 class: FailureClass::Timeout,
@@ -272,6 +286,8 @@ pub struct RelayBody {
     learn: bool,
     /// The format of a mid-stream error event (the route's).
     format: ErrorFormat,
+    /// Where the request's observer learns how the relay ended.
+    tap: Option<crate::observe::Tap>,
 }
 
 impl RelayBody {
@@ -302,6 +318,7 @@ impl RelayBody {
             _guard: None,
             learn: true,
             format: ErrorFormat::OpenAi,
+            tap: None,
         }
     }
 
@@ -340,6 +357,7 @@ impl RelayBody {
             _guard: None,
             learn: true,
             format: ErrorFormat::OpenAi,
+            tap: None,
         }
     }
 
@@ -361,6 +379,13 @@ impl RelayBody {
     #[must_use]
     pub fn guarding(mut self, guard: Box<dyn std::any::Any + Send>) -> Self {
         self._guard = Some(guard);
+        self
+    }
+
+    /// Reports how the relay ended to `tap` (the request's observer).
+    #[must_use]
+    pub fn tapped(mut self, tap: Option<crate::observe::Tap>) -> Self {
+        self.tap = tap;
         self
     }
 
@@ -400,6 +425,9 @@ impl RelayBody {
             b.fail(class, self.clock.now());
         }
         self.on_complete = None;
+        if let Some(tap) = self.tap.take() {
+            tap.failed();
+        }
         if self.sse {
             let err = ProxyError::Upstream { class, attempts: 1, message };
             self.state = RelayState::Done;
@@ -416,9 +444,15 @@ impl RelayBody {
         if let Some(b) = self.booking.take() {
             b.succeed(self.clock.now());
         }
-        if let Some(f) = self.on_complete.take() {
+        if self.on_complete.is_some() || self.tap.is_some() {
             let usage = if self.tail_overflowed { None } else { find_usage(&self.tail, self.sse) };
-            f(usage.unwrap_or(Completion { cached_tokens: None, prompt_tokens: None }));
+            let usage = usage.unwrap_or(Completion { cached_tokens: None, prompt_tokens: None });
+            if let Some(tap) = self.tap.take() {
+                tap.completed(usage);
+            }
+            if let Some(f) = self.on_complete.take() {
+                f(usage);
+            }
         }
     }
 }

@@ -44,6 +44,14 @@ pub enum MatchMode {
 }
 
 impl MatchMode {
+    /// Every mode, best first (so that metrics can register each label value at zero).
+    pub const ALL: [MatchMode; 4] = [
+        MatchMode::ExactKvEvents,
+        MatchMode::LoadAware,
+        MatchMode::FallbackP2c,
+        MatchMode::FallbackRoundRobin,
+    ];
+
     /// The header spelling.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
@@ -124,6 +132,24 @@ pub enum FallbackReason {
 }
 
 impl FallbackReason {
+    /// Every reason, in declaration order (so that metrics can register each label value at
+    /// zero).
+    pub const ALL: [FallbackReason; 13] = [
+        FallbackReason::TokenizerFailed,
+        FallbackReason::UnreproduciblePrompt,
+        FallbackReason::TemplateMismatch,
+        FallbackReason::LedgerNotReady,
+        FallbackReason::ExactRoutingOff,
+        FallbackReason::NoHit,
+        FallbackReason::HitOverruled,
+        FallbackReason::Watermark,
+        FallbackReason::LoadSignalsPartial,
+        FallbackReason::LoadSignalsMissing,
+        FallbackReason::Policy,
+        FallbackReason::NoRoutingKey,
+        FallbackReason::NoPrefix,
+    ];
+
     /// Snake-case name for metrics labels and debug output.
     #[must_use]
     pub const fn as_str(self) -> &'static str {
@@ -428,5 +454,40 @@ impl ExactSizeIterator for Iter<'_> {}
 impl DoubleEndedIterator for Iter<'_> {
     fn next_back(&mut self) -> Option<Self::Item> {
         self.keys.next_back().map(|&k| &self.candidates[(k & crate::scheduler::INDEX_MASK) as usize])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{FallbackReason, MatchMode};
+
+    #[test]
+    fn all_lists_every_variant_once() {
+        // The matches are exhaustive: a new variant fails to compile here until it is listed.
+        let mode = |m: MatchMode| match m {
+            MatchMode::ExactKvEvents
+            | MatchMode::LoadAware
+            | MatchMode::FallbackP2c
+            | MatchMode::FallbackRoundRobin => m.as_str(),
+        };
+        let names: std::collections::BTreeSet<_> = MatchMode::ALL.iter().map(|&m| mode(m)).collect();
+        assert_eq!(names.len(), MatchMode::ALL.len());
+        let reason = |r: FallbackReason| match r {
+            FallbackReason::TokenizerFailed
+            | FallbackReason::UnreproduciblePrompt
+            | FallbackReason::TemplateMismatch
+            | FallbackReason::LedgerNotReady
+            | FallbackReason::ExactRoutingOff
+            | FallbackReason::NoHit
+            | FallbackReason::HitOverruled
+            | FallbackReason::Watermark
+            | FallbackReason::LoadSignalsPartial
+            | FallbackReason::LoadSignalsMissing
+            | FallbackReason::Policy
+            | FallbackReason::NoRoutingKey
+            | FallbackReason::NoPrefix => r.as_str(),
+        };
+        let names: std::collections::BTreeSet<_> = FallbackReason::ALL.iter().map(|&r| reason(r)).collect();
+        assert_eq!(names.len(), 13, "FallbackReason::ALL repeats or misses a reason");
     }
 }

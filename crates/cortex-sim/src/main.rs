@@ -41,7 +41,8 @@ FAULTS AND GROUND TRUTH (every worker)
     \"flush_cache\"                                   AllBlocksCleared (refused while busy)
     {\"health\": {\"healthy\": false}}                  /health answers 503
   GET /sim/state: every rank's cached blocks (hashes, parents, tokens), subscription state,
-  last sequence number, queue lengths and virtual time.
+  last sequence number, queue lengths and virtual time, and the W3C traceparent headers the
+  API requests carried (the last 1024).
 
 EXAMPLE
   cortex-sim --engine vllm --workers 4 --dp-size 2 --speed 1";

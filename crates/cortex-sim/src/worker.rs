@@ -46,6 +46,27 @@ pub(crate) struct Shared {
     pub(crate) pd_transfer_failures: AtomicU64,
     /// Generation requests whose client left before their answer was complete.
     pub(crate) client_gone: AtomicU64,
+    /// The W3C `traceparent` header of every API request that carried one, in arrival order
+    /// (at most [`TRACEPARENTS_KEPT`], the oldest dropped).
+    pub(crate) traceparents: std::sync::Mutex<std::collections::VecDeque<String>>,
+}
+
+/// `traceparent` headers remembered by a worker.
+pub(crate) const TRACEPARENTS_KEPT: usize = 1024;
+
+impl Shared {
+    /// Remembers an API request's `traceparent`.
+    pub(crate) fn saw_traceparent(&self, value: &str) {
+        let mut q = self.traceparents.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if q.len() == TRACEPARENTS_KEPT {
+            q.pop_front();
+        }
+        q.push_back(value.to_owned());
+    }
+
+    pub(crate) fn traceparents(&self) -> Vec<String> {
+        self.traceparents.lock().unwrap_or_else(std::sync::PoisonError::into_inner).iter().cloned().collect()
+    }
 }
 
 impl Shared {
@@ -225,6 +246,7 @@ impl SimWorker {
             inflight_http: AtomicUsize::new(0),
             pd_transfer_failures: AtomicU64::new(0),
             client_gone: AtomicU64::new(0),
+            traceparents: std::sync::Mutex::default(),
         });
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let rt =
@@ -394,6 +416,13 @@ impl SimWorker {
     #[must_use]
     pub fn client_gone(&self) -> u64 {
         self.shared.client_gone.load(Ordering::SeqCst)
+    }
+
+    /// The W3C `traceparent` headers the API requests carried, oldest first (the last 1024):
+    /// what a tracing engine would take as the parent of its own spans.
+    #[must_use]
+    pub fn traceparents(&self) -> Vec<String> {
+        self.shared.traceparents()
     }
 
     /// Injects a fault (see [`Fault`]).

@@ -161,7 +161,7 @@ pub(crate) fn prometheus() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            let handle = metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder().unwrap();
+            let handle = cortex_proxy::telemetry::prometheus_builder().install_recorder().unwrap();
             cortex_proxy::telemetry::describe();
             handle
         })

@@ -436,6 +436,9 @@ async fn generate_answer(
         Ok(v) => v,
         Err(r) => return Ok(r),
     };
+    if let Some(tp) = parts.headers.get("traceparent").and_then(|v| v.to_str().ok()) {
+        shared.saw_traceparent(tp);
+    }
     if let Some(status) = shared.faults.take_failure() {
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
         let mut r = error_resp(flavor, kind, status, "simulated fault");

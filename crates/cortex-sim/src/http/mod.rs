@@ -246,6 +246,7 @@ async fn sim_route(shared: &Arc<Shared>, req: Request<Incoming>, path: &str) -> 
                     "engine": shared.cfg.engine.name(),
                     "role": shared.cfg.role.sglang_mode(),
                     "pd_transfer_failures": shared.pd_transfer_failures.load(std::sync::atomic::Ordering::SeqCst),
+                    "traceparents": shared.traceparents(),
                     "ranks": ranks,
                 }),
             )
