@@ -104,6 +104,24 @@ async fn stale_ledger(engine: &str) {
     h.wait("the stuck request reached the holder", || h.worker(&holder).in_flight(0).unwrap_or(0) > 0).await;
     let holder_id = h.holder(&holder);
     h.wait("the holder turns STALE", || h.gw.ledger_state(holder_id) == Some(Readiness::Stale)).await;
+    // The scheduler mirrors ledger states every 50 ms: until its view has the holder STALE too,
+    // the holder is still credited (with the prefix its stuck request is prefilling).
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    loop {
+        let v = h.post("/debug/route", &body).await.json();
+        let seen = v["candidates"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .chain(v["excluded"].as_array().into_iter().flatten())
+            .find(|c| c["worker"] == holder.as_str())
+            .map(|c| c["ledger"].clone());
+        if seen.as_ref().and_then(Value::as_str) == Some("stale") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the scheduler never saw the holder STALE: {v}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     // The ledger still holds the prompt for the holder, but a STALE holder gets no credit: the
     // request is routed by load (away from the busy holder) and says so.
     let r = h.post("/v1/chat/completions", &body).await;
