@@ -354,6 +354,9 @@ impl Control {
         for r in 0..w.dp_size() {
             let rank = DpRank(r);
             entry.state().set_ledger(rank, self.holder_state(w.id, rank));
+            if let Some(n) = self.ledger.held_blocks(HolderId::new(w.id, rank)) {
+                entry.state().set_cached_blocks(rank, n);
+            }
         }
     }
 

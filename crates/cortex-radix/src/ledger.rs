@@ -305,6 +305,8 @@ struct HolderShared {
     /// Times the writer said the ledger lost part of the engine's history (see
     /// [`HolderWriter::mark_history_lost`]).
     history_lost: StdAtomicU64,
+    /// Blocks it holds (orphans included), as of its writer's last write.
+    held: StdAtomicU64,
 }
 
 /// The registered holders, by id and by slot.
@@ -402,6 +404,7 @@ impl Ledger {
             mail: AtomicBool::new(false),
             applied: AtomicU64::new(0),
             history_lost: StdAtomicU64::new(0),
+            held: StdAtomicU64::new(0),
         });
         shared.slots.publish(slot, encode_id(holder));
         if reg.by_slot.len() <= slot as usize {
@@ -608,6 +611,16 @@ impl Ledger {
         let reg = self.shared.registry.lock();
         // Relaxed: a status read, ordered by the registry lock against registration.
         reg.by_id.get(&holder).map(|h| Readiness::from_u8(h.readiness.load(Ordering::Relaxed)))
+    }
+
+    /// How many blocks `holder` holds (orphans included) as of its writer's last write, `None`
+    /// if it is not registered: how full its engine's cache is, against its capacity. Takes the
+    /// registry lock: for the gateway's periodic sync, off the request path.
+    #[must_use]
+    pub fn held_blocks(&self, holder: HolderId) -> Option<u64> {
+        let reg = self.shared.registry.lock();
+        // Relaxed: a gauge its writer stores after each write; nothing is published through it.
+        reg.by_id.get(&holder).map(|h| h.held.load(StdOrdering::Relaxed))
     }
 
     /// How many times `holder`'s writer said the ledger lost part of its engine's history

@@ -426,6 +426,10 @@ impl<S: Scorer> Scheduler<S> {
                 queue_tokens: c.queue_tokens,
                 secs_per_token: est.map_or(1e-4, |e| e.secs_per_token),
                 overhead_s: est.map_or(0.0, |e| e.overhead_s),
+                cache_fill: pool[i].state.rank_state(c.holder.rank).map_or(1.0, |r| {
+                    let cap = pool[i].capacity.kv_blocks;
+                    if cap == 0 { 1.0 } else { (r.cached_blocks() as f32 / cap as f32).min(1.0) }
+                }),
             };
             c.score = scorer.score(&input);
             if time {

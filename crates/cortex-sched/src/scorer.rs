@@ -37,6 +37,9 @@ pub struct ScoreInput {
     pub secs_per_token: f64,
     /// The holder's learned fixed overhead before a first token, seconds.
     pub overhead_s: f64,
+    /// How full the holder's cache is, 0–1: blocks held over its capacity (1 when either is
+    /// unknown).
+    pub cache_fill: f32,
 }
 
 impl ScoreInput {
@@ -98,8 +101,9 @@ impl Scorer for TimeScorer {
     #[inline]
     fn score(&self, i: &ScoreInput) -> Score {
         let uncached = f64::from(i.prompt_tokens.saturating_sub(i.matched_tokens));
+        // Copying into a cache with room evicts nothing: the weight scales with how full it is.
         let load = -self.per_active_ms * f64::from(i.active_requests)
-            - self.recompute_weight * i.secs_per_token * uncached * 1e3;
+            - self.recompute_weight * f64::from(i.cache_fill) * i.secs_per_token * uncached * 1e3;
         let queue = -i.secs_per_token * f64::from(i.queue_tokens) * 1e3;
         let affinity = i.secs_per_token * f64::from(i.matched_tokens) * 1e3;
         Score {
@@ -132,6 +136,7 @@ mod tests {
             queue_tokens: 0,
             secs_per_token: 0.001,
             overhead_s: 0.0,
+            cache_fill: 1.0,
         });
         assert_eq!(got, Score { affinity: 200.0, load: -12.0, queue: -5.0, total: 183.0 });
     }
@@ -149,6 +154,7 @@ mod tests {
             queue_tokens: 2_000,
             secs_per_token: 0.001, // 1,000 tokens/s
             overhead_s: 0.010,
+            cache_fill: 1.0,
         };
         // 10 ms + (2,000 queued + 500 uncached) ms = 2,510 ms; 4 active × 0.5 ms.
         assert!((input.est_ttft_ms() - 2_510.0).abs() < 1e-9);

@@ -153,6 +153,9 @@ pub(crate) struct RankState {
     /// whether the holder is behind its estimate.
     unanswered: AtomicU32,
     unanswered_due_sum_ns: AtomicU64,
+    /// Blocks its cache holds, as the ledger last counted them (see
+    /// [`WorkerState::set_cached_blocks`]).
+    cached_blocks: AtomicU64,
     /// The learner, and the engine's last cumulative prefill totals (updates only).
     learn: Mutex<Learner>,
 }
@@ -175,6 +178,7 @@ impl RankState {
             booked_total_tokens: AtomicU64::new(0),
             unanswered: AtomicU32::new(0),
             unanswered_due_sum_ns: AtomicU64::new(0),
+            cached_blocks: AtomicU64::new(0),
             learn: Mutex::new(Learner { fit, last_totals: None }),
             booked_requests: AtomicU32::new(0),
             booked_prefill_tokens: AtomicU64::new(0),
@@ -255,6 +259,13 @@ impl RankState {
         }
         let mean_due = self.unanswered_due_sum_ns.load(Ordering::Relaxed) / u64::from(n);
         Duration::from_nanos(now.as_nanos().saturating_sub(mean_due))
+    }
+
+    /// Blocks its cache holds, as the ledger last counted them.
+    #[inline]
+    pub(crate) fn cached_blocks(&self) -> u64 {
+        // Relaxed: a gauge read as a hint; nothing is published through it.
+        self.cached_blocks.load(Ordering::Relaxed)
     }
 
     /// Expected wait for this gateway's booked prefill work at `now`, in nanoseconds.
@@ -392,6 +403,13 @@ impl WorkerState {
     /// Records an engine load report for `rank` (false: no such rank).
     pub fn report_load(&self, rank: DpRank, load: EngineLoad, now: Timestamp) -> bool {
         self.rank_state(rank).map(|r| r.report(load, now)).is_some()
+    }
+
+    /// Sets how many blocks holder `rank`'s cache holds, as the ledger counts them (false: no
+    /// such rank). `cache_aware` weighs a copy into a cache by how full it is.
+    pub fn set_cached_blocks(&self, rank: DpRank, blocks: u64) -> bool {
+        // Relaxed: a gauge read per decision as a hint.
+        self.rank_state(rank).map(|r| r.cached_blocks.store(blocks, Ordering::Relaxed)).is_some()
     }
 
     /// Sets the ledger state of holder `rank` (false: no such rank). Called by the ingest side.

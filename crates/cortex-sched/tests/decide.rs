@@ -856,3 +856,23 @@ fn time_first_chunks_teach_each_holder_its_speed() {
     let w0 = r.all().find(|c| c.holder == h(0)).expect("w0");
     assert!(w0.est_ttft_ms > 800.0 && (w0.rate_tokens_per_sec - 1_250.0).abs() < 70.0, "{w0:?}");
 }
+
+/// `recompute_weight` charges a copy by how full the target's cache is: an empty cache evicts
+/// nothing, so a worker with room takes a request a full one would only take with its queue.
+#[test]
+fn time_a_copy_into_an_empty_cache_costs_no_recompute_weight() {
+    let cap = Capacity { kv_blocks: 1_000, ..Capacity::default() };
+    let specs =
+        (0..2).map(|i| WorkerSpec { capacity: cap, ..WorkerSpec::new(WorkerId(i), MODEL, Engine::Sglang) });
+    let mut f = Fixture::with_specs(specs.collect(), no_bound());
+    // w0: full, holds 1,600 of the 2,048 tokens, 2,000 queued: 2,000 + 448 + 448 = 2,896.
+    f.state(0).set_cached_blocks(DpRank(0), 1_000);
+    f.load(h(0), 1, 2_000).hits(&[(h(0), 100)]);
+    // w1 empty: 2,048 and nothing to evict.
+    f.state(1).set_cached_blocks(DpRank(0), 0);
+    assert_eq!(f.first(), h(1));
+    // w1 full as well: 2,048 + 2,048 = 4,096 against 2,896.
+    f.state(1).set_cached_blocks(DpRank(0), 1_000);
+    f.hits(&[(h(0), 100)]);
+    assert_eq!(f.first(), h(0));
+}

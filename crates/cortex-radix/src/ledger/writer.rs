@@ -70,6 +70,8 @@ impl HolderWriter {
             }
             f(&mut apply, &mut p);
             apply.report(&mut p, before);
+            // Relaxed: a gauge readers poll; nothing is published through it.
+            self.me.held.store(p.entries.len() as u64, StdOrdering::Relaxed);
         }
         let c = &self.shared.counters;
         // Relaxed: a statistics counter; nothing is published through it.
