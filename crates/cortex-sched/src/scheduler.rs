@@ -29,7 +29,7 @@ use crate::config::{
 use crate::decision::{CacheView, Candidate, Exclusion, FallbackReason, MatchMode, Ranking, Request, Score};
 use crate::failure::BreakerState;
 use crate::scorer::{ScoreInput, Scorer, TimeScorer, WeightedScorer};
-use crate::state::LedgerState;
+use crate::state::{LedgerState, RankState};
 use crate::time::Timestamp;
 
 /// Why no candidate could be ranked.
@@ -413,7 +413,8 @@ impl<S: Scorer> Scheduler<S> {
                 continue;
             }
             c.affinity_tokens = if counted { c.matched_tokens } else { 0 };
-            let est = pool[i].state.rank_state(c.holder.rank).map(|r| r.estimate());
+            let rank = pool[i].state.rank_state(c.holder.rank);
+            let est = rank.map(RankState::estimate);
             let cached = if counted { c.affinity_tokens.max(c.pending_tokens) } else { 0 };
             let input = ScoreInput {
                 holder: c.holder,
@@ -426,7 +427,7 @@ impl<S: Scorer> Scheduler<S> {
                 queue_tokens: c.queue_tokens,
                 secs_per_token: est.map_or(1e-4, |e| e.secs_per_token),
                 overhead_s: est.map_or(0.0, |e| e.overhead_s),
-                cache_fill: pool[i].state.rank_state(c.holder.rank).map_or(1.0, |r| {
+                cache_fill: rank.map_or(1.0, |r| {
                     let cap = pool[i].capacity.kv_blocks;
                     if cap == 0 { 1.0 } else { (r.cached_blocks() as f32 / cap as f32).min(1.0) }
                 }),
