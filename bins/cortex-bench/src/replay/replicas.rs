@@ -1,4 +1,4 @@
-//! `--replicas N`: Cortex as N gateway replicas in separate processes in front of the same
+//! `--policies NAME@N`: Cortex as N gateway replicas in separate processes in front of the same
 //! simulated cluster, the requests spread across them round robin as an upstream load balancer
 //! would. Each replica is this binary's `gateway` command (the gateway library, started exactly
 //! as `cortex-gateway --config` starts it), follows the engines' KV events itself and books only
