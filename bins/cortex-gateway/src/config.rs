@@ -880,7 +880,8 @@ impl Config {
         let admin = match self.admin {
             None => None,
             Some(a) => {
-                if a.listen == self.listen {
+                // Port 0 asks the system for a free port: two such listeners never collide.
+                if a.listen == self.listen && a.listen.port() != 0 {
                     bail!(
                         "admin.listen must differ from listen: the admin API never shares the public listener"
                     );
@@ -1358,6 +1359,21 @@ mod tests {
         format!(
             "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\n{extra}"
         )
+    }
+
+    #[test]
+    fn the_admin_listener_never_shares_the_public_one() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let with = |public: &str, admin: &str| {
+            let yaml = minimal(&format!("admin: {{listen: '{admin}', token_env: CARGO_PKG_NAME}}\n"))
+                .replace("listen: 127.0.0.1:8080", &format!("listen: '{public}'"));
+            Config::parse(&yaml).unwrap().into_settings(&base).map(|s| s.admin.map(|a| a.listen))
+        };
+        let err = format!("{:#}", with("127.0.0.1:8080", "127.0.0.1:8080").unwrap_err());
+        assert!(err.contains("admin.listen must differ from listen"), "{err}");
+        // Port 0 lets the system pick: two such listeners get different ports.
+        assert_eq!(with("127.0.0.1:0", "127.0.0.1:0").unwrap(), Some("127.0.0.1:0".parse().unwrap()));
+        assert!(with("127.0.0.1:8080", "127.0.0.1:8081").is_ok());
     }
 
     #[test]
