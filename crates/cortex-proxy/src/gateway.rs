@@ -300,7 +300,13 @@ impl Gateway {
             _ => self.dispatch(req, &rid).await,
         };
         let resp = match answer {
-            Ok(r) => r,
+            Ok(mut r) => {
+                // Routed answers carry it already; `/v1/models`, `/tokenize` and the probes too.
+                if !r.headers().contains_key("x-request-id") {
+                    crate::upstream::set_header(r.headers_mut(), "x-request-id", &rid);
+                }
+                r
+            }
             Err(e) => {
                 metrics::counter!(crate::telemetry::ERRORS, "code" => e.code()).increment(1);
                 if e.status().is_server_error() {

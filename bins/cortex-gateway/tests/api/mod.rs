@@ -384,6 +384,11 @@ async fn v1_models_lists_what_the_workers_serve() {
     assert_eq!(data[0]["id"], MODEL);
     assert_eq!(data[0]["owned_by"], "vllm");
     assert_eq!(data[0]["max_model_len"], 32_768);
+    // Every answer carries a request id, the ones Cortex makes itself too.
+    for path in ["/v1/models", "/health/ready", "/health/live", "/metrics"] {
+        let r = h.send("GET", path, Bytes::new()).await;
+        assert!(r.header("x-request-id").starts_with("cortex-"), "{path}");
+    }
     let id = h.gw.gateway.control().registry().by_name("w0").unwrap().id;
     h.gw.gateway.control().leave(id);
     let r = h.send("GET", "/v1/models", Bytes::new()).await;
