@@ -6,12 +6,12 @@
 //! ranks; the HTTP-level ones are here.
 
 use parking_lot::Mutex;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A fault, as `POST /sim/fault` accepts it (externally tagged JSON: `"stall"`,
-/// `{"fail_next": {"status": 503, "count": 2}}`, …).
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+/// `{"fail_next": {"status": 503, "count": 2}}`, …); serializing one gives that body.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Fault {
     /// Answer the next `count` generation requests with `status` (429, 500, 503, …).
