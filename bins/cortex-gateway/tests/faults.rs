@@ -24,9 +24,9 @@ use cortex_ingest::Reason;
 use cortex_radix::Readiness;
 use cortex_sched::BreakerState;
 use cortex_sim::Fault;
-use process::{SimProcess, harness};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
+use process::{SimProcess, harness};
 use serde_json::{Value, json};
 
 /// Probes every 100 ms, a worker out after 2 failed probes and back after 1 good one; a replay
@@ -105,7 +105,8 @@ async fn rest(resp: http::Response<hyper::body::Incoming>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_stream_breaks_only_its_own_streams() {
     let mut h =
-        harness("vllm", vec![process::slow_sim("vllm"), process::slow_sim("vllm")], &sections(&[]), None).await;
+        harness("vllm", vec![process::slow_sim("vllm"), process::slow_sim("vllm")], &sections(&[]), None)
+            .await;
     let c = h.caller();
     // Two streams: the second goes to the idle worker (the first is booked on the other).
     let first = open_stream(&c, h.addr(), "first stream").await;
@@ -488,7 +489,8 @@ fn the_over_prediction_check_fails_on_an_over_claimed_hit() {
     let reply = |claimed: u64, cached: u64| {
         let mut headers = http::HeaderMap::new();
         headers.insert("x-cortex-cache-hit-tokens", claimed.into());
-        let usage = json!({"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": cached}}});
+        let usage =
+            json!({"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": cached}}});
         Reply { status: StatusCode::OK, headers, body: usage.to_string() }
     };
     assert_not_over_predicted(&reply(48, 48));

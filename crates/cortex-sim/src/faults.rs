@@ -125,3 +125,22 @@ impl HttpFaults {
         !self.unhealthy.load(Ordering::SeqCst)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Fault;
+
+    /// A serialized fault is the body `POST /sim/fault` reads back as the same fault.
+    #[test]
+    fn a_serialized_fault_is_what_sim_fault_accepts() {
+        for (fault, body) in [
+            (Fault::Stall, r#""stall""#),
+            (Fault::FailNext { status: 503, count: 2 }, r#"{"fail_next":{"status":503,"count":2}}"#),
+            (Fault::DropBatches { rank: 0, count: 1 }, r#"{"drop_batches":{"rank":0,"count":1}}"#),
+            (Fault::Health { healthy: false }, r#"{"health":{"healthy":false}}"#),
+        ] {
+            assert_eq!(serde_json::to_string(&fault).ok().as_deref(), Some(body));
+            assert_eq!(serde_json::from_str::<Fault>(body).ok(), Some(fault));
+        }
+    }
+}

@@ -133,7 +133,9 @@ pub(crate) async fn gateway_in_front<W>(
             Role::Prefill => "prefill",
             Role::Decode => "decode",
         };
-        list.push_str(&format!("  - {{name: w{i}, url: '{url}', engine: {engine}, model: {MODEL}, role: {role}}}\n"));
+        list.push_str(&format!(
+            "  - {{name: w{i}, url: '{url}', engine: {engine}, model: {MODEL}, role: {role}}}\n"
+        ));
     }
     let mut all: Vec<(&str, &str)> = SECTIONS.to_vec();
     for &(key, value) in sections {
@@ -346,7 +348,6 @@ impl Harness {
     pub(crate) fn worker(&self, name: &str) -> &SimWorker {
         &self.sims[worker_index(name)]
     }
-
 }
 
 /// Sends requests to the gateway from a spawned task (owns what it needs of the [`Harness`]).

@@ -189,9 +189,11 @@ pub(crate) async fn harness(
     sections: &[(&str, &str)],
     prometheus: Option<PrometheusHandle>,
 ) -> Harness<SimProcess> {
-    // Started together: each takes a moment to load its tokenizer.
+    // Started together: each takes a moment to load its tokenizer. The wait blocks this thread,
+    // not the runtime's other tasks.
     let starting: Vec<Starting> = specs.into_iter().map(SimProcess::spawn).collect();
-    let sims: Vec<SimProcess> = starting.into_iter().map(Starting::ready).collect();
+    let sims: Vec<SimProcess> =
+        tokio::task::block_in_place(|| starting.into_iter().map(Starting::ready).collect());
     let workers: Vec<(String, Role)> = sims.iter().map(|s| (s.base_url(), Role::Unified)).collect();
     common::gateway_in_front(engine, sims, &workers, sections, |_| {}, prometheus).await
 }
@@ -210,8 +212,10 @@ impl Harness<SimProcess> {
         self.sims[worker_index(name)].kill();
     }
 
-    /// Starts worker `name` again on the ports it had (after [`Harness::kill`]).
+    /// Starts worker `name` again on the ports it had (after [`Harness::kill`]), blocking this
+    /// thread (not the runtime's other tasks) until it serves.
     pub(crate) fn restart(&mut self, name: &str) {
-        self.sims[worker_index(name)].restart();
+        let w = &mut self.sims[worker_index(name)];
+        tokio::task::block_in_place(|| w.restart());
     }
 }
