@@ -13,6 +13,7 @@
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use cortex_sim::{Fault, Role, SimWorker};
@@ -20,7 +21,7 @@ use http::StatusCode;
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::{Deserialize, Serialize};
 
-use crate::common::{self, Harness, WAIT, worker_index};
+use crate::common::{self, Harness, worker_index};
 
 /// The environment variable holding a worker process's [`Spec`] (JSON).
 const SPEC_VAR: &str = "CORTEX_FAULTS_WORKER";
@@ -28,6 +29,10 @@ const SPEC_VAR: &str = "CORTEX_FAULTS_WORKER";
 const ENTRY: &str = "process::sim_worker_process";
 /// What starts the line a worker process reports its ports on.
 const READY: &str = "cortex-faults-worker bound ";
+/// How long a worker process may take to report its ports. Loading the tokenizer takes it
+/// about 1.5 s of CPU in a debug build, several times that on a machine busy with builds; a
+/// child that dies is reported at once, whatever this says.
+const STARTUP: Duration = Duration::from_secs(90);
 
 /// What a worker process runs: [`common::sim`] or [`common::slow_sim`] of `engine`, on
 /// ephemeral ports or on the ones a killed predecessor had.
@@ -111,7 +116,7 @@ impl Starting {
     /// then on).
     pub(crate) fn ready(self) -> SimProcess {
         let Starting { spec, mut child, stdin, ports } = self;
-        match ports.recv_timeout(WAIT) {
+        match ports.recv_timeout(STARTUP) {
             Ok(ports) => SimProcess { spec, ports, child, _stdin: stdin },
             Err(e) => {
                 let _ = child.kill();
