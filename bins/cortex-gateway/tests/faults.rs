@@ -93,9 +93,21 @@ async fn open_stream(
     c.client().request(req).await.unwrap()
 }
 
+/// The rest of a response's body; a body that fails (its connection cut) ends with what was read
+/// and `<body error: …>`, which no assertion on a whole stream accepts.
 async fn rest(resp: http::Response<hyper::body::Incoming>) -> String {
-    String::from_utf8_lossy(&resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default())
-        .into_owned()
+    let mut body = resp.into_body();
+    let mut text = Vec::new();
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => text.extend_from_slice(f.data_ref().map_or(&[][..], |d| &d[..])),
+            Err(e) => {
+                text.extend_from_slice(format!("<body error: {e}>").as_bytes());
+                break;
+            }
+        }
+    }
+    String::from_utf8_lossy(&text).into_owned()
 }
 
 /// Invariant: a worker killed mid-stream breaks only its own streams — each ends with an SSE
