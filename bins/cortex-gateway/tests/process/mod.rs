@@ -16,6 +16,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use cortex_radix::Readiness;
 use cortex_sim::{Fault, Role, SimWorker};
 use http::StatusCode;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -187,7 +188,8 @@ impl Drop for SimProcess {
 }
 
 /// Starts a worker process for each of `specs` and a gateway in process in front of them (as
-/// [`common::harness`], `prometheus` as [`common::harness_with`]).
+/// [`common::harness`], `prometheus` as [`common::harness_with`]), and waits until every
+/// worker is live and its ledger READY: each fault hits a cluster in its steady state.
 pub(crate) async fn harness(
     engine: &str,
     specs: Vec<Spec>,
@@ -200,7 +202,12 @@ pub(crate) async fn harness(
     let sims: Vec<SimProcess> =
         tokio::task::block_in_place(|| starting.into_iter().map(Starting::ready).collect());
     let workers: Vec<(String, Role)> = sims.iter().map(|s| (s.base_url(), Role::Unified)).collect();
-    common::gateway_in_front(engine, sims, &workers, sections, |_| {}, prometheus).await
+    let h = common::gateway_in_front(engine, sims, &workers, sections, |_| {}, prometheus).await;
+    for i in 0..h.sims.len() {
+        let holder = h.holder(&format!("w{i}"));
+        h.wait("every ledger READY", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
+    }
+    h
 }
 
 /// Driving worker processes.
