@@ -1,8 +1,9 @@
 //! Fault injection, end to end: the gateway (real HTTP, real ZeroMQ ingest) in front of simulated
-//! workers on loopback, with small probe and ingest timeouts so that each fault plays out in a
-//! second or two. Workers are killed mid-stream and while idle, restarted on the same ports,
-//! made to lose event batches with and without replay, to restart their publisher, to flap their
-//! health; the gateway is overloaded and sent SIGTERM with streams in flight.
+//! workers in processes of their own on loopback ([`process`]), with small probe and ingest
+//! timeouts so that each fault plays out in a second or two. Workers are killed with `SIGKILL`
+//! mid-stream and while idle, restarted on the same ports, made to lose event batches with and
+//! without replay, to restart their publisher, to flap their health (faults go in through each
+//! worker's `POST /sim/fault`); the gateway is overloaded and sent SIGTERM with streams in flight.
 //!
 //! Each test states the invariant it holds in its doc comment. The ones every test checks on its
 //! way: no over-predicted hit (a response's `x-cortex-cache-hit-tokens`, capped as the engine
@@ -13,16 +14,19 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)] // a test fails loudly
 
 mod common;
+mod process;
 
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{Caller, Harness, MODEL, Reply, chat, harness, harness_with, long_prompt, metric, prometheus};
+use common::{Caller, Harness, MODEL, Reply, chat, long_prompt, metric, prometheus};
 use cortex_ingest::Reason;
 use cortex_radix::Readiness;
 use cortex_sched::BreakerState;
+use cortex_sim::Fault;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
+use process::{SimProcess, harness};
 use serde_json::{Value, json};
 
 /// Probes every 100 ms, a worker out after 2 failed probes and back after 1 good one; a replay
@@ -64,8 +68,11 @@ fn assert_not_over_predicted(r: &Reply) {
     );
 }
 
+/// The harness of this suite: worker processes.
+type Procs = Harness<SimProcess>;
+
 /// Sends `body`, which must succeed, and checks it was not over-predicted.
-async fn served(h: &Harness, body: &Value) -> Reply {
+async fn served(h: &Procs, body: &Value) -> Reply {
     let r = h.post("/v1/chat/completions", body).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_not_over_predicted(&r);
@@ -86,9 +93,21 @@ async fn open_stream(
     c.client().request(req).await.unwrap()
 }
 
+/// The rest of a response's body; a body that fails (its connection cut) ends with what was read
+/// and `<body error: …>`, which no assertion on a whole stream accepts.
 async fn rest(resp: http::Response<hyper::body::Incoming>) -> String {
-    String::from_utf8_lossy(&resp.into_body().collect().await.map(|b| b.to_bytes()).unwrap_or_default())
-        .into_owned()
+    let mut body = resp.into_body();
+    let mut text = Vec::new();
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(f) => text.extend_from_slice(f.data_ref().map_or(&[][..], |d| &d[..])),
+            Err(e) => {
+                text.extend_from_slice(format!("<body error: {e}>").as_bytes());
+                break;
+            }
+        }
+    }
+    String::from_utf8_lossy(&text).into_owned()
 }
 
 /// Invariant: a worker killed mid-stream breaks only its own streams — each ends with an SSE
@@ -98,22 +117,33 @@ async fn rest(resp: http::Response<hyper::body::Incoming>) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_mid_stream_breaks_only_its_own_streams() {
     let mut h =
-        harness("vllm", vec![common::slow_sim("vllm"), common::slow_sim("vllm")], &sections(&[])).await;
+        harness("vllm", vec![process::slow_sim("vllm"), process::slow_sim("vllm")], &sections(&[]), None)
+            .await;
     let c = h.caller();
-    // Two streams: the second goes to the idle worker (the first is booked on the other).
-    let first = open_stream(&c, h.addr(), "first stream").await;
-    let second = open_stream(&c, h.addr(), "second stream").await;
+    // Streams until one runs on the other worker: the next usually goes to the idle one (the
+    // first is booked), but the cost model may send a few more to the same worker first.
     let worker = |r: &http::Response<_>| r.headers()["x-cortex-assigned-worker"].to_str().unwrap().to_owned();
-    let (victim, survivor) = (worker(&first), worker(&second));
-    assert_ne!(victim, survivor, "the two streams share a worker");
+    let first = open_stream(&c, h.addr(), "stream 0").await;
+    let victim = worker(&first);
+    let mut on_victim = vec![first];
+    let other = loop {
+        let s = open_stream(&c, h.addr(), &format!("stream {}", on_victim.len())).await;
+        if worker(&s) != victim {
+            break s;
+        }
+        on_victim.push(s);
+        assert!(on_victim.len() < 8, "every stream went to {victim}: {}", h.debug_workers().await);
+    };
     h.kill(&victim);
-    let broken = rest(first).await;
-    assert!(broken.contains("data: {\"error\""), "{broken}");
-    assert!(broken.ends_with("data: [DONE]\n\n"), "{broken}");
+    for s in on_victim {
+        let broken = rest(s).await;
+        assert!(broken.contains("data: {\"error\""), "{broken}");
+        assert!(broken.ends_with("data: [DONE]\n\n"), "{broken}");
+    }
     for i in 0..10 {
         served(&h, &chat(&format!("after the kill {i}"), false)).await;
     }
-    let whole = rest(second).await;
+    let whole = rest(other).await;
     assert!(!whole.contains("\"error\""), "{whole}");
     assert!(whole.ends_with("data: [DONE]\n\n"), "{whole}");
     h.wait("the dead worker left the pool", || h.live_workers() == 1).await;
@@ -124,7 +154,8 @@ async fn a_worker_killed_mid_stream_breaks_only_its_own_streams() {
 /// succeeds, before and after the worker is found dead — and its ledger is pruned once it left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_killed_while_idle_loses_no_request() {
-    let mut h = harness("sglang", vec![common::sim("sglang"), common::sim("sglang")], &sections(&[])).await;
+    let mut h =
+        harness("sglang", vec![process::sim("sglang"), process::sim("sglang")], &sections(&[]), None).await;
     let body = chat(&long_prompt("idle kill"), false);
     let holder = served(&h, &body).await.header("x-cortex-assigned-worker").to_owned();
     h.wait_hit(&body, |w, hit| w == holder && hit > 0).await;
@@ -151,14 +182,18 @@ async fn a_worker_killed_while_idle_loses_no_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_restarted_on_its_port_rejoins_with_a_closed_breaker_and_an_empty_ledger() {
     let sched = "{breaker_failures: 1, breaker_open_for: 600s}";
-    let mut h =
-        harness("vllm", vec![common::sim("vllm"), common::sim("vllm")], &sections(&[("scheduler", sched)]))
-            .await;
+    let mut h = harness(
+        "vllm",
+        vec![process::sim("vllm"), process::sim("vllm")],
+        &sections(&[("scheduler", sched)]),
+        None,
+    )
+    .await;
     let body = chat(&long_prompt("restart"), false);
     let holder = served(&h, &body).await.header("x-cortex-assigned-worker").to_owned();
     h.wait_hit(&body, |w, hit| w == holder && hit > 0).await;
     let worker_id = h.holder(&holder).worker;
-    let state = |h: &Harness| {
+    let state = |h: &Procs| {
         let c = h.gw.gateway.control();
         let snap = c.cluster().load();
         snap.worker(worker_id).map(|e| {
@@ -168,7 +203,7 @@ async fn a_worker_restarted_on_its_port_rejoins_with_a_closed_breaker_and_an_emp
     };
     // The worker fails under load before it dies: the prompt's hit sends the request to it, its
     // 500 opens the breaker (one fault), and the request is served elsewhere.
-    h.worker(&holder).fail_next(500, 1);
+    h.inject(&holder, &Fault::FailNext { status: 500, count: 1 }).await;
     let r = served(&h, &body).await;
     assert_ne!(r.header("x-cortex-assigned-worker"), holder);
     assert_eq!(state(&h).map(|s| s.0), Some(BreakerState::Open));
@@ -200,14 +235,14 @@ async fn a_worker_restarted_on_its_port_rejoins_with_a_closed_breaker_and_an_emp
 /// so the request times out) the holder is cleared and READY again, under-counting only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_gaps_are_replayed_or_cleared_never_over_counted() {
-    let h = harness("vllm", vec![common::sim("vllm")], &sections(&[])).await;
+    let h = harness("vllm", vec![process::sim("vllm")], &sections(&[]), None).await;
     let holder = h.holder("w0");
-    let status = |h: &Harness| h.gw.ingest.status(holder).unwrap();
+    let status = |h: &Procs| h.gw.ingest.status(holder).unwrap();
     let first = chat(&long_prompt("gap one"), false);
     served(&h, &first).await;
     h.wait_hit_on(&first, "w0").await;
     // A lost batch, replayed: the prompt it stored is known.
-    h.worker("w0").drop_next_batches(0, 1).unwrap();
+    h.inject("w0", &Fault::DropBatches { rank: 0, count: 1 }).await;
     let lost = chat(&long_prompt("gap lost, replayed"), false);
     served(&h, &lost).await;
     served(&h, &chat(&long_prompt("gap next"), false)).await;
@@ -216,8 +251,8 @@ async fn event_gaps_are_replayed_or_cleared_never_over_counted() {
     h.wait_hit_on(&lost, "w0").await;
     served(&h, &lost).await;
     // Replay off: the gap cannot be filled, the holder is cleared and rebuilt.
-    h.worker("w0").set_replay(0, false).unwrap();
-    h.worker("w0").drop_next_batches(0, 1).unwrap();
+    h.inject("w0", &Fault::Replay { rank: 0, enabled: false }).await;
+    h.inject("w0", &Fault::DropBatches { rank: 0, count: 1 }).await;
     served(&h, &chat(&long_prompt("gap lost for good"), false)).await;
     let after = chat(&long_prompt("gap after"), false);
     served(&h, &after).await;
@@ -237,7 +272,7 @@ async fn event_gaps_are_replayed_or_cleared_never_over_counted() {
 /// aligned, and exact routing works again for what it publishes afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_restart_rebuilds_the_ledger_without_a_misalignment() {
-    let h = harness_with("vllm", vec![common::sim("vllm")], &sections(&[]), |_| {}, Some(prometheus())).await;
+    let h = harness("vllm", vec![process::sim("vllm")], &sections(&[]), Some(prometheus())).await;
     let holder = h.holder("w0");
     let checks = |text: &str| metric(text, "cortex_alignment_checks_total", &[("worker", "w0")]);
     let old: Vec<Value> =
@@ -248,7 +283,7 @@ async fn a_publisher_restart_rebuilds_the_ledger_without_a_misalignment() {
         served(&h, body).await;
     }
     h.wait("aligned", || h.verdict("w0") == cortex_proxy::alignment::Verdict::Aligned).await;
-    h.worker("w0").restart_publisher(0).unwrap();
+    h.inject("w0", &Fault::RestartPublisher { rank: 0 }).await;
     served(&h, &chat(&long_prompt("the first batch after the restart"), false)).await;
     h.wait("the restart was seen", || h.gw.ingest.status(holder).unwrap().transitions(Reason::Restart) >= 1)
         .await;
@@ -291,11 +326,10 @@ async fn a_publisher_restart_rebuilds_the_ledger_without_a_misalignment() {
 /// event-plane transition (its replay from 0) reaches `cortex_event_transitions_total`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flapping_worker_rejoins_each_time_and_every_transition_is_counted() {
-    let h = harness_with(
+    let h = harness(
         "sglang",
-        vec![common::sim("sglang"), common::sim("sglang")],
+        vec![process::sim("sglang"), process::sim("sglang")],
         &sections(&[]),
-        |_| {},
         Some(prometheus()),
     )
     .await;
@@ -315,10 +349,10 @@ async fn a_flapping_worker_rejoins_each_time_and_every_transition_is_counted() {
     h.wait("READY", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
     let mut counted = rejoins(&h.send("GET", "/metrics", Bytes::new()).await.body);
     for flap in 0..3 {
-        h.worker("w0").set_healthy(false);
+        h.inject("w0", &Fault::Health { healthy: false }).await;
         h.wait("w0 left the pool", || h.live_workers() == 1).await;
         served(&h, &chat(&format!("while w0 is away {flap}"), false)).await;
-        h.worker("w0").set_healthy(true);
+        h.inject("w0", &Fault::Health { healthy: true }).await;
         h.wait("w0 is back", || h.live_workers() == 2).await;
         h.wait("its ledger is READY", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
         let now = rejoins(&h.send("GET", "/metrics", Bytes::new()).await.body);
@@ -337,7 +371,7 @@ async fn a_flapping_worker_rejoins_each_time_and_every_transition_is_counted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_is_refused_with_429_or_503_and_passes() {
     let limits = "{max_concurrent: 2, max_queue: 2, queue_timeout: 300ms}";
-    let h = harness("vllm", vec![common::slow_sim("vllm")], &sections(&[("limits", limits)])).await;
+    let h = harness("vllm", vec![process::slow_sim("vllm")], &sections(&[("limits", limits)]), None).await;
     let c = h.caller();
     let burst: Vec<_> = (0..12)
         .map(|i| {
@@ -376,7 +410,7 @@ async fn overload_is_refused_with_429_or_503_and_passes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_lets_streams_in_flight_finish() {
     use std::io::BufRead;
-    let sim = cortex_sim::SimWorker::start(common::slow_sim("vllm")).unwrap();
+    let sim = SimProcess::start(process::slow_sim("vllm"));
     let qwen = cortex_gateway::demo::repo_root().join("golden/models/qwen3");
     let yaml = format!(
         "listen: '127.0.0.1:0'\nshutdown_grace: 30s\nmodels:\n  - {{name: {MODEL}, engine: vllm, tokenizer: '{}', tokenizer_config: '{}', block_size: 16}}\nworkers:\n  - {{name: w0, url: '{}', engine: vllm, model: {MODEL}}}\n",
@@ -441,6 +475,50 @@ async fn sigterm_lets_streams_in_flight_finish() {
     assert!(exit.success(), "{exit:?}");
     let _ = std::fs::remove_file(&path);
     drop(sim);
+}
+
+/// Invariant of the harness: a killed worker is a process ended by `SIGKILL` whose HTTP port
+/// then refuses connections, and its restart serves on the same port again.
+#[test]
+fn a_killed_worker_process_is_gone_until_restarted_on_its_port() {
+    use std::io::{Read, Write};
+    use std::os::unix::process::ExitStatusExt;
+    let health = |w: &SimProcess| -> std::io::Result<String> {
+        let mut s = std::net::TcpStream::connect(w.base_url().trim_start_matches("http://"))?;
+        s.write_all(b"GET /health HTTP/1.1\r\nhost: sim\r\nconnection: close\r\n\r\n")?;
+        let mut answer = String::new();
+        s.read_to_string(&mut answer)?;
+        Ok(answer)
+    };
+    let mut w = SimProcess::start(process::sim("vllm"));
+    let url = w.base_url();
+    assert!(w.exit_status().is_none(), "the worker process exited");
+    assert!(health(&w).unwrap().starts_with("HTTP/1.1 200"));
+    w.kill();
+    assert_eq!(w.exit_status().and_then(|s| s.signal()), Some(9), "not killed by SIGKILL");
+    let refused = health(&w).expect_err("a killed worker answered");
+    assert_eq!(refused.kind(), std::io::ErrorKind::ConnectionRefused, "{refused}");
+    w.restart();
+    assert_eq!(w.base_url(), url);
+    assert!(health(&w).unwrap().starts_with("HTTP/1.1 200"));
+}
+
+/// Invariant of the harness: the over-prediction check every test relies on fails on a hit
+/// claimed beyond what the worker reports cached, and passes one within it.
+#[test]
+#[should_panic(expected = "over-predicted hit")]
+fn the_over_prediction_check_fails_on_an_over_claimed_hit() {
+    let reply = |claimed: u64, cached: u64| {
+        let mut headers = http::HeaderMap::new();
+        headers.insert("x-cortex-cache-hit-tokens", claimed.into());
+        let usage =
+            json!({"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": cached}}});
+        Reply { status: StatusCode::OK, headers, body: usage.to_string() }
+    };
+    assert_not_over_predicted(&reply(48, 48));
+    // 100 prompt tokens: at most 96 can be a hit, so 200 is capped to 96 — still above 80.
+    assert_not_over_predicted(&reply(200, 96));
+    assert_not_over_predicted(&reply(200, 80));
 }
 
 /// Kills the child when dropped, so a failing assertion never leaves a gateway running.

@@ -6,12 +6,12 @@
 //! ranks; the HTTP-level ones are here.
 
 use parking_lot::Mutex;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A fault, as `POST /sim/fault` accepts it (externally tagged JSON: `"stall"`,
-/// `{"fail_next": {"status": 503, "count": 2}}`, …).
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+/// `{"fail_next": {"status": 503, "count": 2}}`, …); serializing one gives that body.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Fault {
     /// Answer the next `count` generation requests with `status` (429, 500, 503, …).
@@ -123,5 +123,24 @@ impl HttpFaults {
 
     pub(crate) fn healthy(&self) -> bool {
         !self.unhealthy.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Fault;
+
+    /// A serialized fault is the body `POST /sim/fault` reads back as the same fault.
+    #[test]
+    fn a_serialized_fault_is_what_sim_fault_accepts() {
+        for (fault, body) in [
+            (Fault::Stall, r#""stall""#),
+            (Fault::FailNext { status: 503, count: 2 }, r#"{"fail_next":{"status":503,"count":2}}"#),
+            (Fault::DropBatches { rank: 0, count: 1 }, r#"{"drop_batches":{"rank":0,"count":1}}"#),
+            (Fault::Health { healthy: false }, r#"{"health":{"healthy":false}}"#),
+        ] {
+            assert_eq!(serde_json::to_string(&fault).ok().as_deref(), Some(body));
+            assert_eq!(serde_json::from_str::<Fault>(body).ok(), Some(fault));
+        }
     }
 }

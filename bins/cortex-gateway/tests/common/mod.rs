@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use cortex_gateway::config::Config;
 use cortex_gateway::{Running, demo};
-use cortex_sim::{SimConfig, SimWorker, Timing};
+use cortex_sim::{Role, SimConfig, SimWorker, Timing};
 use http::{HeaderMap, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
@@ -51,8 +51,10 @@ const SECTIONS: [(&str, &str); 4] = [
     ("limits", "{max_body: 65536}"),
 ];
 
-pub(crate) struct Harness {
-    pub(crate) sims: Vec<SimWorker>,
+/// A gateway in front of workers `w0`, `w1`, …: in-process [`SimWorker`]s, or whatever else a
+/// test binary drives them as (the fault suite's worker processes).
+pub(crate) struct Harness<W = SimWorker> {
+    pub(crate) sims: Vec<W>,
     pub(crate) gw: Running,
     pub(crate) client: Client<HttpConnector, Full<Bytes>>,
     /// The configuration the gateway was started from (another replica starts from it too).
@@ -110,16 +112,29 @@ pub(crate) async fn harness_with(
     prometheus: Option<PrometheusHandle>,
 ) -> Harness {
     let sims: Vec<SimWorker> = sims.into_iter().map(|c| SimWorker::start(c).unwrap()).collect();
-    let mut workers = String::from(if sims.is_empty() { " []\n" } else { "\n" });
-    for (i, s) in sims.iter().enumerate() {
-        let role = match s.config().role {
-            cortex_sim::Role::Unified => "regular",
-            cortex_sim::Role::Prefill => "prefill",
-            cortex_sim::Role::Decode => "decode",
+    let workers: Vec<(String, Role)> = sims.iter().map(|s| (s.base_url(), s.config().role)).collect();
+    gateway_in_front(engine, sims, &workers, sections, adjust, prometheus).await
+}
+
+/// Starts a gateway in front of running workers, `workers` giving each one's base URL and role
+/// in the order of `sims`, and waits until every worker is live.
+pub(crate) async fn gateway_in_front<W>(
+    engine: &str,
+    sims: Vec<W>,
+    workers: &[(String, Role)],
+    sections: &[(&str, &str)],
+    adjust: impl FnOnce(&mut cortex_gateway::Settings),
+    prometheus: Option<PrometheusHandle>,
+) -> Harness<W> {
+    let mut list = String::from(if workers.is_empty() { " []\n" } else { "\n" });
+    for (i, (url, role)) in workers.iter().enumerate() {
+        let role = match role {
+            Role::Unified => "regular",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
         };
-        workers.push_str(&format!(
-            "  - {{name: w{i}, url: '{}', engine: {engine}, model: {MODEL}, role: {role}}}\n",
-            s.base_url()
+        list.push_str(&format!(
+            "  - {{name: w{i}, url: '{url}', engine: {engine}, model: {MODEL}, role: {role}}}\n"
         ));
     }
     let mut all: Vec<(&str, &str)> = SECTIONS.to_vec();
@@ -138,7 +153,7 @@ models:
     tokenizer: '{}'
     tokenizer_config: '{}'
     block_size: 16
-workers:{workers}",
+workers:{list}",
         qwen.join("tokenizer.json").display(),
         qwen.join("tokenizer_config.json").display(),
     );
@@ -182,7 +197,7 @@ pub(crate) fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
         .fold(0.0, |sum, v| sum + v)
 }
 
-impl Harness {
+impl<W> Harness<W> {
     /// Stops the gateway, then the workers. The client's pool is closed first, as a well-behaved
     /// client's would be (a silent spare connection no longer holds the gateway's shutdown:
     /// `e2e_limits.rs` pins that).
@@ -312,24 +327,6 @@ impl Harness {
         }
     }
 
-    pub(crate) fn worker(&self, name: &str) -> &SimWorker {
-        &self.sims[name.trim_start_matches('w').parse::<usize>().unwrap()]
-    }
-
-    /// Kills worker `name` as a `kill -9` would: every socket closed at once, its streams cut.
-    pub(crate) fn kill(&mut self, name: &str) {
-        self.sims[name.trim_start_matches('w').parse::<usize>().unwrap()].kill();
-    }
-
-    /// Starts worker `name` again on the ports it had (after [`Harness::kill`]): a restarted
-    /// engine, with an empty cache and its event sequence back to 0.
-    pub(crate) fn restart(&mut self, name: &str) {
-        let i = name.trim_start_matches('w').parse::<usize>().unwrap();
-        let cfg = self.sims[i].config_on_same_ports();
-        self.sims[i].kill();
-        self.sims[i] = SimWorker::start(cfg).unwrap();
-    }
-
     /// The ledger holder of `name`'s rank 0.
     pub(crate) fn holder(&self, name: &str) -> cortex_hash::kv::HolderId {
         let id = self.gw.gateway.control().registry().by_name(name).unwrap().id;
@@ -339,6 +336,17 @@ impl Harness {
     /// The continuous alignment verdict of `name`.
     pub(crate) fn verdict(&self, name: &str) -> cortex_proxy::alignment::Verdict {
         self.gw.gateway.control().verdict(self.gw.gateway.control().registry().by_name(name).unwrap().id)
+    }
+}
+
+/// The index of worker `name` (`w0`, `w1`, …) in [`Harness::sims`].
+pub(crate) fn worker_index(name: &str) -> usize {
+    name.trim_start_matches('w').parse().unwrap()
+}
+
+impl Harness {
+    pub(crate) fn worker(&self, name: &str) -> &SimWorker {
+        &self.sims[worker_index(name)]
     }
 }
 
