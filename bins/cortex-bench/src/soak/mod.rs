@@ -47,7 +47,6 @@ const MODELS: [(&str, &str); 2] = [("vllm", "soak-vllm"), ("sglang", "soak-sglan
 /// The flags of `cargo xtask soak-gateway`.
 #[derive(Clone, Debug, clap::Parser)]
 #[command(name = "soak-gateway")]
-#[allow(clippy::struct_excessive_bools)]
 pub struct Args {
     /// Requests to send (a quick smoke: `--requests 20000`).
     #[arg(long, default_value_t = 1_000_000)]
@@ -62,14 +61,14 @@ pub struct Args {
     #[arg(long, default_value_t = 1024)]
     pub capacity_blocks: usize,
     /// Shared prefixes alive at once.
-    #[arg(long, default_value_t = 512)]
+    #[arg(long, default_value_t = 64)]
     pub prefixes: u64,
     /// Requests between two retirements of a shared prefix (the churn).
     #[arg(long, default_value_t = 20)]
     pub churn_every: u64,
-    /// The gateway's `ledger.byte_budget`, MiB.
-    #[arg(long, default_value_t = 4)]
-    pub ledger_budget_mib: u64,
+    /// The gateway's `ledger.byte_budget`, KiB (small enough that it binds).
+    #[arg(long, default_value_t = 512)]
+    pub ledger_budget_kib: u64,
     /// One worker (round robin) is killed with SIGKILL and restarted on its ports this often.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     pub restart_every: Duration,
@@ -90,9 +89,10 @@ pub struct Args {
     /// `target/soak-gateway`).
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// Use the release binaries already built instead of running `cargo build --release`.
-    #[arg(long)]
-    pub no_build: bool,
+    /// Run the `cortex-gateway` and `cortex-sim` binaries in this directory instead of building
+    /// them (`cargo build --release`).
+    #[arg(long, value_name = "DIR")]
+    pub bins: Option<PathBuf>,
 }
 
 /// RSS samples (one a second) averaged for the flatness verdict.
@@ -134,7 +134,9 @@ pub fn cli(root: &Path, args: &Args) -> Result<ExitCode> {
     let target = xtask::target_dir(root);
     let out = args.out.clone().unwrap_or_else(|| target.join("soak-gateway"));
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    if !args.no_build {
+    let bins = if let Some(dir) = &args.bins {
+        dir.clone()
+    } else {
         eprintln!("==> cargo build --release -p cortex-gateway -p cortex-sim --bins");
         let status = Command::new(xtask::cargo())
             .args(["build", "--release", "--quiet", "-p", "cortex-gateway", "-p", "cortex-sim", "--bins"])
@@ -144,8 +146,8 @@ pub fn cli(root: &Path, args: &Args) -> Result<ExitCode> {
         if !status.success() {
             bail!("cargo build --release -p cortex-gateway -p cortex-sim failed");
         }
-    }
-    let bins = target.join("release");
+        target.join("release")
+    };
     let report = soak(root, &bins, &out, args)?;
     let text = serde_json::to_string_pretty(&report)?;
     std::fs::write(out.join("report.json"), &text)?;
@@ -172,7 +174,7 @@ fn load_average() -> String {
         .unwrap_or_default()
 }
 
-fn gateway_yaml(root: &Path, public: SocketAddr, sims: &[Sim], budget_mib: u64) -> String {
+fn gateway_yaml(root: &Path, public: SocketAddr, sims: &[Sim], budget_kib: u64) -> String {
     let qwen = root.join("golden/models/qwen3");
     let mut yaml = format!("listen: '{public}'\nmodels:\n");
     for (engine, model) in MODELS {
@@ -198,7 +200,7 @@ fn gateway_yaml(root: &Path, public: SocketAddr, sims: &[Sim], budget_mib: u64) 
         yaml,
         "probes: {{health_interval: 250ms, load_interval: 250ms, timeout: 1s, failures_to_remove: 2, successes_to_restore: 1}}
 ingest: {{replay_timeout: 1s}}
-ledger: {{byte_budget: {budget_mib}MiB}}
+ledger: {{byte_budget: {budget_kib}KiB}}
 access_log: {{format: off}}
 "
     );
@@ -262,7 +264,7 @@ fn soak(root: &Path, bins: &Path, out: &Path, args: &Args) -> Result<Value> {
     let names: Vec<String> = sims.iter().map(|s| s.name.clone()).collect();
     let public: SocketAddr = format!("127.0.0.1:{}", free_port()?).parse()?;
     let config = out.join("gateway.yaml");
-    std::fs::write(&config, gateway_yaml(root, public, &sims, args.ledger_budget_mib))?;
+    std::fs::write(&config, gateway_yaml(root, public, &sims, args.ledger_budget_kib))?;
     let gateway: Proc =
         procs::start_gateway(&bins.join("cortex-gateway"), &config, public, &out.join("gateway.log"))?;
     let pid = gateway.child.id();
@@ -360,7 +362,7 @@ fn soak(root: &Path, bins: &Path, out: &Path, args: &Args) -> Result<Value> {
         )),
         None => failed_checks.push("too few RSS samples for a verdict".to_owned()),
     }
-    let budget = (args.ledger_budget_mib * 1024 * 1024) as f64;
+    let budget = (args.ledger_budget_kib * 1024) as f64;
     let ledger_max = samples.iter().filter_map(|s| s.ledger_bytes).fold(0.0, f64::max);
     if ledger_max > budget {
         failed_checks
@@ -423,9 +425,9 @@ fn soak(root: &Path, bins: &Path, out: &Path, args: &Args) -> Result<Value> {
     };
     Ok(json!({
         "command": format!(
-            "cargo xtask soak-gateway --requests {} --concurrency {} --workers {} --capacity-blocks {} --prefixes {} --churn-every {} --ledger-budget-mib {} --restart-every {}s --gap-every {}s --publisher-restart-every {}s",
+            "cargo xtask soak-gateway --requests {} --concurrency {} --workers {} --capacity-blocks {} --prefixes {} --churn-every {} --ledger-budget-kib {} --restart-every {}s --gap-every {}s --publisher-restart-every {}s",
             args.requests, args.concurrency, args.workers, args.capacity_blocks, args.prefixes,
-            args.churn_every, args.ledger_budget_mib, args.restart_every.as_secs_f64(),
+            args.churn_every, args.ledger_budget_kib, args.restart_every.as_secs_f64(),
             args.gap_every.as_secs_f64(), args.publisher_restart_every.as_secs_f64()
         ),
         "machine": {
