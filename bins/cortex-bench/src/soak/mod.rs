@@ -57,8 +57,10 @@ pub struct Args {
     /// Simulated workers, each its own process, vLLM and SGLang alternately (w0 vLLM, w1 SGLang…).
     #[arg(long, default_value_t = 4)]
     pub workers: usize,
-    /// KV capacity of each simulated worker, in 16-token pages (small: eviction never stops).
-    #[arg(long, default_value_t = 1024)]
+    /// KV capacity of each simulated worker, in 16-token pages: small enough that eviction never
+    /// stops, large enough that a served request's blocks outlive the gateway's alignment check
+    /// (`alignment.settle`, 500 ms) at the soak's rate.
+    #[arg(long, default_value_t = 8192)]
     pub capacity_blocks: usize,
     /// Shared prefixes alive at once.
     #[arg(long, default_value_t = 64)]
@@ -66,8 +68,9 @@ pub struct Args {
     /// Requests between two retirements of a shared prefix (the churn).
     #[arg(long, default_value_t = 20)]
     pub churn_every: u64,
-    /// The gateway's `ledger.byte_budget`, KiB (small enough that it binds).
-    #[arg(long, default_value_t = 512)]
+    /// The gateway's `ledger.byte_budget`, KiB: below what the workers' capacity would take
+    /// (`--capacity-blocks` × workers × 96 B), so the budget's eviction runs too.
+    #[arg(long, default_value_t = 2048)]
     pub ledger_budget_kib: u64,
     /// One worker (round robin) is killed with SIGKILL and restarted on its ports this often.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
@@ -108,6 +111,7 @@ struct Sample {
     at: Duration,
     rss: u64,
     ledger_bytes: Option<f64>,
+    ledger_blocks: Option<f64>,
     done: u64,
     failed: u64,
 }
@@ -364,6 +368,8 @@ fn soak(root: &Path, bins: &Path, out: &Path, args: &Args) -> Result<Value> {
     }
     let budget = (args.ledger_budget_kib * 1024) as f64;
     let ledger_max = samples.iter().filter_map(|s| s.ledger_bytes).fold(0.0, f64::max);
+    let blocks_at_max =
+        samples.iter().find(|s| s.ledger_bytes == Some(ledger_max)).and_then(|s| s.ledger_blocks);
     if ledger_max > budget {
         failed_checks
             .push(format!("ledger live bytes reached {ledger_max:.0}, over the budget of {budget:.0}"));
@@ -406,6 +412,13 @@ fn soak(root: &Path, bins: &Path, out: &Path, args: &Args) -> Result<Value> {
             None
         }
     };
+    let log = std::fs::read_to_string(out.join("gateway.log")).unwrap_or_default();
+    let panics = log.lines().filter(|l| l.contains("panicked at")).count();
+    let misaligned = log.lines().filter(|l| l.contains("worker misaligned")).count();
+    if panics > 0 {
+        failed_checks
+            .push(format!("the gateway logged {panics} panic(s); see {}", out.join("gateway.log").display()));
+    }
     if let Some(status) = gateway_exit {
         failed_checks.push(format!("the gateway exited during the soak ({status})"));
     }
@@ -451,6 +464,8 @@ fn soak(root: &Path, bins: &Path, out: &Path, args: &Args) -> Result<Value> {
         "ledger": {
             "budget_bytes": budget,
             "live_bytes_max": ledger_max,
+            "blocks_at_max": blocks_at_max,
+            "bytes_per_block_at_max": blocks_at_max.filter(|b| *b > 0.0).map(|b| ledger_max / b),
             "live_bytes_end": verdict::samples(&metrics, "cortex_ledger_live_bytes").first().map(|s| s.1),
             "evictions": group("cortex_ledger_evictions_total", "reason"),
         },
@@ -476,6 +491,8 @@ fn soak(root: &Path, bins: &Path, out: &Path, args: &Args) -> Result<Value> {
             "upstream_errors_by_class": group("cortex_upstream_errors_total", "class"),
             "retries": verdict::samples(&metrics, "cortex_retries_total").iter().map(|s| s.1).sum::<f64>(),
             "event_transitions_by_reason": group("cortex_event_transitions_total", "reason"),
+            "log_panics": panics,
+            "log_misaligned_warnings": misaligned,
         },
         "ready_at_end_after_s": ready_after,
         "verdict": {"failures": failed_checks},
@@ -502,12 +519,13 @@ fn sample_loop(
             std::thread::sleep(wait);
         }
         let Some(rss) = procs::rss_bytes(pid) else { break };
-        let ledger_bytes = scrape(public)
-            .and_then(|m| verdict::samples(&m, "cortex_ledger_live_bytes").first().map(|s| s.1));
+        let metrics = scrape(public).unwrap_or_default();
+        let gauge = |name: &str| verdict::samples(&metrics, name).first().map(|s| s.1);
         let s = Sample {
             at: start.elapsed(),
             rss,
-            ledger_bytes,
+            ledger_bytes: gauge("cortex_ledger_live_bytes"),
+            ledger_blocks: gauge("cortex_ledger_blocks"),
             done: progress.done.load(Ordering::Relaxed), // a counter
             failed: progress.failed.load(Ordering::Relaxed), // a counter
         };
@@ -529,14 +547,16 @@ fn sample_loop(
 }
 
 fn write_samples(path: &Path, samples: &[Sample]) -> Result<()> {
-    let mut csv = String::from("seconds,gateway_rss_bytes,ledger_live_bytes,answered,failed\n");
+    let mut csv = String::from("seconds,gateway_rss_bytes,ledger_live_bytes,ledger_blocks,answered,failed\n");
+    let opt = |v: Option<f64>| v.map_or(String::new(), |b| format!("{b:.0}"));
     for s in samples {
         let _ = writeln!(
             csv,
-            "{:.1},{},{},{},{}",
+            "{:.1},{},{},{},{},{}",
             s.at.as_secs_f64(),
             s.rss,
-            s.ledger_bytes.map_or(String::new(), |b| format!("{b:.0}")),
+            opt(s.ledger_bytes),
+            opt(s.ledger_blocks),
             s.done,
             s.failed
         );
@@ -661,9 +681,11 @@ fn summary(r: &Value) -> String {
     let l = &r["ledger"];
     let _ = writeln!(
         s,
-        "ledger live bytes: max {:.0} of a {:.0} budget; evictions {}",
+        "ledger live bytes: max {:.0} of a {:.0} budget ({:.0} blocks, {:.0} B each); evictions {}",
         f(&l["live_bytes_max"]),
         f(&l["budget_bytes"]),
+        f(&l["blocks_at_max"]),
+        f(&l["bytes_per_block_at_max"]),
         l["evictions"]
     );
     let _ = writeln!(
