@@ -399,7 +399,8 @@ fn removed_worker_gets_no_late_events() {
 fn removing_a_worker_while_later_holders_are_busy_keeps_the_event_plane() {
     let s = setup(IngestConfig::default());
     let payload = vllm_block_batch(0);
-    for round in 0..5 {
+    // Without the fix the first round already fails; a second removes a worker after a removal.
+    for round in 0..2 {
         let quiet = FakeEngine::new("", None);
         follow(&s, &quiet, holder(100 + round, 0));
         let busy = FakeEngine::new("", None);
