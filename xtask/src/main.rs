@@ -81,6 +81,16 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The gateway soak: 10^6 requests through the release binary onto simulated workers in
+    /// their own processes, with prefix churn, event gaps, publisher restarts and a worker
+    /// kill -9 per minute; RSS flat, ledger within budget, no unexplained failure, every ledger
+    /// READY at the end: `cargo run --release -p cortex-bench -- soak-gateway ARGS` (`--help`).
+    #[command(disable_help_flag = true)]
+    SoakGateway {
+        /// Passed to `cortex-bench soak-gateway`.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
     /// The simulator's PD workers through vLLM's toy proxy and SGLang's mini_lb (needs python3).
     PdCheck(xtask::pd_check::Args),
     /// The deployment files: kustomizations rendered, objects validated offline, the Dockerfile.
@@ -111,6 +121,7 @@ fn main() -> Result<ExitCode> {
         }
         Cmd::Bench { args } => xtask::bench_driver(&root, "bench", &args),
         Cmd::Replay { args } => xtask::bench_driver(&root, "replay", &args),
+        Cmd::SoakGateway { args } => xtask::bench_driver(&root, "soak-gateway", &args),
         Cmd::PdCheck(args) => xtask::pd_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::DeployCheck(args) => xtask::deploy_check::run(&root, &args).map(|()| ExitCode::SUCCESS),
         Cmd::SdkCheck(args) => xtask::sdk_check::run(&root, &args).map(|()| ExitCode::SUCCESS),

@@ -1,5 +1,5 @@
 //! `cortex-bench`: the command line of Cortex's benchmark drivers. Users type `cargo xtask bench`
-//! and `cargo xtask replay`, which build and run this binary in release.
+//! `cargo xtask replay` and `cargo xtask soak-gateway`, which build and run this binary in release.
 
 #![forbid(unsafe_code)]
 
@@ -7,10 +7,13 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use cortex_bench::{bench, replay, workspace_root};
+use cortex_bench::{bench, replay, soak, workspace_root};
 
 #[derive(Parser)]
-#[command(name = "cortex-bench", about = "Cortex's benchmark drivers (run by `cargo xtask bench|replay`)")]
+#[command(
+    name = "cortex-bench",
+    about = "Cortex's benchmark drivers (run by `cargo xtask bench|replay|soak-gateway`)"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Cmd,
@@ -24,6 +27,10 @@ enum Cmd {
     /// Replay a request trace open loop through each routing policy onto a simulated cluster:
     /// cache hits against the infinite-cache bound, simulated TTFT, load imbalance, failures.
     Replay(Box<replay::Args>),
+    /// 10^6 requests through the release gateway binary onto simulated workers in their own
+    /// processes, with prefix churn, event gaps, publisher restarts and a worker kill per
+    /// minute: RSS flat, ledger within budget, no unexplained failure, every ledger READY.
+    SoakGateway(soak::Args),
     /// One Cortex gateway replica of `--replicas` runs (started by `replay`).
     #[command(hide = true)]
     Gateway {
@@ -38,6 +45,7 @@ fn main() -> Result<ExitCode> {
     match Cli::parse().command {
         Cmd::Bench(args) => bench::run(&root, &args),
         Cmd::Replay(args) => replay::cli(&root, &args),
+        Cmd::SoakGateway(args) => soak::cli(&root, &args),
         Cmd::Gateway { config } => replay::replicas::serve(&root, &config),
     }
 }

@@ -423,20 +423,24 @@ impl SocketThread {
                 }
                 items.iter().map(zmq::PollItem::is_readable).collect()
             };
+            // The sockets first, while the indices in `slots` still name them; the commands
+            // last, since removing a worker shifts the holders after it.
+            let mut wake = false;
             for (slot, readable) in slots.iter().zip(ready) {
                 if !readable {
                     continue;
                 }
                 match *slot {
-                    Slot::Wake => {
-                        while self.wake.recv_msg(zmq::DONTWAIT).is_ok() {}
-                        if !self.run_commands(shared) {
-                            return;
-                        }
-                    }
+                    Slot::Wake => wake = true,
                     Slot::Sub(i) => self.drain_sub(shared, i),
                     Slot::Dealer(i) => self.drain_dealer(shared, i),
                     Slot::Monitor(i) => self.drain_monitor(shared, i),
+                }
+            }
+            if wake {
+                while self.wake.recv_msg(zmq::DONTWAIT).is_ok() {}
+                if !self.run_commands(shared) {
+                    return;
                 }
             }
         }

@@ -391,6 +391,37 @@ fn removed_worker_gets_no_late_events() {
     assert_eq!(synthetic_overlap(&s.ledger, h, 2), 1);
 }
 
+/// Removing a worker while the holders after it have events waiting keeps the event plane up:
+/// the socket thread drains each socket it polled before the removal shifts the holders (it used
+/// to index past the end and die, found by `cargo xtask soak-gateway`), and a holder followed
+/// afterwards still gets its events.
+#[test]
+fn removing_a_worker_while_later_holders_are_busy_keeps_the_event_plane() {
+    let s = setup(IngestConfig::default());
+    let payload = vllm_block_batch(0);
+    // Without the fix the first round already fails; a second removes a worker after a removal.
+    for round in 0..2 {
+        let quiet = FakeEngine::new("", None);
+        follow(&s, &quiet, holder(100 + round, 0));
+        let busy = FakeEngine::new("", None);
+        let b = holder(200 + round, 0);
+        follow(&s, &busy, b);
+        // Far more than one drain takes: the busy socket stays readable while the removal
+        // wakes the socket thread.
+        for seq in 0..20_000 {
+            busy.send_live(seq, &payload);
+        }
+        s.ingest.remove_worker(WorkerId(100 + round)).unwrap();
+        assert!(s.ingest.wait_for(b, WAIT, |st| st.last_seq == 19_999), "{:?}", s.ingest.status(b));
+        s.ingest.remove_worker(WorkerId(200 + round)).unwrap();
+    }
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(1, 0);
+    follow(&s, &engine, h);
+    engine.publish(0, &vllm_block_batch(0));
+    wait_seq(&s, h, 0);
+}
+
 #[test]
 fn silence_while_busy_is_stale_until_events_resume() {
     let cfg = IngestConfig { silence_timeout: Duration::from_millis(100), ..IngestConfig::default() };
