@@ -413,7 +413,7 @@ impl Driver<'_> {
             }
             _ => body,
         };
-        let uri = upstream::worker_uri(&w.base, self.out.route.path()).ok()?;
+        let uri = upstream::worker_uri_static(&w.base, self.out.route.path()).ok()?;
         Some(LegRequest {
             client: self.fw.client().clone(),
             uri,
