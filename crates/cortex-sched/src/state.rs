@@ -206,8 +206,8 @@ impl RankState {
     pub(crate) fn estimate(&self) -> Estimate {
         // Relaxed: see `publish`.
         Estimate {
-            overhead_s: self.est_overhead_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-            secs_per_token: self.est_ps_per_token.load(Ordering::Relaxed) as f64 * 1e-12,
+            overhead_s: u64_to_f64(self.est_overhead_ns.load(Ordering::Relaxed)) * 1e-9,
+            secs_per_token: u64_to_f64(self.est_ps_per_token.load(Ordering::Relaxed)) * 1e-12,
         }
     }
 
@@ -781,6 +781,15 @@ impl Drop for Booking {
             r.booked_requests.fetch_sub(1, Ordering::Relaxed);
         }
     }
+}
+
+/// `x` as `f64` through `i64`: one conversion instruction where `u64 as f64` takes a branchy
+/// sequence (the decision converts a few per holder). Saturates at `i64::MAX`, far beyond any
+/// count or duration it converts.
+#[inline]
+#[must_use]
+pub(crate) fn u64_to_f64(x: u64) -> f64 {
+    x.min(i64::MAX as u64) as i64 as f64
 }
 
 #[cfg(test)]
