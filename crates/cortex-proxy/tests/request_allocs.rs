@@ -10,15 +10,16 @@
 //! it completes in one poll). Each step must allocate exactly its budget below, where every
 //! allocation that remains is named with why: a new allocation on the path, or a removed one
 //! whose budget is not lowered, fails the test (exact counts, not upper bounds), and
-//! `the_counter_sees_allocations` is the negative control that the counter counts at all. It
+//! `counting::the_counter_sees_allocations` is the negative control that the counter counts at all. It
 //! failed as written before the allocations it found were removed: the plan counted 6 (the
 //! route's namespace and root derived per request) and the upstream head 6 (the header map
 //! grown, the route's path parsed).
 
 mod fake;
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+#[path = "../../cortex-sched/tests/counting/mod.rs"]
+mod counting;
+
 use std::future::Future;
 use std::pin::pin;
 use std::task::{Context, Poll, Waker};
@@ -33,40 +34,7 @@ use fake::{FakeConfig, MODEL, Options, start};
 use http::{HeaderMap, HeaderValue, StatusCode, Uri};
 use serde_json::json;
 
-struct Counting;
-
-thread_local! {
-    static ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-// SAFETY: defers to the system allocator; only counts calls on the current thread.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn allocations<R>(f: impl FnOnce() -> R) -> (R, u64) {
-    let before = ALLOCS.with(Cell::get);
-    let r = f();
-    (r, ALLOCS.with(Cell::get) - before)
-}
+use counting::allocations;
 
 /// Polls `fut` once with a no-op waker; `None` if it is not ready.
 fn poll_once<F: Future>(fut: F) -> Option<F::Output> {
@@ -75,12 +43,6 @@ fn poll_once<F: Future>(fut: F) -> Option<F::Output> {
         Poll::Ready(v) => Some(v),
         Poll::Pending => None,
     }
-}
-
-#[test]
-fn the_counter_sees_allocations() {
-    let (v, n) = allocations(|| vec![1u8; 10]);
-    assert_eq!((v.len(), n), (10, 1));
 }
 
 /// The allocations each step may make, with why (see the module's doc).
