@@ -326,8 +326,10 @@ impl<S: Scorer> Scheduler<S> {
                 // A holder whose requests are on average past the first token estimated at
                 // their dispatch is behind its estimate (stalled, or slower than learned so
                 // far): the next request waits at least that much longer too.
-                let late = rs.unanswered_lateness(now).as_secs_f64();
-                if late > 0.0 && est.secs_per_token > 0.0 {
+                // In nanoseconds: no `Duration` built and taken apart per holder.
+                let late_ns = rs.unanswered_lateness_ns(now);
+                if late_ns > 0 && est.secs_per_token > 0.0 {
+                    let late = crate::state::u64_to_f64(late_ns) * 1e-9;
                     queue_tokens = queue_tokens.saturating_add((late / est.secs_per_token) as u64);
                 }
                 queue_ms = est.secs_per_token * crate::state::u64_to_f64(queue_tokens) * 1e3;
