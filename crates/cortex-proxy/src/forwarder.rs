@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use cortex_hash::Engine;
 use cortex_sched::{Candidate, MatchMode, MonotonicClock};
-use http::{HeaderMap, Response};
+use http::{HeaderMap, Response, Uri};
 use http_body_util::BodyExt;
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -226,11 +226,9 @@ impl Attempt<'_> {
         out: &Outgoing<'_>,
         span: Option<&SpanGuard>,
     ) -> Result<Answer, Failure> {
-        let mut headers = upstream::end_to_end(out.headers);
-        upstream::set_header(&mut headers, "x-request-id", out.rid);
-        if let Some(s) = span {
-            upstream::set_header(&mut headers, "traceparent", &s.traceparent());
-        }
+        let traceparent = span.map(SpanGuard::traceparent);
+        let (uri, mut headers) =
+            upstream_head(out.headers, out.rid, traceparent.as_deref(), &self.worker.base, out.route)?;
         let rank = self.cand.holder.rank.0;
         let body = match self.worker.config.engine {
             // Only a multi-rank worker is told a rank; a body that already pins it (the planner
@@ -244,12 +242,6 @@ impl Attempt<'_> {
             }
             _ => out.body.clone(),
         };
-        headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
-        let uri = upstream::worker_uri(&self.worker.base, out.route.path()).map_err(|e| Failure {
-            class: cortex_sched::FailureClass::ServerError,
-            message: e.to_string(),
-            sent: false,
-        })?;
         upstream::send(&fw.client, uri, headers, body, fw.head_timeout).await
     }
 
@@ -261,6 +253,33 @@ impl Attempt<'_> {
         upstream::set_header(h, "x-cortex-match-mode", mode.as_str());
         upstream::set_header(h, "x-request-id", rid);
     }
+}
+
+/// The head of an attempt's upstream request, but for the rank pin: the worker's URI for
+/// `route`, and the client's end-to-end headers with the request id, the trace context (when the
+/// request is traced) and the JSON content type.
+///
+/// # Errors
+/// A [`Failure`] (not sent) when the worker's base URI and the route do not make a URI.
+pub fn upstream_head(
+    client: &HeaderMap,
+    rid: &str,
+    traceparent: Option<&str>,
+    base: &Uri,
+    route: Route,
+) -> Result<(Uri, HeaderMap), Failure> {
+    let mut headers = upstream::end_to_end(client);
+    upstream::set_header(&mut headers, "x-request-id", rid);
+    if let Some(t) = traceparent {
+        upstream::set_header(&mut headers, "traceparent", t);
+    }
+    headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    let uri = upstream::worker_uri_static(base, route.path()).map_err(|e| Failure {
+        class: cortex_sched::FailureClass::ServerError,
+        message: e.to_string(),
+        sent: false,
+    })?;
+    Ok((uri, headers))
 }
 
 /// What the alignment checks compare the response with.

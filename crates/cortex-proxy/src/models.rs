@@ -45,6 +45,10 @@ pub struct ModelRoute {
     vllm_hasher: Option<BlockHasher>,
     /// The tokenizer's largest token id.
     max_token_id: Token,
+    /// The namespace of this route's blocks and its root without a cache salt, derived once:
+    /// deriving them hashes a buffer built on the heap, which the request path does not pay.
+    ns: Namespace,
+    unsalted_root: SeqHash,
 }
 
 impl std::fmt::Debug for ModelRoute {
@@ -67,7 +71,9 @@ impl ModelRoute {
             HashRecipe::Vllm { algo, seed, extra_keys } => Some(BlockHasher::new(*algo, seed, *extra_keys)),
             HashRecipe::Sglang { .. } => None,
         };
-        ModelRoute { spec, lora, cache, vllm_hasher, max_token_id }
+        let ns = spec.profile.namespace(lora.as_ref().map(|(name, _)| name.as_str()));
+        let unsalted_root = ns.root(None);
+        ModelRoute { spec, lora, cache, vllm_hasher, max_token_id, ns, unsalted_root }
     }
 
     /// The largest token id a prompt may name (the tokenizer's vocabulary, added tokens
@@ -140,7 +146,7 @@ impl ModelRoute {
         if salt.is_some() && policy.cache_salt == ExtraKeyHandling::LoadOnly {
             return Err(TokenizeError::ExtraKeyNotReproduced("a cache salt"));
         }
-        Ok(self.spec.profile.namespace(self.lora()))
+        Ok(self.ns)
     }
 
     /// Cortex's identity of every full block of `tokens` (the ledger's keys), into `out`.
@@ -160,7 +166,9 @@ impl ModelRoute {
             // i*P ..= i*P + P, so its content is that window.
             HashRecipe::Sglang { bigram: Bigram::On, .. } => out.extend(ns.bigram_seq_hashes(salt, tokens)),
             _ => {
-                ns.extend_seq_hashes(ns.root(salt), tokens, out);
+                let root = if salt.is_none() { self.unsalted_root } else { ns.root(salt) };
+                out.reserve_exact(tokens.len() / self.block_size() as usize);
+                ns.extend_seq_hashes(root, tokens, out);
             }
         }
         Ok(())

@@ -48,7 +48,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::alignment::Prediction;
 use crate::error::{Body, ErrorFormat, ProxyError, refusal};
-use crate::forwarder::{Forwarder, Outgoing};
+use crate::forwarder::{Forwarder, Outgoing, upstream_head};
 use crate::observe::SpanGuard;
 use crate::planner::{PdPlan, RANK_HEADER};
 use crate::registry::WorkerRecord;
@@ -397,12 +397,10 @@ impl Driver<'_> {
         pin_sglang: bool,
         span: Option<&SpanGuard>,
     ) -> Option<LegRequest> {
-        let mut headers = upstream::end_to_end(self.out.headers);
-        upstream::set_header(&mut headers, "x-request-id", self.out.rid);
-        if let Some(s) = span {
-            upstream::set_header(&mut headers, "traceparent", &s.traceparent());
-        }
-        headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+        let traceparent = span.map(SpanGuard::traceparent);
+        let (uri, mut headers) =
+            upstream_head(self.out.headers, self.out.rid, traceparent.as_deref(), &w.base, self.out.route)
+                .ok()?;
         let body = match w.config.engine {
             Engine::Sglang if pin_sglang && w.dp_size() > 1 && self.out.facts.client_rank.is_none() => {
                 request::splice_routed_dp_rank(&body, holder.rank.0)
@@ -413,7 +411,6 @@ impl Driver<'_> {
             }
             _ => body,
         };
-        let uri = upstream::worker_uri(&w.base, self.out.route.path()).ok()?;
         Some(LegRequest {
             client: self.fw.client().clone(),
             uri,

@@ -44,6 +44,11 @@ pub fn client(connect_timeout: Duration) -> UpstreamClient {
 
 /// Headers that describe one hop (RFC 9110 §7.6.1, and the non-standard `proxy-connection`),
 /// never forwarded; `host` is the next hop's own.
+/// Headers the gateway adds to a message it copies with [`end_to_end`]: the request id, the trace
+/// context, the content type and the rank toward a worker; Cortex's five `x-cortex-*` toward the
+/// client.
+const ADDED_HEADERS: usize = 6;
+
 const HOP_BY_HOP: [&str; 10] = [
     "connection",
     "proxy-connection",
@@ -71,7 +76,9 @@ pub fn end_to_end(headers: &HeaderMap) -> HeaderMap {
         .map(str::trim)
         .filter(|n| !n.is_empty())
         .collect();
-    let mut out = HeaderMap::with_capacity(headers.len());
+    // Room for the headers the gateway adds (request id, trace context, content type, rank): the
+    // map is allocated once, never grown.
+    let mut out = HeaderMap::with_capacity(headers.len() + ADDED_HEADERS);
     for (k, v) in headers {
         if HOP_BY_HOP.contains(&k.as_str())
             || k == http::header::CONTENT_LENGTH
@@ -585,9 +592,21 @@ pub fn find_usage(tail: &[u8], sse: bool) -> Option<Completion> {
 /// # Errors
 /// [`ProxyError::Internal`] if the result is not a valid URI.
 pub fn worker_uri(base: &Uri, path_and_query: &str) -> Result<Uri, ProxyError> {
+    let path = path_and_query.parse().map_err(|e| ProxyError::Internal(format!("bad upstream path: {e}")))?;
+    with_path(base, path)
+}
+
+/// `base` with the path `path` (a route's, known at compile time: nothing is parsed or copied).
+///
+/// # Errors
+/// [`ProxyError::Internal`] when `base` and the path do not make a URI.
+pub fn worker_uri_static(base: &Uri, path: &'static str) -> Result<Uri, ProxyError> {
+    with_path(base, http::uri::PathAndQuery::from_static(path))
+}
+
+fn with_path(base: &Uri, path: http::uri::PathAndQuery) -> Result<Uri, ProxyError> {
     let mut parts = base.clone().into_parts();
-    parts.path_and_query =
-        Some(path_and_query.parse().map_err(|e| ProxyError::Internal(format!("bad upstream path: {e}")))?);
+    parts.path_and_query = Some(path);
     Uri::from_parts(parts).map_err(|e| ProxyError::Internal(format!("bad upstream uri: {e}")))
 }
 

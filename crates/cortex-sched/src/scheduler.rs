@@ -299,8 +299,7 @@ impl<S: Scorer> Scheduler<S> {
             };
             let booked = rs.booked_requests();
             let mut active = booked;
-            // Through i64: a single conversion instruction (backlogs are far below 2^63 ns).
-            let mut queue_ms = rs.prefill_backlog_ns(now).min(i64::MAX as u64) as i64 as f64 * 1e-6;
+            let mut queue_ms = crate::state::u64_to_f64(rs.prefill_backlog_ns(now)) * 1e-6;
             let own = rs.booked_prefill_tokens();
             let mut queue_tokens = own;
             let capacity = slot.capacity;
@@ -327,11 +326,13 @@ impl<S: Scorer> Scheduler<S> {
                 // A holder whose requests are on average past the first token estimated at
                 // their dispatch is behind its estimate (stalled, or slower than learned so
                 // far): the next request waits at least that much longer too.
-                let late = rs.unanswered_lateness(now).as_secs_f64();
-                if late > 0.0 && est.secs_per_token > 0.0 {
+                // In nanoseconds: no `Duration` built and taken apart per holder.
+                let late_ns = rs.unanswered_lateness_ns(now);
+                if late_ns > 0 && est.secs_per_token > 0.0 {
+                    let late = crate::state::u64_to_f64(late_ns) * 1e-9;
                     queue_tokens = queue_tokens.saturating_add((late / est.secs_per_token) as u64);
                 }
-                queue_ms = est.secs_per_token * queue_tokens as f64 * 1e3;
+                queue_ms = est.secs_per_token * crate::state::u64_to_f64(queue_tokens) * 1e3;
             }
             if excluded.is_none() {
                 admissible += 1;
@@ -366,8 +367,8 @@ impl<S: Scorer> Scheduler<S> {
     ///
     /// Only the first [`RANKED`] admissible candidates are put in order (what a proxy can use:
     /// the first and its retries); the rest follow in no particular order until
-    /// [`Ranking::sort_all`] (the debug view) orders them. Selecting them is O(n); a full sort
-    /// was a sixth of a 64-holder decision.
+    /// [`Ranking::sort_all`] (the debug view) orders them (see [`top_sorted`]; a full sort was a
+    /// sixth of a 64-holder decision).
     fn order(out: &mut Ranking) {
         out.order.clear();
         for (i, c) in out.candidates.iter().enumerate() {
@@ -383,8 +384,7 @@ impl<S: Scorer> Scheduler<S> {
         }
         let ranked = &mut out.order[..admissible];
         if ranked.len() > RANKED {
-            ranked.select_nth_unstable(RANKED - 1);
-            ranked[..RANKED].sort_unstable();
+            top_sorted(ranked);
         } else {
             ranked.sort_unstable();
         }
@@ -724,5 +724,61 @@ impl<S: Scorer> Scheduler<S> {
         self.rendezvous(req.prefix[idx].to_bits(), out);
         out.mode = MatchMode::LoadAware;
         out.reason = Some(FallbackReason::Policy);
+    }
+}
+
+/// Puts the [`RANKED`] smallest keys of `keys` (more than `RANKED`), sorted, in its first
+/// `RANKED` slots; the others follow in no particular order. The first `RANKED` are sorted, then
+/// each later key that beats the worst of them is inserted in place and the worst takes its
+/// slot: one comparison for most keys, O(n·RANKED) at worst.
+fn top_sorted(keys: &mut [u64]) {
+    let (top, rest) = keys.split_at_mut(RANKED);
+    top.sort_unstable();
+    for k in rest.iter_mut() {
+        if *k >= top[RANKED - 1] {
+            continue;
+        }
+        let key = std::mem::replace(k, top[RANKED - 1]);
+        let mut p = RANKED - 1;
+        while p > 0 && top[p - 1] > key {
+            top[p] = top[p - 1];
+            p -= 1;
+        }
+        top[p] = key;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_sorted_keeps_the_smallest_in_order_and_every_key() {
+        let mut orders: Vec<Vec<u64>> = vec![
+            (0..64).collect(),
+            (0..64).rev().collect(),
+            (0..40).map(|i| i % 5).collect(),
+            (0..RANKED as u64 + 1).rev().collect(),
+        ];
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        for n in [17usize, 64, 512] {
+            orders.push(
+                (0..n)
+                    .map(|_| {
+                        x = mix(x);
+                        x % 1000
+                    })
+                    .collect(),
+            );
+        }
+        for keys in orders {
+            let mut want = keys.clone();
+            want.sort_unstable();
+            let mut got = keys.clone();
+            top_sorted(&mut got);
+            assert_eq!(&got[..RANKED], &want[..RANKED], "{keys:?}");
+            got.sort_unstable();
+            assert_eq!(got, want, "a permutation of {keys:?}");
+        }
     }
 }

@@ -206,8 +206,8 @@ impl RankState {
     pub(crate) fn estimate(&self) -> Estimate {
         // Relaxed: see `publish`.
         Estimate {
-            overhead_s: self.est_overhead_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-            secs_per_token: self.est_ps_per_token.load(Ordering::Relaxed) as f64 * 1e-12,
+            overhead_s: u64_to_f64(self.est_overhead_ns.load(Ordering::Relaxed)) * 1e-9,
+            secs_per_token: u64_to_f64(self.est_ps_per_token.load(Ordering::Relaxed)) * 1e-12,
         }
     }
 
@@ -246,19 +246,19 @@ impl RankState {
         self.booked_prefill_tokens.load(Ordering::Relaxed)
     }
 
-    /// How late, on average at `now`, this gateway's bookings without a first token are: past
-    /// twice the time to first token estimated at their dispatch, plus a second (zero when on
-    /// time or none are outstanding).
+    /// How late, in nanoseconds, on average at `now`, this gateway's bookings without a first
+    /// token are: past twice the time to first token estimated at their dispatch, plus a second
+    /// (zero when on time or none are outstanding).
     #[inline]
-    pub(crate) fn unanswered_lateness(&self, now: Timestamp) -> Duration {
+    pub(crate) fn unanswered_lateness_ns(&self, now: Timestamp) -> u64 {
         // Relaxed (both): an estimate; the two loads may straddle a booking, which moves the
         // mean by one request's share at most.
         let n = self.unanswered.load(Ordering::Relaxed);
         if n == 0 {
-            return Duration::ZERO;
+            return 0;
         }
         let mean_due = self.unanswered_due_sum_ns.load(Ordering::Relaxed) / u64::from(n);
-        Duration::from_nanos(now.as_nanos().saturating_sub(mean_due))
+        now.as_nanos().saturating_sub(mean_due)
     }
 
     /// Blocks its cache holds, as the ledger last counted them.
@@ -783,6 +783,15 @@ impl Drop for Booking {
     }
 }
 
+/// `x` as `f64` through `i64`: one conversion instruction where `u64 as f64` takes a branchy
+/// sequence (the decision converts a few per holder). Saturates at `i64::MAX`, far beyond any
+/// count or duration it converts.
+#[inline]
+#[must_use]
+pub(crate) fn u64_to_f64(x: u64) -> f64 {
+    x.min(i64::MAX as u64) as i64 as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -843,13 +852,13 @@ mod tests {
     fn unanswered_bookings_are_late_past_their_estimated_first_token() {
         let s = state(HealthPolicy::default());
         let r = s.rank_state(DpRank(0)).expect("rank");
-        assert_eq!(r.unanswered_lateness(ms(5)), Duration::ZERO);
+        assert_eq!(r.unanswered_lateness_ns(ms(5)), 0);
         // At the prior (10 ms + 0.1 ms per token), due after twice the estimate and a second:
         // at 2·(10 + 30) + 1,000 = 1,080 ms and at 100 + 2·10 + 1,000 = 1,120 ms.
         let mut a = Booking::new(s.clone(), holder(0), 300, 0, 10_000, ms(0)).expect("rank");
         let b = Booking::new(s.clone(), holder(0), 0, 0, 10_000, ms(100)).expect("rank");
         // (Milliseconds: the estimate's seconds are floating point.)
-        let late = |at| r.unanswered_lateness(ms(at)).as_millis();
+        let late = |at| r.unanswered_lateness_ns(ms(at)) / 1_000_000;
         assert_eq!(late(1_090), 0, "on time on average");
         // At 2 s: 920 and 880 ms late, 900 on average.
         assert_eq!(late(2_000), 900);
@@ -858,7 +867,7 @@ mod tests {
         assert_eq!(late(2_000), 880);
         drop(b);
         drop(a);
-        assert_eq!(r.unanswered_lateness(ms(3_000)), Duration::ZERO);
+        assert_eq!(r.unanswered_lateness_ns(ms(3_000)), 0);
     }
 
     #[test]

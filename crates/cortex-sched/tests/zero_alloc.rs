@@ -3,54 +3,13 @@
 //! decision, booking, first token and completion, for every policy but `manual` (whose sticky
 //! map inserts a key per new routing key, by design).
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+mod counting;
 
 use cortex_hash::kv::{DpRank, HolderId, WorkerId};
 use cortex_hash::{Engine, SeqHash};
 use cortex_radix::{Overlap, OverlapScores};
 use cortex_sched::*;
-
-struct Counting;
-
-thread_local! {
-    static ALLOCS: Cell<u64> = const { Cell::new(0) };
-}
-
-// SAFETY: defers to the system allocator; only counts calls on the current thread.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as ours.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: same contract as ours.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        let _ = ALLOCS.try_with(|c| c.set(c.get() + 1));
-        // SAFETY: same contract as ours.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
-
-fn allocations<R>(f: impl FnOnce() -> R) -> (R, u64) {
-    let before = ALLOCS.with(Cell::get);
-    let r = f();
-    (r, ALLOCS.with(Cell::get) - before)
-}
-
-#[test]
-fn the_counter_sees_allocations() {
-    let (v, n) = allocations(|| vec![1u8; 10]);
-    assert_eq!((v.len(), n), (10, 1));
-}
+use counting::allocations;
 
 #[test]
 fn decision_path_allocates_nothing() {

@@ -1,7 +1,8 @@
 //! A closed-loop HTTP/1.1 load generator: `concurrency` keep-alive connections, each sending
 //! the next request as soon as the previous answer's body has been read, until `requests`
 //! answers are in. Latency is measured per request from just before the request is handed to
-//! the connection to the last byte of the body.
+//! the connection to the last byte of the body (the body is made before that: a never-seen
+//! prompt costs the generator, not the measured request).
 //!
 //! Key decision: one generator for every target, on its own single-threaded runtime, so that
 //! what differs between targets is the target alone. Raw `hyper::client::conn::http1`
@@ -9,7 +10,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -69,8 +70,35 @@ pub fn quantile(sorted: &[u64], q: f64) -> u64 {
 pub struct Probe {
     /// Path, e.g. `/v1/completions`.
     pub path: String,
-    /// JSON body.
+    /// JSON body (the first one, for [`Bodies::NeverSeen`]).
     pub body: Bytes,
+    /// Whether every request sends that body or a new one.
+    pub bodies: Bodies,
+}
+
+/// What each request of a [`Probe`] sends.
+#[derive(Debug, Clone)]
+pub enum Bodies {
+    /// The same body every time (a gateway's caches answer it after the first).
+    Repeated,
+    /// A body never sent before: `make(n)` for a number `n` taken from one process-wide counter,
+    /// so no two requests of the process (of any target, round or warm-up) carry the same body.
+    NeverSeen(fn(u64) -> Bytes),
+}
+
+/// The process-wide counter behind [`Bodies::NeverSeen`].
+static NEXT_BODY: AtomicU64 = AtomicU64::new(0);
+
+impl Probe {
+    /// The body of the next request.
+    #[must_use]
+    pub fn next_body(&self) -> Bytes {
+        match self.bodies {
+            Bodies::Repeated => self.body.clone(),
+            // Relaxed: a unique number is all that is needed; no other memory depends on it.
+            Bodies::NeverSeen(make) => make(NEXT_BODY.fetch_add(1, Ordering::Relaxed)),
+        }
+    }
 }
 
 async fn connect(addr: SocketAddr) -> Result<SendRequest<Full<Bytes>>> {
@@ -87,7 +115,7 @@ fn request(addr: SocketAddr, probe: &Probe) -> Result<http::Request<Full<Bytes>>
     Ok(http::Request::post(probe.path.as_str())
         .header(http::header::HOST, addr.to_string())
         .header(http::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(probe.body.clone()))?)
+        .body(Full::new(probe.next_body()))?)
 }
 
 /// One request on `sender`; `Ok(true)` for a 200 with a body.

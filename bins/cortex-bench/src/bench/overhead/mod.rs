@@ -19,7 +19,7 @@ use anyhow::{Context, Result, bail};
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use loadgen::Probe;
+use loadgen::{Bodies, Probe};
 
 /// Settings of one overhead run.
 #[derive(Debug, Clone)]
@@ -39,15 +39,56 @@ pub struct Options {
 /// The target names, in the order of the report.
 pub const TARGETS: [&str; 4] = ["direct", "passthrough", "cortex", "sglang_router"];
 
+/// The small request's question, after its first sentence.
+const QUESTION: &str = "Answer in one short sentence, without lists or code: what does a key-value cache store for a \
+     transformer model while it generates text?";
+
 /// The small request: a short `/v1/completions` prompt (about 40 tokens), 4 output tokens,
-/// non-streaming.
+/// non-streaming, the same every time.
 #[must_use]
 pub fn probe() -> Probe {
-    let prompt = "You are a helpful assistant. Answer in one short sentence, without lists or code: \
-                  what does a key-value cache store for a transformer model while it generates text?";
-    let body = json!({"model": targets::MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0});
-    Probe { path: "/v1/completions".to_owned(), body: Bytes::from(body.to_string()) }
+    let prompt = format!("You are a helpful assistant. {QUESTION}");
+    Probe { path: "/v1/completions".to_owned(), body: completion(&prompt), bodies: Bodies::Repeated }
 }
+
+/// The same request with a prompt never seen: its first sentence is four words that spell the
+/// request's number, so no two requests share a prompt, or even a first 16-token block, while
+/// every prompt stays in [`probe`]'s length class (the same question, 41 tokens against 40).
+#[must_use]
+pub fn never_seen_probe() -> Probe {
+    Probe {
+        path: "/v1/completions".to_owned(),
+        body: never_seen_body(0),
+        bodies: Bodies::NeverSeen(never_seen_body),
+    }
+}
+
+/// Words the number of a never-seen prompt is spelled in (64, one token each in Qwen3's
+/// vocabulary with their leading space).
+const WORDS: [&str; 64] = [
+    "apple", "river", "stone", "cloud", "green", "house", "music", "paper", "light", "table", "water",
+    "bread", "chair", "plant", "glass", "train", "horse", "money", "night", "phone", "sugar", "storm",
+    "dream", "field", "heart", "metal", "ocean", "pilot", "queen", "radio", "sheep", "tiger", "uncle",
+    "voice", "whale", "youth", "zebra", "angle", "beach", "candy", "dance", "earth", "fruit", "ghost",
+    "honey", "index", "juice", "knife", "lemon", "mouse", "nurse", "olive", "piano", "quilt", "robot",
+    "salad", "tooth", "union", "video", "wheel", "yacht", "amber", "bench", "coral",
+];
+
+/// The body of never-seen request number `n` (unique for `n` below 64⁴, about 16.8 million).
+#[must_use]
+pub fn never_seen_body(n: u64) -> Bytes {
+    let word = |k: u32| WORDS[usize::try_from((n >> (6 * k)) & 63).unwrap_or(0)];
+    let prompt = format!("Request {} {} {} {}. {QUESTION}", word(3), word(2), word(1), word(0));
+    completion(&prompt)
+}
+
+fn completion(prompt: &str) -> Bytes {
+    let body = json!({"model": targets::MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0});
+    Bytes::from(body.to_string())
+}
+
+/// The prompt variants, in the order of the report: the repeated prompt and a never-seen one.
+pub const PROMPTS: [&str; 2] = ["repeated", "never_seen"];
 
 /// Runs the benchmark and returns its raw results (per target, per concurrency, per round).
 ///
@@ -96,29 +137,35 @@ pub fn run(root: &Path, opts: &Options, log_dir: &Path) -> Result<Value> {
             bail!("Cortex's answer has no x-cortex-assigned-worker header");
         }
     }
+    let probes = [probe.clone(), never_seen_probe()];
     let mut levels = Vec::new();
     for &c in &opts.concurrency {
-        let mut per: Vec<(String, Vec<Value>)> =
-            addrs.iter().map(|(n, _, _)| ((*n).to_owned(), Vec::new())).collect();
+        // Every (prompt, target) pair takes its turn in every round, the order rotated per round.
+        let pairs: Vec<(usize, usize)> =
+            (0..probes.len()).flat_map(|p| (0..addrs.len()).map(move |t| (p, t))).collect();
+        let mut per: Vec<Vec<Value>> = vec![Vec::new(); pairs.len()];
         for round in 0..opts.rounds {
-            let n = addrs.len();
+            let n = pairs.len();
             for k in 0..n {
                 let i = (k + round) % n;
-                let (name, addr, threads) = &addrs[i];
-                let r = rt.block_on(loadgen::run(*addr, &probe, c, opts.warmup, opts.requests, threads))?;
+                let (p, t) = pairs[i];
+                let (name, addr, threads) = &addrs[t];
+                let r =
+                    rt.block_on(loadgen::run(*addr, &probes[p], c, opts.warmup, opts.requests, threads))?;
                 if r.errors > 0 {
                     bail!("{name}: {} of {} requests failed at concurrency {c}", r.errors, opts.requests);
                 }
                 eprintln!(
-                    "bench overhead: c={c} round {}/{} {name:<13} p50 {:>7.1} µs  p99 {:>7.1} µs  {:>7.0} req/s  CPU {:>6.1} µs/req",
+                    "bench overhead: c={c} round {}/{} {:<10} {name:<13} p50 {:>7.1} µs  p99 {:>7.1} µs  {:>7.0} req/s  CPU {:>6.1} µs/req",
                     round + 1,
                     opts.rounds,
+                    PROMPTS[p],
                     r.quantile(0.5) as f64 / 1e3,
                     r.quantile(0.99) as f64 / 1e3,
                     r.rps(),
                     r.cpu_per_request_ns() / 1e3,
                 );
-                per[i].1.push(json!({
+                per[i].push(json!({
                     "p50_ns": r.quantile(0.5),
                     "p99_ns": r.quantile(0.99),
                     "rps": r.rps(),
@@ -126,9 +173,17 @@ pub fn run(root: &Path, opts: &Options, log_dir: &Path) -> Result<Value> {
                 }));
             }
         }
-        let targets: serde_json::Map<String, Value> =
-            per.into_iter().map(|(n, rounds)| (n, Value::Array(rounds))).collect();
-        levels.push(json!({"concurrency": c, "targets": targets}));
+        let mut prompts = serde_json::Map::new();
+        for (p, prompt) in PROMPTS.iter().enumerate() {
+            let targets: serde_json::Map<String, Value> = pairs
+                .iter()
+                .zip(&per)
+                .filter(|((q, _), _)| *q == p)
+                .map(|((_, t), rounds)| (addrs[*t].0.to_owned(), Value::Array(rounds.clone())))
+                .collect();
+            prompts.insert((*prompt).to_owned(), json!({"targets": targets}));
+        }
+        levels.push(json!({"concurrency": c, "prompts": prompts}));
     }
     drop(sglang);
     drop(cortex);
@@ -136,6 +191,7 @@ pub fn run(root: &Path, opts: &Options, log_dir: &Path) -> Result<Value> {
     sim.shutdown();
     Ok(json!({
         "request": {"path": probe.path, "body": String::from_utf8_lossy(&probe.body)},
+        "never_seen_example": String::from_utf8_lossy(&probes[1].body),
         "rounds": opts.rounds,
         "requests": opts.requests,
         "warmup": opts.warmup,
@@ -193,7 +249,7 @@ pub struct TargetSummary {
     pub vs_passthrough: Option<f64>,
 }
 
-/// Summarizes one level of [`run`]'s output.
+/// Summarizes one prompt variant of one level of [`run`]'s output (`level["prompts"][variant]`).
 #[must_use]
 pub fn summarize(level: &Value) -> Vec<TargetSummary> {
     let series = |name: &str, key: &str| -> Vec<f64> {
@@ -240,6 +296,29 @@ pub fn summarize(level: &Value) -> Vec<TargetSummary> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn never_seen_bodies_differ_from_the_first_word_and_keep_the_length_class() {
+        let prompt =
+            |b: &Bytes| serde_json::from_slice::<Value>(b).unwrap()["prompt"].as_str().unwrap().to_owned();
+        let repeated = prompt(&probe().body);
+        let bodies: Vec<String> = [0, 1, 64, 4096, 262_144, 64u64.pow(4) - 1]
+            .iter()
+            .map(|&n| prompt(&never_seen_body(n)))
+            .collect();
+        for (i, a) in bodies.iter().enumerate() {
+            assert!(a.ends_with(QUESTION) && a.len().abs_diff(repeated.len()) <= 16, "{a}");
+            for b in &bodies[i + 1..] {
+                assert_ne!(
+                    a.split(' ').take(5).collect::<Vec<_>>(),
+                    b.split(' ').take(5).collect::<Vec<_>>()
+                );
+            }
+        }
+        let p = never_seen_probe();
+        assert_ne!(p.next_body(), p.next_body());
+        assert_eq!(probe().next_body(), probe().body);
+    }
 
     #[test]
     fn spreads_and_per_round_differences() {
