@@ -19,6 +19,11 @@
 //! - **Looked up by the chain's first block**: requests share a prefix only if they share its
 //!   first block, and by the chain property the longest common prefix of two chains is found by
 //!   a binary search on equality. The decision path locks one mutex and allocates nothing.
+//! - **Bounded work per decision**: the same chain sent to the same holder again (a repeated
+//!   prompt) shares one entry, counted by its bookings, and a first block keeps at most
+//!   [`MAX_PER_FIRST`] entries (the oldest whose first token came go first), so a decision scans a
+//!   bounded list whatever the request rate. An entry dropped that way only makes the estimate
+//!   forget a prefix in flight; its bookings' later calls find nothing and do nothing.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -36,13 +41,24 @@ pub const GRACE: Duration = Duration::from_secs(2);
 /// Entries kept at most; beyond, expired ones are swept, then the oldest dropped.
 pub const MAX_ENTRIES: usize = 16_384;
 
+/// Entries kept at most per first block (distinct chains or holders): what a decision scans.
+pub const MAX_PER_FIRST: usize = 32;
+
 #[derive(Debug)]
 struct Entry {
     id: u64,
     holder: HolderId,
     chain: Arc<[SeqHash]>,
-    /// `None` while the request has no first token.
+    /// Bookings of this chain on this holder still waiting for their first token.
+    waiting: u32,
+    /// When the last first token's grace ends; `None` before any first token.
     expires: Option<Timestamp>,
+}
+
+impl Entry {
+    fn live(&self, now: Timestamp) -> bool {
+        self.waiting > 0 || self.expires.is_none_or(|t| t > now)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -111,31 +127,54 @@ impl PendingPrefixes {
         if g.len >= MAX_ENTRIES {
             sweep(&mut g, now);
         }
-        g.next += 1;
-        let id = g.next;
         let list = g.by_first.entry(first).or_default();
         let before = list.len();
-        list.retain(|e| e.expires.is_none_or(|t| t > now));
-        let swept = before - list.len();
-        list.push(Entry { id, holder, chain, expires: None });
-        g.len = g.len + 1 - swept;
+        list.retain(|e| e.live(now));
+        let mut removed = before - list.len();
+        // By the chain property, equal lengths and equal last blocks are equal chains.
+        let same = list
+            .iter_mut()
+            .find(|e| e.holder == holder && e.chain.len() == chain.len() && e.chain.last() == chain.last());
+        if let Some(e) = same {
+            e.waiting += 1;
+            let id = e.id;
+            g.len -= removed;
+            return Some(PendingKey { first, id });
+        }
+        if list.len() >= MAX_PER_FIRST {
+            // The oldest whose first token came (its blocks are being announced), else the oldest.
+            let victim = list.iter().position(|e| e.waiting == 0).unwrap_or(0);
+            list.remove(victim);
+            removed += 1;
+        }
+        let id = g.next + 1;
+        let list = g.by_first.entry(first).or_default();
+        list.push(Entry { id, holder, chain, waiting: 1, expires: None });
+        g.next = id;
+        g.len = g.len + 1 - removed;
         Some(PendingKey { first, id })
     }
 
-    /// The entry's request had its first token: it stays for [`GRACE`] more.
+    /// A booking of the entry had its first token: the entry stays for [`GRACE`] more once no
+    /// other booking of it waits.
     pub(crate) fn expire(&self, key: PendingKey, now: Timestamp) {
         let mut g = self.lock();
         if let Some(e) = g.by_first.get_mut(&key.first).and_then(|l| l.iter_mut().find(|e| e.id == key.id)) {
+            e.waiting = e.waiting.saturating_sub(1);
             e.expires = Some(now.saturating_add(GRACE));
         }
     }
 
-    /// The entry's request ended without a first token: it is gone at once.
+    /// A booking of the entry ended without a first token: the entry is gone at once unless
+    /// another booking waits or had its first token.
     pub(crate) fn remove(&self, key: PendingKey) {
         let mut g = self.lock();
         let Some(list) = g.by_first.get_mut(&key.first) else { return };
         let before = list.len();
-        list.retain(|e| e.id != key.id);
+        if let Some(e) = list.iter_mut().find(|e| e.id == key.id) {
+            e.waiting = e.waiting.saturating_sub(1);
+        }
+        list.retain(|e| e.id != key.id || e.waiting > 0 || e.expires.is_some());
         let removed = before - list.len();
         if list.is_empty() {
             g.by_first.remove(&key.first);
@@ -151,7 +190,7 @@ impl PendingPrefixes {
         let g = self.lock();
         let Some(list) = g.by_first.get(&first.to_bits()) else { return 0 };
         let mut n = 0;
-        for e in list.iter().filter(|e| e.expires.is_none_or(|t| t > now)) {
+        for e in list.iter().filter(|e| e.live(now)) {
             let blocks = shared_blocks(seq, &e.chain) as u32;
             if blocks == 0 {
                 continue;
@@ -181,7 +220,7 @@ impl PendingPrefixes {
 /// oldest) until half the room is free.
 fn sweep(g: &mut Inner, now: Timestamp) {
     for list in g.by_first.values_mut() {
-        list.retain(|e| e.expires.is_none_or(|t| t > now));
+        list.retain(|e| e.live(now));
     }
     g.by_first.retain(|_, l| !l.is_empty());
     g.len = g.by_first.values().map(Vec::len).sum();
@@ -249,6 +288,46 @@ mod tests {
         let mut out = [(h(0), 0); 4];
         assert_eq!(p.matches(&chain(1, 20), ms(1), &mut out), 0);
         assert!(p.insert(h(1), Arc::from(Vec::new()), ms(0)).is_none(), "an empty chain is not recorded");
+    }
+
+    #[test]
+    fn a_repeated_prompt_shares_one_entry_until_its_last_booking_is_done() {
+        let p = PendingPrefixes::new();
+        let keys: Vec<_> = (0..1_000).map(|_| p.insert(h(1), chain(1, 20), ms(0)).unwrap()).collect();
+        assert_eq!(p.len(), 1, "one chain on one holder is one entry");
+        let mut out = [(h(0), 0); 4];
+        // All but one end without a first token: the last one still waits.
+        for k in &keys[1..] {
+            p.remove(*k);
+        }
+        assert_eq!(p.matches(&chain(1, 20), ms(5), &mut out), 1);
+        p.expire(keys[0], ms(10));
+        assert_eq!(p.matches(&chain(1, 20), ms(10), &mut out), 1, "within its grace");
+        assert_eq!(p.matches(&chain(1, 20), ms(10).saturating_add(GRACE), &mut out), 0);
+        // A booking that ends without a first token after another had one keeps the grace.
+        let a = p.insert(h(2), chain(2, 8), ms(0)).unwrap();
+        let b = p.insert(h(2), chain(2, 8), ms(0)).unwrap();
+        p.expire(a, ms(1));
+        p.remove(b);
+        assert_eq!(p.matches(&chain(2, 8), ms(2), &mut out), 1);
+    }
+
+    #[test]
+    fn a_decision_scans_a_bounded_list() {
+        let p = PendingPrefixes::new();
+        // Distinct chains sharing their first block (a system prompt, unique questions).
+        let shared = |i: u64| -> Arc<[SeqHash]> {
+            let mut c = chain(7, 1).to_vec();
+            c.extend((0..3).map(|j| SeqHash::from_bits(5_000_000 + i * 10 + j)));
+            c.into()
+        };
+        for i in 0..1_000 {
+            p.insert(h((i % 4) as u32), shared(i), ms(0)).unwrap();
+        }
+        assert_eq!(p.len(), MAX_PER_FIRST);
+        let mut out = [(h(0), 0); 8];
+        assert_eq!(p.matches(&shared(999), ms(1), &mut out), 4, "every holder still has the shared block");
+        assert!(out[..4].iter().any(|&(w, b)| w == h(3) && b == 4), "the newest chain is kept whole");
     }
 
     #[test]
