@@ -42,13 +42,13 @@ pub fn client(connect_timeout: Duration) -> UpstreamClient {
         .build(connector)
 }
 
-/// Headers that describe one hop (RFC 9110 §7.6.1, and the non-standard `proxy-connection`),
-/// never forwarded; `host` is the next hop's own.
 /// Headers the gateway adds to a message it copies with [`end_to_end`]: the request id, the trace
 /// context, the content type and the rank toward a worker; Cortex's five `x-cortex-*` toward the
 /// client.
 const ADDED_HEADERS: usize = 6;
 
+/// Headers that describe one hop (RFC 9110 §7.6.1, and the non-standard `proxy-connection`),
+/// never forwarded; `host` is the next hop's own.
 const HOP_BY_HOP: [&str; 10] = [
     "connection",
     "proxy-connection",

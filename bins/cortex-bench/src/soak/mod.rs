@@ -172,12 +172,6 @@ pub fn cli(root: &Path, args: &Args) -> Result<ExitCode> {
     }
 }
 
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_default()
-}
-
 fn gateway_yaml(root: &Path, public: SocketAddr, sims: &[Sim], budget_kib: u64) -> String {
     let qwen = root.join("golden/models/qwen3");
     let mut yaml = format!("listen: '{public}'\nmodels:\n");
@@ -254,7 +248,7 @@ fn wait_all_ready(public: SocketAddr, names: &[String], deadline: Duration) -> R
 
 #[allow(clippy::print_stderr, clippy::too_many_lines)]
 fn soak(root: &Path, bins: &Path, out: &Path, args: &Args) -> Result<Value> {
-    let load_before = load_average();
+    let load_before = crate::bench::machine::load_average();
     let sim_args: Vec<String> = ["--speed", "0", "--block-size", "16", "--capacity-blocks"]
         .iter()
         .map(|s| (*s).to_owned())
@@ -338,7 +332,7 @@ fn soak(root: &Path, bins: &Path, out: &Path, args: &Args) -> Result<Value> {
     let metrics = scrape(public).unwrap_or_default();
     let mut gateway = gateway;
     let gateway_exit = gateway.child.try_wait().ok().flatten();
-    let load_after = load_average();
+    let load_after = crate::bench::machine::load_average();
     let samples = samples.lock().map(|s| s.clone()).unwrap_or_default();
     write_samples(&out.join("samples.csv"), &samples)?;
 
@@ -659,12 +653,12 @@ fn summary(r: &Value) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "requests {} answered in {:.0} s ({:.0} req/s); load average {} → {}",
+        "requests {} answered in {:.0} s ({:.0} req/s); load average {:.2} → {:.2}",
         r["answered"],
         f(&r["duration_s"]),
         f(&r["requests_per_s"]),
-        r["machine"]["load_average_before"].as_str().unwrap_or("?"),
-        r["machine"]["load_average_after"].as_str().unwrap_or("?"),
+        f(&r["machine"]["load_average_before"]),
+        f(&r["machine"]["load_average_after"]),
     );
     let m = &r["rss_mib"];
     let _ = writeln!(
