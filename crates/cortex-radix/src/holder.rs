@@ -251,6 +251,13 @@ impl EngineMap {
         }
     }
 
+    /// Sets the entries the map is sized for (it grows by doubling up to the size that holds
+    /// them at 4/5 load, then by quarters): a holder limited by the byte budget below its
+    /// capacity sizes for its budget share, so its map never holds twice the slots it may use.
+    pub(crate) fn set_target(&mut self, entries: usize) {
+        self.target = (entries + entries / 4).max(16);
+    }
+
     /// Shrinks to the smallest size that holds `n` entries at 4/5 load (never below the
     /// entries present).
     pub(crate) fn shrink_to(&mut self, n: usize) {

@@ -39,13 +39,22 @@ const _: () = assert!(GROUPS == (MAX_HOLDERS / GROUP) as usize);
 /// Runs a query looks up ahead (in the head table only) before it reads them.
 const PATH: usize = 16;
 
-/// The bytes per (holder, block) that [`LedgerConfig::byte_budget`] is converted to blocks with:
-/// about two and a half times what a block costs at the structures' usual load (35–40 B in the §4 benchmark, up
-/// to ~80 B in the soak, whose deterministic holders also fill the cross-holder index), so that
-/// the budget holds with load factors at their worst. Converting to blocks once, rather than
-/// evicting while measured bytes exceed the budget, cannot thrash: arrays that have not shrunk
-/// yet never make the ledger evict again.
+/// The bytes per (holder, block), besides the runs' own allocations, that
+/// [`LedgerConfig::byte_budget`] is converted to blocks with: about two and a half times what a
+/// holder's entry and its share of the head table, the holder's run records and the deterministic
+/// index cost at the structures' usual load, so that the budget holds with load factors at their
+/// worst. The runs are charged as they are: the conversion adds the live runs' bytes and the
+/// holders' records of them per (holder, block) — a few bytes where prompts share long chains,
+/// ~80 B where every request stores a short suffix of its own, up to a whole run where holders
+/// keep only a run's head.
+/// Converting to blocks rather than evicting while measured bytes exceed the budget cannot
+/// thrash: arrays that have not shrunk yet never make the ledger evict again, and run bytes fall
+/// with the blocks evicted (a run is freed with its last block).
 pub const BUDGET_BYTES_PER_BLOCK: usize = 96;
+
+/// What a holder's record of a run it has blocks of costs at worst (a 33-byte hash map bucket at
+/// 7/16 load, the least before the map doubles), charged with the runs.
+const RUN_RECORD_BYTES: u128 = 76;
 
 /// Ledger-wide settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -271,6 +280,8 @@ struct Counters {
     run_blocks: StdAtomicU64,
     private_bytes: StdAtomicUsize,
     blocks: StdAtomicU64,
+    /// (holder, run) records: the runs each holder has blocks of.
+    holder_runs: StdAtomicU64,
     countable: StdAtomicU64,
     orphans: StdAtomicU64,
     capacity: StdAtomicU64,
@@ -817,11 +828,17 @@ impl LedgerShared {
     }
 
     /// The most blocks a holder of capacity `cap` may keep under the byte budget: its
-    /// capacity-proportional share of `byte_budget / BUDGET_BYTES_PER_BLOCK` blocks.
+    /// capacity-proportional share of the budget, at [`BUDGET_BYTES_PER_BLOCK`] plus the live
+    /// runs' bytes and their holders' records of them per (holder, block) each.
     fn budget_blocks(&self, cap: u32) -> usize {
-        let allowed = (self.cfg.byte_budget / BUDGET_BYTES_PER_BLOCK) as u128;
-        // Relaxed: a statistics counter; nothing is published through it.
-        let total_cap = self.counters.capacity.load(StdOrdering::Relaxed).max(1);
+        // Relaxed: statistics counters; nothing is published through them.
+        let r = StdOrdering::Relaxed;
+        let blocks = self.counters.blocks.load(r).max(1) as u128;
+        let runs = self.counters.run_bytes.load(r) as u128
+            + RUN_RECORD_BYTES * u128::from(self.counters.holder_runs.load(r));
+        let per_block = BUDGET_BYTES_PER_BLOCK as u128 + runs / blocks;
+        let allowed = self.cfg.byte_budget as u128 / per_block;
+        let total_cap = self.counters.capacity.load(r).max(1);
         (allowed * u128::from(cap) / u128::from(total_cap)) as usize
     }
 }

@@ -12,9 +12,9 @@
 //!   agree at position j agree at every position before it) and, on a mismatch, finds the
 //!   divergence by binary search.
 //! - **Runs grow at their tail.** A store that continues a run's last block appends to it while
-//!   it has room (capacity reserved at creation: 16 blocks, or four times a store of 16 or more,
-//!   at most 64), so
-//!   a chain stored in 16-block events is one run, and one lookup, not four. Appends are made under
+//!   it has room (capacity reserved at creation: 12 blocks for a short store, four times a store
+//!   of 16 or more, twice the run it continues; at most 64 — see
+//!   [`capacity_for`]), so a chain stored in 16-block events is one run, and one lookup, not four. Appends are made under
 //!   the head table's shard lock of the run's first block: hashes first, then the length (Release),
 //!   then the head table's value; a reader uses the length it read with the run, so it never reads
 //!   a hash that was not published with it.
@@ -117,12 +117,23 @@ pub(crate) fn unpack(loc: u64) -> (Run, usize) {
     (unsafe { Run::from_bits(loc & ((1 << OFF_SHIFT) - 1)) }, (loc >> OFF_SHIFT) as usize)
 }
 
-/// The capacity a new run of `len` blocks reserves: 16 for a short store, four times a longer
-/// one (at most [`MAX_RUN`]), so that a chain stored in events of 16 blocks is one run of 64.
-/// (Measured: twice made such a chain two runs, one more lookup per query; four times for short
-/// stores made 8-block chains that never grow cost 48 B per block and broke the byte budget.)
-pub(crate) fn capacity_for(len: usize) -> usize {
-    if len < 16 { 16 } else { (4 * len).min(MAX_RUN) }
+/// The capacity a new run of `len` blocks with `groups` inline groups reserves. A short store
+/// (under 16 blocks) reserves 12, what three cache lines hold: a branch that never grows — a
+/// request's own suffix — costs three lines, not four. A store of 16 or more reserves four times
+/// its length, so that a chain stored in events of 16 blocks is one run. A run that continues a
+/// full run of capacity `after` reserves at least twice that, so a chain growing a block at a
+/// time (decode) takes fewer runs than with a fixed 16-block reservation (12 + 28 + 60 for 100
+/// blocks: three runs, not seven). Always at most [`MAX_RUN`], and rounded up to fill the
+/// allocation's last unit.
+/// (Measured, `examples/branches.rs`: twice for long stores made such a chain two runs, one more
+/// lookup per query; four times for short stores made 8-block chains that never grow cost 48 B
+/// per block; a fixed 16 made every short branch cost 256 B of run; a minimum of 4 (two lines)
+/// saved a line on one-block branches but split a branch that decodes a few blocks in two runs.)
+pub(crate) fn capacity_for(len: usize, groups: usize, after: Option<usize>) -> usize {
+    let want = if len < 16 { len.max(12) } else { 4 * len };
+    let want = want.max(after.map_or(0, |c| 2 * c)).clamp(len, MAX_RUN);
+    let units = Run::units(want, groups);
+    (units * UNIT_WORDS - HASHES - (groups - 1) * GROUP_WORDS).min(MAX_RUN)
 }
 
 impl Run {
@@ -475,7 +486,13 @@ pub(crate) fn find(table: &SlotTable, seq: u64, guard: &Guard) -> Option<Run> {
 /// A run of `seqs`, with a new reference: a new one with `groups` inline groups, published in the
 /// head table (`true`), or the one another writer published first under the same first block
 /// (`false`). The caller saw no run start with `seqs[0]`, and none of the others start one.
-pub(crate) fn create(table: &SlotTable, seqs: &[u64], groups: usize, guard: &Guard) -> (Run, bool) {
+pub(crate) fn create(
+    table: &SlotTable,
+    seqs: &[u64],
+    groups: usize,
+    after: Option<usize>,
+    guard: &Guard,
+) -> (Run, bool) {
     let key = head_key(seqs[0]);
     let mut locked = table.lock(key, guard);
     let bits = locked.find(key);
@@ -487,7 +504,7 @@ pub(crate) fn create(table: &SlotTable, seqs: &[u64], groups: usize, guard: &Gua
             return (run, false);
         }
     }
-    let run = Run::new(seqs, capacity_for(seqs.len()), groups, 1);
+    let run = Run::new(seqs, capacity_for(seqs.len(), groups, after), groups, 1);
     if bits == 0 {
         // (A key taken by a run of another first block — a 2^-64 collision — leaves this run
         // unpublished: never counted, still correct for its holders' bookkeeping.)
@@ -582,7 +599,7 @@ mod tests {
     #[test]
     fn coverage_is_published_and_read_back() {
         let hashes: Vec<u64> = (1..=16).collect();
-        let r = Run::new(&hashes, capacity_for(16), 2, 1);
+        let r = Run::new(&hashes, capacity_for(16, 2, None), 2, 1);
         assert_eq!((r.len(), r.cap()), (16, 64));
         assert_eq!(r.hash(15), 16);
         r.publish(0, 5, 0, 3 | (7 << 8));
@@ -665,7 +682,7 @@ mod loom_models {
                 let t = t.clone();
                 thread::spawn(move || {
                     let g = epoch::pin();
-                    create(&t, &[H0, H1], 1, &g);
+                    create(&t, &[H0, H1], 1, None, &g);
                 })
             };
             let g = epoch::pin();
@@ -693,7 +710,7 @@ mod loom_models {
             let t = Arc::new(SlotTable::new());
             let run = {
                 let g = epoch::pin();
-                create(&t, &[H0], 1, &g).0
+                create(&t, &[H0], 1, None, &g).0
             };
             let w = {
                 let t = t.clone();

@@ -64,7 +64,7 @@ impl HolderWriter {
         let mut p = p;
         {
             let mut apply = Apply { shared: &self.shared, me: &self.me, guard: &guard, out: &mut out };
-            let before = (p.entries.len(), p.countable, p.orphans.len());
+            let before = gauges(&p);
             if apply.me.mail.load(Ordering::SeqCst) {
                 apply.drain_mail(&mut p);
             }
@@ -154,7 +154,7 @@ pub(super) fn empty_removed(
 ) {
     let mut out = ApplyOutcome::default();
     let mut apply = Apply { shared, me, guard, out: &mut out };
-    let before = (p.entries.len(), p.countable, p.orphans.len());
+    let before = gauges(&p);
     apply.clear(&mut p);
     p.namespaces = Vec::new();
     apply.report(&mut p, before);
@@ -177,7 +177,7 @@ fn unlock<'a>(
         if me.mail.load(Ordering::SeqCst) && !me.revoked.load(Ordering::SeqCst) {
             let mut out = ApplyOutcome::default();
             let mut apply = Apply { shared, me, guard, out: &mut out };
-            let before = (p.entries.len(), p.countable, p.orphans.len());
+            let before = gauges(&p);
             apply.drain_mail(&mut p);
             apply.report(&mut p, before);
             // Relaxed: a statistics counter; nothing is published through it.
@@ -276,9 +276,10 @@ impl Apply<'_> {
     }
 
     /// A run of `seqs` (see [`run::create`]), with a new reference, counted if new.
-    fn create(&self, seqs: &[u64]) -> Run {
+    /// `after`: the capacity of the full run whose last block is the parent of `seqs[0]`.
+    fn create(&self, seqs: &[u64], after: Option<usize>) -> Run {
         let groups = self.shared.slots.groups().max(self.group_bit().0 as usize + 1);
-        let (run, new) = run::create(&self.shared.table, seqs, groups, self.guard);
+        let (run, new) = run::create(&self.shared.table, seqs, groups, after, self.guard);
         if new {
             // Relaxed: statistics counters; nothing is published through them.
             self.shared.counters.run_bytes.fetch_add(run.bytes(), StdOrdering::Relaxed);
@@ -297,7 +298,7 @@ impl Apply<'_> {
     /// property those are the only places `seq` can be. Returns the location and whether a
     /// reference was taken for it.
     fn place(&self, parent: u64, seq: u64, rest: &[StoredBlock]) -> (u64, bool) {
-        let mut tail = None;
+        let (mut tail, mut after) = (None, None);
         if parent != 0 {
             let (run, off) = unpack(parent);
             let len = run.len();
@@ -307,6 +308,8 @@ impl Apply<'_> {
                 }
             } else if len < run.cap() {
                 tail = Some((run, len));
+            } else {
+                after = Some(run.cap());
             }
         }
         if let Some(run) = self.find_head(seq) {
@@ -340,7 +343,7 @@ impl Apply<'_> {
                 return (pack(run, at), false);
             }
         }
-        (pack(self.create(&seqs[..take]), 0), true)
+        (pack(self.create(&seqs[..take], after), 0), true)
     }
 
     /// Adds an entry located at `loc` to the holder's blocks of its run; `fresh`: a reference
@@ -875,8 +878,10 @@ impl Apply<'_> {
             let n = self.evict(p, budget * 100 / (100 + slack));
             // Relaxed: a statistics counter; nothing is published through it.
             self.shared.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
-            // Give the memory back: the map was sized for the capacity, not the budget.
-            if p.entries.capacity() > 2 * budget {
+            // Give the memory back: the map was sized for the capacity, not the budget; from now
+            // on it grows by quarters past the share.
+            p.entries.set_target(budget);
+            if p.entries.capacity() > budget + budget / 2 {
                 p.entries.shrink_to(budget * 100 / (100 + slack));
             }
         }
@@ -901,7 +906,7 @@ impl Apply<'_> {
     }
 
     /// Publishes this holder's gauges to the ledger's counters.
-    fn report(&self, p: &mut Private, before: (usize, usize, usize)) {
+    fn report(&self, p: &mut Private, before: Gauges) {
         // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
         let c = &self.shared.counters;
@@ -911,7 +916,11 @@ impl Apply<'_> {
         // Relaxed: a statistics counter; nothing is published through it.
         c.private_bytes.fetch_sub(p.reported_bytes, r);
         p.reported_bytes = bytes;
-        let now = (p.entries.len(), p.countable, p.orphans.len());
+        let now = gauges(p);
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.holder_runs.fetch_add(now.3 as u64, r);
+        // Relaxed: a statistics counter; nothing is published through it.
+        c.holder_runs.fetch_sub(before.3 as u64, r);
         // Relaxed: a statistics counter; nothing is published through it.
         c.blocks.fetch_add(now.0 as u64, r);
         // Relaxed: a statistics counter; nothing is published through it.
@@ -925,6 +934,13 @@ impl Apply<'_> {
         // Relaxed: a statistics counter; nothing is published through it.
         c.orphans.fetch_sub(before.2 as u64, r);
     }
+}
+
+/// A holder's blocks, countable blocks, orphans and runs, as [`Apply::report`] publishes them.
+type Gauges = (usize, usize, usize, usize);
+
+fn gauges(p: &Private) -> Gauges {
+    (p.entries.len(), p.countable, p.orphans.len(), p.runs.len())
 }
 
 fn bump(e: &mut Entry, gpu: bool) {
