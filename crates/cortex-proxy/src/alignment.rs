@@ -264,7 +264,11 @@ impl Verifier {
     /// prompt blocks): the ledger must show it under Cortex's identity (else the worker's tokens
     /// or block size differ from the gateway's), and under the engine hash the recipe predicts
     /// (else its hash algorithm, seed, salt or LoRA namespacing differ). Checked only while the
-    /// holder is READY; a block evicted that fast reads as a failure the tolerance absorbs.
+    /// holder is READY. A block the worker stored and lost again before the check (its engine
+    /// evicted it, or the ledger did for its budget: [`Ledger::lost_lately`]) says nothing
+    /// either way: under a cache that turns over within `settle`, such blocks would otherwise
+    /// read as failures and mark an aligned worker misaligned. A block never stored under the
+    /// gateway's identity is not among them, so the check stays as sharp as it was.
     ///
     /// A rebuilt ledger is not a misalignment. Once the ledger lost part of the engine's history
     /// (a replay that timed out, a publisher restart: [`Ledger::history_lost`]), the engine may
@@ -287,6 +291,7 @@ impl Verifier {
         let complete = lost == Some(0);
         let check = match (held, engine.map(|e| self.ledger.block(holder, e))) {
             (false, _) if !complete && seen.computed != Some(true) => return,
+            (false, _) if self.ledger.lost_lately(holder, seq) => return,
             (false, _) => Check::Failed(
                 "the worker published no block matching the gateway's tokens for a request it served".into(),
             ),
@@ -373,6 +378,43 @@ mod tests {
             v.record(w, Check::Ok);
         }
         assert_eq!(v.verdict(w), Verdict::Aligned);
+    }
+
+    /// A first block the worker stored and lost again before the check (evicted by a cache
+    /// that turns over fast) is no failure; one it never stored under the gateway's identity
+    /// still is.
+    #[test]
+    fn a_block_stored_and_evicted_before_the_check_is_no_failure() {
+        use cortex_hash::kv::{BlockRemoved, BlockStored, DpRank, KvEvent, Lineage, Medium, StoredBlock};
+        use cortex_hash::{BlockHash, Engine, Namespace, chain};
+        let cfg = AlignmentConfig { window: 4, tolerance: 0.2, min_samples: 1, ..AlignmentConfig::default() };
+        let ledger = cortex_radix::Ledger::new(cortex_radix::LedgerConfig::default());
+        let v = Verifier::new(cfg, Arc::clone(&ledger), Arc::new(Registry::new()));
+        let holder = HolderId::new(WorkerId(1), DpRank(0));
+        let hc = cortex_radix::HolderConfig { capacity_blocks: 64, content_deterministic: false };
+        let mut w = ledger.add_holder(holder, hc).expect("holder");
+        w.set_readiness(Readiness::Ready);
+        let l = Lineage::new(Namespace::new(Engine::Vllm, 16, "m", None), None);
+        let (stored, never) =
+            (chain(l.root, BlockHash::from_bits(7)), chain(l.root, BlockHash::from_bits(8)));
+        let engine = EngineHash::from_u64(99);
+        let block = StoredBlock { engine, content: BlockHash::from_bits(7) };
+        let ev = BlockStored { parent: None, blocks: vec![block], lineage: Some(l), medium: Medium::Gpu };
+        w.apply(&KvEvent::Stored(ev)).expect("store");
+        w.apply(&KvEvent::Removed(BlockRemoved { blocks: vec![engine], medium: Medium::Gpu }))
+            .expect("remove");
+        let seen = || Seen { computed: Some(true), history_lost: ledger.history_lost(holder) };
+        v.block_check(holder, stored, None, seen());
+        assert_eq!(
+            v.tracker.samples(holder.worker),
+            0,
+            "a block stored then evicted was held against the worker"
+        );
+        v.block_check(holder, never, None, seen());
+        assert!(
+            matches!(v.verdict(holder.worker), Verdict::Misaligned(_)),
+            "a block never stored went unnoticed"
+        );
     }
 
     #[test]

@@ -647,6 +647,16 @@ impl Ledger {
         reg.by_id.get(&holder).map(|h| h.history_lost.load(StdOrdering::Relaxed))
     }
 
+    /// Whether `holder` lost the countable block `seq` lately — its engine removed it, or the
+    /// ledger evicted it — among the last 3,000–6,000 blocks it lost (a filter: about 3 % of
+    /// blocks never held also read as lost). `false` if the holder is not registered. Locks the
+    /// holder (waits for an apply in progress): for verification off the request path.
+    #[must_use]
+    pub fn lost_lately(&self, holder: HolderId, seq: SeqHash) -> bool {
+        let Some(h) = self.shared.registry.lock().by_id.get(&holder).cloned() else { return false };
+        h.private.lock().gone.contains(seq.to_bits())
+    }
+
     /// Removes every rank of `worker`: queries stop counting them at once, their blocks are
     /// dropped, and their writers' later applies are refused with [`LedgerError::Revoked`].
     /// Waits for an apply in progress on one of them to finish.

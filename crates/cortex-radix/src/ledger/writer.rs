@@ -775,6 +775,8 @@ impl Apply<'_> {
         let Some(e) = p.entries.remove(&engine) else { return };
         match e.state {
             COUNTABLE => {
+                // Before `detach`, which may release the run.
+                p.gone.insert(super::seq_at(e.loc));
                 self.cover(p, e.loc, e.flags(), (false, false));
                 self.detach(p, e.loc);
                 p.countable -= 1;
