@@ -102,6 +102,14 @@ pub struct Control {
 }
 
 impl Control {
+    /// `/debug/workers`' body: every worker with its ranks' ledger state, bookings, engine load
+    /// and learned prefill rate — for tools that run the gateway in process (the replay compares
+    /// the learned rates with the simulators' true ones).
+    #[must_use]
+    pub fn workers_view(&self) -> serde_json::Value {
+        crate::debug::workers(self)
+    }
+
     /// A control plane built from `parts`; the receiver yields what the event plane must follow,
     /// in order.
     #[must_use]

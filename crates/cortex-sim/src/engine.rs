@@ -213,6 +213,12 @@ pub(crate) struct EngineState {
     next_id: u64,
     stalled: bool,
     stats: RankStats,
+    /// What a step emitted (first tokens, tokens, finishes), delivered once the step's cost has
+    /// been slept: a real engine's output comes after the step's compute, so a client must not see
+    /// a one-step prefill's first token before that step's time has passed.
+    outbox: Vec<(mpsc::UnboundedSender<ReqEvent>, ReqEvent)>,
+    /// Inside a step: outputs go to the outbox.
+    stepping: bool,
 }
 
 /// Settings a rank reads every step.
@@ -278,6 +284,8 @@ impl Rank {
                 next_id: 1,
                 stalled: false,
                 stats: RankStats::default(),
+                outbox: Vec::new(),
+                stepping: false,
             }),
             notify: Notify::new(),
         };
@@ -344,9 +352,16 @@ impl Rank {
     /// Runs one step; `None` when there is nothing to do.
     pub(crate) fn step(&self) -> Option<Duration> {
         let mut st = self.state.lock();
+        st.stepping = true;
         let cost = self.step_locked(&mut st);
+        st.stepping = false;
         self.publish_events(&mut st);
         cost
+    }
+
+    /// What the last step emitted, to deliver after its cost (see `EngineState::outbox`).
+    pub(crate) fn take_outbox(&self, into: &mut Vec<(mpsc::UnboundedSender<ReqEvent>, ReqEvent)>) {
+        into.append(&mut self.state.lock().outbox);
     }
 
     /// Waits until the rank may have work.
@@ -553,7 +568,7 @@ impl Rank {
             st.release(&r, true);
             None
         };
-        let _ = r.sink.send(ReqEvent::Finished { stats, pd });
+        st.deliver(&r.sink, ReqEvent::Finished { stats, pd });
     }
 
     fn spawn_lease_expiry(&self, rid: String) {
@@ -937,7 +952,8 @@ impl EngineState {
             self.running[idx].first_token_at = Some(self.now);
             let stats = self.req_stats(&self.running[idx]);
             self.record_ttft(stats.ttft);
-            let _ = self.running[idx].sink.send(ReqEvent::Started(stats));
+            let sink = self.running[idx].sink.clone();
+            self.deliver(&sink, ReqEvent::Started(stats));
         }
         let r = &mut self.running[idx];
         let (id, text) = match given {
@@ -954,8 +970,18 @@ impl EngineState {
             }
         }
         r.outputs += 1;
+        let sink = r.sink.clone();
         self.stats.generation_tokens += 1;
-        let _ = r.sink.send(ReqEvent::Token { id, text });
+        self.deliver(&sink, ReqEvent::Token { id, text });
+    }
+
+    /// Sends `ev` to a request's response, after the step's cost when inside a step.
+    fn deliver(&mut self, sink: &mpsc::UnboundedSender<ReqEvent>, ev: ReqEvent) {
+        if self.stepping {
+            self.outbox.push((sink.clone(), ev));
+        } else {
+            let _ = sink.send(ev);
+        }
     }
 
     fn record_ttft(&mut self, ttft: Duration) {
@@ -977,14 +1003,19 @@ impl EngineState {
 
 /// Runs a rank's stepping loop (cancelled when the worker's runtime is dropped).
 pub(crate) async fn run(rank: Arc<Rank>) {
+    let mut outbox = Vec::new();
     loop {
         match rank.step() {
             Some(cost) => {
+                rank.take_outbox(&mut outbox);
                 let speed = rank.params.timing.speed;
                 if speed > 0.0 && !cost.is_zero() {
                     tokio::time::sleep(cost.mul_f64(speed)).await;
                 } else {
                     tokio::task::yield_now().await;
+                }
+                for (sink, ev) in outbox.drain(..) {
+                    let _ = sink.send(ev);
                 }
             }
             None => rank.idle().await,

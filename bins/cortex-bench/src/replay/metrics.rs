@@ -91,11 +91,58 @@ pub struct PolicyResult {
     /// Median of simulated TTFT / (wall time to the response head × compression), over requests
     /// with a simulated TTFT of at least 2 s: about 1 when the simulators keep up with the
     /// compressed clock, well below 1 when their virtual time runs slow (an overloaded replay
-    /// machine). Somewhat above 1 is expected: a simulator releases a step's tokens before it
-    /// sleeps the step's cost, so the last step of a TTFT is not in the wall time.
+    /// machine). A simulator delivers a step's tokens after sleeping the step's cost, so the
+    /// wall time includes every step of a TTFT.
     pub clock_ratio: Option<f64>,
     /// A few distinct errors.
     pub errors: Vec<String>,
+    /// Cortex in process: each worker's learned prefill rate ÷ the simulators' true rate, for
+    /// the workers with samples.
+    pub learned_rate: Option<Learned>,
+}
+
+/// The learned prefill rates at the end of a run against the simulators' true one.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Learned {
+    /// The simulators' prefill rate, tokens per wall-clock second (`1 / (per token × speed)`).
+    pub true_rate: f64,
+    /// Learned ÷ true, per worker with samples, sorted.
+    pub ratios: Vec<f64>,
+    /// Samples behind the estimates, summed over workers.
+    pub samples: u64,
+}
+
+impl Learned {
+    /// From `/debug/workers`' body ([`cortex_proxy::Control::workers_view`]): the first rank of
+    /// every worker that is not a decode worker and learned from at least one sample.
+    #[must_use]
+    pub fn from_view(view: &Value, true_rate: f64) -> Learned {
+        let mut out = Learned { true_rate, ..Learned::default() };
+        for w in view["workers"].as_array().into_iter().flatten().filter(|w| w["role"] != "decode") {
+            let l = &w["ranks"][0]["learned"];
+            let samples = l["samples"].as_u64().unwrap_or(0);
+            if let (true, Some(rate)) = (samples > 0, l["prefill_tokens_per_sec"].as_f64()) {
+                out.ratios.push(rate / true_rate);
+                out.samples += samples;
+            }
+        }
+        out.ratios.sort_by(f64::total_cmp);
+        out
+    }
+
+    /// `median (min – max) over N workers`, or `None` without a worker that learned.
+    #[must_use]
+    pub fn summary(&self) -> Option<String> {
+        let (first, last) = (self.ratios.first()?, self.ratios.last()?);
+        Some(format!(
+            "{:.2} ({:.2} – {:.2}) over {} workers, {} samples",
+            percentile(&self.ratios, 50.0),
+            first,
+            last,
+            self.ratios.len(),
+            self.samples
+        ))
+    }
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -289,6 +336,11 @@ impl PolicyResult {
             "wall_s": self.wall_secs,
             "dispatch_late_p99_ms": self.late_p99_ms,
             "clock_ratio": self.clock_ratio,
+            "learned_prefill_rate": self.learned_rate.as_ref().map(|l| json!({
+                "true_tokens_per_s": l.true_rate,
+                "learned_over_true": l.ratios,
+                "samples": l.samples,
+            })),
             "errors": self.errors,
         })
     }

@@ -511,6 +511,7 @@ async fn run_policy(
     let label = label(policy);
     let progress = (!args.quiet).then(|| label.clone());
     let timeout = Duration::from_secs(args.timeout_secs);
+    let mut learned = None;
     let (outcomes, wall) = match launcher {
         Some(l) => {
             let router = match cluster::start_sglang(l, &sims, log).await {
@@ -586,12 +587,17 @@ async fn run_policy(
             let t = Instant::now();
             let outcomes = driver::run(sends, &opts, None).await;
             let wall = t.elapsed();
+            let timing = args.timing();
+            let true_rate = 1.0 / (timing.prefill_per_token.as_secs_f64() * timing.speed);
+            learned = Some(metrics::Learned::from_view(&gw.gateway.control().workers_view(), true_rate));
             gw.shutdown().await;
             (outcomes, wall)
         }
     };
     tokio::task::spawn_blocking(move || sims.shutdown()).await?;
-    Ok(metrics::summarize(&label, w, analysis, &outcomes, args.workers, args.compression, wall))
+    let mut r = metrics::summarize(&label, w, analysis, &outcomes, args.workers, args.compression, wall);
+    r.learned_rate = learned;
+    Ok(r)
 }
 
 /// `cargo xtask replay`: runs, prints the report on stdout, writes the files.

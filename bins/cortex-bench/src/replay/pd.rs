@@ -133,6 +133,10 @@ pub struct PdResult {
     pub wall_secs: f64,
     /// A few distinct errors.
     pub errors: Vec<String>,
+    /// Each prefill worker's share of the prompt tokens the prefill workers computed.
+    pub prefill_shares: Vec<f64>,
+    /// Cortex: the prefill workers' learned prefill rates against the simulators' true one.
+    pub learned_rate: Option<super::metrics::Learned>,
 }
 
 impl PdResult {
@@ -151,6 +155,12 @@ impl PdResult {
             "decode_only_share": self.decode_only_share,
             "dispatch_late_p99_ms": self.late_p99_ms,
             "wall_s": self.wall_secs,
+            "prefill_token_shares": self.prefill_shares,
+            "learned_prefill_rate": self.learned_rate.as_ref().map(|l| json!({
+                "true_tokens_per_s": l.true_rate,
+                "learned_over_true": l.ratios,
+                "samples": l.samples,
+            })),
             "errors": self.errors,
         })
     }
@@ -427,10 +437,31 @@ pub async fn run_policy(
     let t = Instant::now();
     let outcomes = driver::run(sends, &opts, None).await;
     let wall = t.elapsed();
+    let learned = match &front {
+        FrontEnd::Cortex(gw) => {
+            let timing = run.spec.timing;
+            let true_rate = 1.0 / (timing.prefill_per_token.as_secs_f64() * timing.speed);
+            let view = gw.gateway.control().workers_view();
+            // The gateway's whole view at the end, beside its log, for a closer look.
+            let _ = std::fs::write(run.log.with_extension("workers.json"), view.to_string());
+            Some(super::metrics::Learned::from_view(&view, true_rate))
+        }
+        FrontEnd::Process { .. } => None,
+    };
     front.stop().await;
     let totals = worker_totals(&sims);
+    let computed: Vec<u64> = sims
+        .workers
+        .iter()
+        .filter(|w| w.config().role == cortex_sim::Role::Prefill)
+        .map(|w| w.rank_state(0).map_or(0, |s| s.computed_prompt_tokens))
+        .collect();
     tokio::task::spawn_blocking(move || sims.shutdown()).await?;
-    Ok(summarize(&label, analysis, &outcomes, totals, run.compression, wall))
+    let mut r = summarize(&label, analysis, &outcomes, totals, run.compression, wall);
+    let all = computed.iter().sum::<u64>().max(1) as f64;
+    r.prefill_shares = computed.iter().map(|&c| c as f64 / all).collect();
+    r.learned_rate = learned;
+    Ok(r)
 }
 
 /// The Python that runs vLLM's toy proxy: `auto` is the venv `cargo xtask pd-check` creates

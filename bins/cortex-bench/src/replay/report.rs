@@ -301,10 +301,22 @@ fn pd_table(s: &mut String, w: &WorkloadRun) {
         let modes: Vec<String> = r.pd_modes.iter().map(|(k, v)| format!("{k} {v}")).collect();
         let _ = writeln!(
             s,
-            "- {}: wall {:.0} s; dispatch late p99 {:.1} ms{}{}",
+            "- {}: wall {:.0} s; dispatch late p99 {:.1} ms{}{}{}{}",
             r.label,
             r.wall_secs,
             r.late_p99_ms,
+            if r.prefill_shares.is_empty() {
+                String::new()
+            } else {
+                let shares: Vec<String> =
+                    r.prefill_shares.iter().map(|x| format!("{:.0} %", x * 100.0)).collect();
+                format!("; prefill workers' shares of computed tokens {}", shares.join(" / "))
+            },
+            r.learned_rate
+                .as_ref()
+                .and_then(super::metrics::Learned::summary)
+                .map(|l| format!("; learned prefill rate ÷ true {l}"))
+                .unwrap_or_default(),
             if modes.is_empty() { String::new() } else { format!("; served: {}", modes.join(", ")) },
             if r.errors.is_empty() { String::new() } else { format!("; errors: {}", r.errors.join(" | ")) },
         );
@@ -374,12 +386,17 @@ pub fn table(replay: &Replay, goals: &[Goal]) -> String {
             let modes: Vec<String> = r.match_modes.iter().map(|(k, v)| format!("{k} {v}")).collect();
             let _ = writeln!(
                 s,
-                "- {}: wall {:.0} s; dispatch late p99 {:.1} ms; simulated/wall clock ratio {}; whole-run CoV {:.3}{}{}{}{}{}",
+                "- {}: wall {:.0} s; dispatch late p99 {:.1} ms; simulated/wall clock ratio {}; whole-run CoV {:.3}{}{}{}{}{}{}",
                 r.label,
                 r.wall_secs,
                 r.late_p99_ms,
                 r.clock_ratio.map_or("n/a".to_owned(), |c| format!("{c:.2}")),
                 r.load.cov_total,
+                r.learned_rate
+                    .as_ref()
+                    .and_then(super::metrics::Learned::summary)
+                    .map(|l| format!("; learned prefill rate ÷ true {l}"))
+                    .unwrap_or_default(),
                 if r.load.idle_workers > 0 {
                     format!("; {} worker(s) routed nothing", r.load.idle_workers)
                 } else {

@@ -122,3 +122,30 @@ fn queue_wait_and_batch_size_cost_simulated_time() {
     w.shutdown();
     w2.shutdown();
 }
+
+/// A one-step prefill's answer is not seen before that step's time has passed on the wall clock
+/// (`speed` × its cost), as with a real engine, whose output follows its compute. Until the
+/// stepping loop delivered a step's outputs after sleeping its cost, a vLLM prefill leg
+/// (`max_tokens` 1) answered at once, and a gateway learning prefill speeds from the wall clock
+/// took such a worker for ten times faster than it was. (A lower bound: a slow machine can only
+/// add time.)
+#[test]
+fn a_one_step_prefill_answers_after_its_cost_on_the_wall_clock() {
+    for mut cfg in [SimConfig::vllm(), SimConfig::sglang()] {
+        cfg.timing = Timing { speed: 1.0, prefill_overhead: Duration::from_millis(150), ..timing() };
+        let w = SimWorker::start(cfg).expect("worker");
+        let prompt: Vec<u32> = (7000..7032).collect();
+        let (path, body) = if w.config().engine.name() == "vllm" {
+            ("/v1/completions", json!({"prompt": prompt, "max_tokens": 1}))
+        } else {
+            ("/generate", json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}))
+        };
+        let began = std::time::Instant::now();
+        let r = post(w.http_addr(), path, &body);
+        let wall = began.elapsed();
+        let step = Duration::from_millis(150) + Duration::from_micros(50) * 32;
+        assert!(close(r.ttft_ms(), ms(step)), "simulated TTFT {} ms", r.ttft_ms());
+        assert!(wall >= step, "answered after {wall:?} of wall time, before its {step:?} step");
+        w.shutdown();
+    }
+}
