@@ -145,12 +145,21 @@ impl RateFit {
         let mean_w = s.sw / s.n;
         let var_w = s.sww / s.n - mean_w * mean_w;
         // The works must spread enough (relative to their size) to separate the two terms.
-        let (a, b) = if var_w > (0.05 * mean_w) * (0.05 * mean_w) {
+        let fitted = (var_w > (0.05 * mean_w) * (0.05 * mean_w)).then(|| {
             let b = (s.swt / s.n - mean_w * s.st / s.n) / var_w;
             (s.st / s.n - b * mean_w, b)
-        } else {
-            let a = self.prior.overhead_s;
-            (a, (s.st - a * s.n) / s.sw)
+        });
+        // A line that does not rise with the work (noise: a few samples, a stall on small
+        // requests) says nothing about the rate; clamped, it would claim the fastest rate there
+        // is. The ratio of what is left after the prior's overhead says something, and the plain
+        // ratio (no overhead) always does: every sample took positive time.
+        let (a, b) = match fitted {
+            Some((a, b)) if b > 0.0 && b.is_finite() => (a, b),
+            _ => {
+                let a = self.prior.overhead_s;
+                let b = (s.st - a * s.n) / s.sw;
+                if b > 0.0 { (a, b) } else { (0.0, s.st / s.sw) }
+            }
         };
         let b =
             if b.is_finite() { b.clamp(1.0 / MAX_RATE, 1.0 / MIN_RATE) } else { self.prior.secs_per_token };
@@ -225,6 +234,22 @@ mod tests {
         let e = f.estimate();
         assert!((e.rate() / 2_000.0 - 1.0).abs() < 0.02, "{e:?}");
         assert!((e.overhead_s - 0.01).abs() < 1e-3, "{e:?}");
+    }
+
+    /// TTFTs that fall as the work grows (a stall on the small requests, then quick large ones)
+    /// fit a falling line: the estimate is then the ratio of time to work, never the fastest
+    /// rate the clamp allows (a hot-spot replay learned a worker at 80,000 times its true rate,
+    /// 10^9 tokens/s).
+    #[test]
+    fn a_falling_line_is_no_rate() {
+        let mut f = RateFit::new(12_500.0, 0.0005);
+        for k in 0..20 {
+            let (work, ttft) = if k % 2 == 0 { (100.0, 0.120) } else { (2_000.0, 0.020) };
+            assert!(f.observe(work, ttft));
+        }
+        let e = f.estimate();
+        // Σttft / Σwork over the samples is ~0.07 s per 1,050 tokens: ~15,000 tokens/s.
+        assert!(e.rate() > 1_000.0 && e.rate() < 100_000.0, "{e:?}");
     }
 
     /// The rate follows a change (a worker slowed by other traffic) within a few half-lives.
