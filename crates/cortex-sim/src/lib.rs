@@ -39,7 +39,8 @@
 //! - **Time is virtual**: each step costs `prefill_overhead + uncached tokens × per-token` and/or
 //!   an inter-token latency growing with the batch ([`Timing`]); responses report the simulated
 //!   TTFT (`x-sim-ttft-ms` and the TTFT histograms), so tests assert on simulated time. A speed
-//!   factor maps it to wall-clock (0 = instant, the default).
+//!   factor maps it to wall-clock (0 = instant, the default); a step's tokens are delivered once
+//!   its cost has passed on that clock, as a real engine's output follows its compute.
 //! - **The wire around the cache**: DP ranks publish on `port_base + rank`, replay ROUTERs frame
 //!   replies as each engine does, `/kv_event_sources` and `/server_info.kv_events` describe them,
 //!   `/metrics` and `/v1/loads` carry the engines' names.
