@@ -215,7 +215,8 @@ pub(crate) struct EngineState {
     stats: RankStats,
     /// What a step emitted (first tokens, tokens, finishes), delivered once the step's cost has
     /// been slept: a real engine's output comes after the step's compute, so a client must not see
-    /// a one-step prefill's first token before that step's time has passed.
+    /// a one-step prefill's first token before that step's time has passed. Events sent outside a
+    /// step while it is not empty queue behind it, so a request's events keep their order.
     outbox: Vec<(mpsc::UnboundedSender<ReqEvent>, ReqEvent)>,
     /// Inside a step: outputs go to the outbox.
     stepping: bool,
@@ -359,9 +360,9 @@ impl Rank {
         cost
     }
 
-    /// What the last step emitted, to deliver after its cost (see `EngineState::outbox`).
-    pub(crate) fn take_outbox(&self, into: &mut Vec<(mpsc::UnboundedSender<ReqEvent>, ReqEvent)>) {
-        into.append(&mut self.state.lock().outbox);
+    /// Delivers what the last step emitted (see `EngineState::outbox`), once its cost has passed.
+    pub(crate) fn flush_outbox(&self) {
+        self.state.lock().flush_outbox();
     }
 
     /// Waits until the rank may have work.
@@ -628,7 +629,7 @@ impl Rank {
         let mut st = self.state.lock();
         if let Some(r) = st.awaiting.remove(&request) {
             st.release(&r, true);
-            let _ = r.sink.send(ReqEvent::Failed(Failure::TransferTimeout));
+            st.deliver(&r.sink, ReqEvent::Failed(Failure::TransferTimeout));
         }
         self.publish_events(&mut st);
         drop(st);
@@ -754,6 +755,8 @@ impl Rank {
         let st = &mut *st;
         let reqs: Vec<Req> = st.running.drain(..).chain(st.waiting.drain(..)).collect();
         let awaiting: Vec<Req> = st.awaiting.drain().map(|(_, r)| r).collect();
+        // What the last step emitted first: a request it finished gets its answer.
+        st.flush_outbox();
         for r in reqs.into_iter().chain(awaiting) {
             let _ = r.sink.send(ReqEvent::Failed(Failure::Aborted));
         }
@@ -975,11 +978,18 @@ impl EngineState {
         self.deliver(&sink, ReqEvent::Token { id, text });
     }
 
-    /// Sends `ev` to a request's response, after the step's cost when inside a step.
+    /// Sends `ev` to a request's response: after the step's cost when inside a step, and behind
+    /// what a step left to deliver otherwise (a request's events keep their order).
     fn deliver(&mut self, sink: &mpsc::UnboundedSender<ReqEvent>, ev: ReqEvent) {
-        if self.stepping {
+        if self.stepping || !self.outbox.is_empty() {
             self.outbox.push((sink.clone(), ev));
         } else {
+            let _ = sink.send(ev);
+        }
+    }
+
+    fn flush_outbox(&mut self) {
+        for (sink, ev) in self.outbox.drain(..) {
             let _ = sink.send(ev);
         }
     }
@@ -1003,20 +1013,16 @@ impl EngineState {
 
 /// Runs a rank's stepping loop (cancelled when the worker's runtime is dropped).
 pub(crate) async fn run(rank: Arc<Rank>) {
-    let mut outbox = Vec::new();
     loop {
         match rank.step() {
             Some(cost) => {
-                rank.take_outbox(&mut outbox);
                 let speed = rank.params.timing.speed;
                 if speed > 0.0 && !cost.is_zero() {
                     tokio::time::sleep(cost.mul_f64(speed)).await;
                 } else {
                     tokio::task::yield_now().await;
                 }
-                for (sink, ev) in outbox.drain(..) {
-                    let _ = sink.send(ev);
-                }
+                rank.flush_outbox();
             }
             None => rank.idle().await,
         }
