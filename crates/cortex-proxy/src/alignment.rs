@@ -268,7 +268,8 @@ impl Verifier {
     /// evicted it, or the ledger did for its budget: [`Ledger::lost_lately`]) says nothing
     /// either way: under a cache that turns over within `settle`, such blocks would otherwise
     /// read as failures and mark an aligned worker misaligned. A block never stored under the
-    /// gateway's identity is not among them, so the check stays as sharp as it was.
+    /// gateway's identity is not among them, so a misaligned worker still fails, but for the
+    /// filter's false positives (a few percent of its checks then say nothing).
     ///
     /// A rebuilt ledger is not a misalignment. Once the ledger lost part of the engine's history
     /// (a replay that timed out, a publisher restart: [`Ledger::history_lost`]), the engine may

@@ -347,8 +347,8 @@ const GONE_PER_GENERATION: u32 = 3_000;
 /// its engine or evicted by the ledger — so that a check can tell a block that was stored and
 /// is gone from one that was never stored: two generations of a 32-Kibit filter, two bits a
 /// block, the older dropped when the newer has taken 3,000. It answers for the last
-/// 3,000–6,000 blocks lost, with about 3 % false positives per generation at its fullest; 8 KiB,
-/// allocated at the first loss.
+/// 3,000–6,000 blocks lost, with about 3 % false positives per full generation (up to ~6 % with
+/// both full); 8 KiB, allocated at the first loss.
 ///
 /// Key decision: a filter, not a list: a lookup is two bit tests, and a false "lost lately" only
 /// turns one alignment check into no check (never a failure into a pass of a block never stored

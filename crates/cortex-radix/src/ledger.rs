@@ -648,8 +648,8 @@ impl Ledger {
     }
 
     /// Whether `holder` lost the countable block `seq` lately — its engine removed it, or the
-    /// ledger evicted it — among the last 3,000–6,000 blocks it lost (a filter: about 3 % of
-    /// blocks never held also read as lost). `false` if the holder is not registered. Locks the
+    /// ledger evicted it — among the last 3,000–6,000 blocks it lost (a filter: up to ~6 % of
+    /// blocks never held also read as lost, with both generations full). `false` if the holder is not registered. Locks the
     /// holder (waits for an apply in progress): for verification off the request path.
     #[must_use]
     pub fn lost_lately(&self, holder: HolderId, seq: SeqHash) -> bool {
@@ -843,7 +843,9 @@ impl LedgerShared {
     fn budget_blocks(&self, cap: u32) -> usize {
         // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
-        let blocks = self.counters.blocks.load(r).max(1) as u128;
+        // Run blocks count at once, (holder, block) pairs at the end of an apply: the larger is
+        // the better denominator while an apply is under way (a cold ledger's first event).
+        let blocks = self.counters.blocks.load(r).max(self.counters.run_blocks.load(r)).max(1) as u128;
         let runs = self.counters.run_bytes.load(r) as u128
             + RUN_RECORD_BYTES * u128::from(self.counters.holder_runs.load(r));
         let per_block = BUDGET_BYTES_PER_BLOCK as u128 + runs / blocks;

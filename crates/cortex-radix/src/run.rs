@@ -118,10 +118,10 @@ pub(crate) fn unpack(loc: u64) -> (Run, usize) {
 }
 
 /// The capacity a new run of `len` blocks with `groups` inline groups reserves. A short store
-/// (under 16 blocks) reserves 12, what three cache lines hold: a branch that never grows — a
-/// request's own suffix — costs three lines, not four. A store of 16 or more reserves four times
+/// (under 16 blocks) reserves 12, what three cache lines hold with one holder group: a branch
+/// that never grows — a request's own suffix — costs three lines, not four. A store of 16 or more reserves four times
 /// its length, so that a chain stored in events of 16 blocks is one run. A run that continues a
-/// full run of capacity `after` reserves at least twice that, so a chain growing a block at a
+/// full run of capacity `after` (under 64) reserves at least twice that, so a chain growing a block at a
 /// time (decode) takes fewer runs than with a fixed 16-block reservation (12 + 28 + 60 for 100
 /// blocks: three runs, not seven). Always at most [`MAX_RUN`], and rounded up to fill the
 /// allocation's last unit.

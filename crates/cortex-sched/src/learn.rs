@@ -99,6 +99,9 @@ impl Sums {
     }
 }
 
+/// The most times faster than its prior an estimate may claim a holder is.
+const MAX_OVER_PRIOR: f64 = 100.0;
+
 /// The slowest and fastest rates an estimate may claim (tokens per second).
 const MIN_RATE: f64 = 1.0;
 const MAX_RATE: f64 = 1e9;
@@ -161,8 +164,10 @@ impl RateFit {
                 if b > 0.0 { (a, b) } else { (0.0, s.st / s.sw) }
             }
         };
-        let b =
-            if b.is_finite() { b.clamp(1.0 / MAX_RATE, 1.0 / MIN_RATE) } else { self.prior.secs_per_token };
+        // A nearly flat line that still rises would claim an absurd rate too: no estimate is more
+        // than `MAX_OVER_PRIOR` times faster than the configured prior.
+        let fastest = (self.prior.secs_per_token / MAX_OVER_PRIOR).max(1.0 / MAX_RATE);
+        let b = if b.is_finite() { b.clamp(fastest, 1.0 / MIN_RATE) } else { self.prior.secs_per_token };
         let a = if a.is_finite() { a.max(0.0) } else { self.prior.overhead_s };
         Estimate { overhead_s: a, secs_per_token: b }
     }
@@ -250,6 +255,13 @@ mod tests {
         let e = f.estimate();
         // Σttft / Σwork over the samples is ~0.07 s per 1,050 tokens: ~15,000 tokens/s.
         assert!(e.rate() > 1_000.0 && e.rate() < 100_000.0, "{e:?}");
+        // A line that rises, but hardly: at most 100 times the prior.
+        let mut f = RateFit::new(12_500.0, 0.0005);
+        for k in 0..20 {
+            let work = if k % 2 == 0 { 100.0 } else { 2_000.0 };
+            assert!(f.observe(work, 0.050 + work * 1e-12));
+        }
+        assert!(f.estimate().rate() <= 12_500.0 * 100.0 * 1.001, "{:?}", f.estimate());
     }
 
     /// The rate follows a change (a worker slowed by other traffic) within a few half-lives.

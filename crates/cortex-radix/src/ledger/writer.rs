@@ -308,7 +308,9 @@ impl Apply<'_> {
                 }
             } else if len < run.cap() {
                 tail = Some((run, len));
-            } else {
+            } else if run.cap() < MAX_RUN {
+                // A chain growing past a short run (decode): the next run reserves more. After a
+                // full-size run, a continuation reserves by its own length.
                 after = Some(run.cap());
             }
         }
@@ -821,6 +823,12 @@ impl Apply<'_> {
     }
 
     fn clear(&mut self, p: &mut Private) {
+        // What the alignment check may ask about (`Gone`), read while the runs are held.
+        let lost: Vec<u64> =
+            p.entries.values().filter(|e| e.state == COUNTABLE).map(|e| super::seq_at(e.loc)).collect();
+        for seq in lost {
+            p.gone.insert(seq);
+        }
         // Unpublish and release every run first, then forget the entries.
         for (key, hr) in std::mem::take(&mut p.runs) {
             // SAFETY: the holder has the run, so it holds a reference to it.
@@ -883,7 +891,7 @@ impl Apply<'_> {
             // Give the memory back: the map was sized for the capacity, not the budget; from now
             // on it grows by quarters past the share.
             p.entries.set_target(budget);
-            if p.entries.capacity() > budget + budget / 2 {
+            if p.entries.capacity() > 2 * budget {
                 p.entries.shrink_to(budget * 100 / (100 + slack));
             }
         }
