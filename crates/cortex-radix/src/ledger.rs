@@ -41,9 +41,10 @@ const PATH: usize = 16;
 
 /// The bytes per (holder, block), besides the runs' own allocations, that
 /// [`LedgerConfig::byte_budget`] is converted to blocks with: about two and a half times what a
-/// holder's entry and its share of the head table, the holder's run records and the deterministic
-/// index cost at the structures' usual load, so that the budget holds with load factors at their
-/// worst. The runs are charged as they are: the conversion adds the live runs' bytes and the
+/// holder's entry and its share of the head table and the deterministic index cost at the
+/// structures' usual load where prompts share long chains. A workload of short suffixes of their
+/// own uses nearly all of it (the gateway soak: ~177 B per block, ~80 B of them runs, at 98.5 %
+/// of its budget), so the budget holds there with little room. The runs are charged as they are: the conversion adds the live runs' bytes and the
 /// holders' records of them per (holder, block) — a few bytes where prompts share long chains,
 /// ~80 B where every request stores a short suffix of its own, up to a whole run where holders
 /// keep only a run's head.
@@ -843,9 +844,11 @@ impl LedgerShared {
     fn budget_blocks(&self, cap: u32) -> usize {
         // Relaxed: statistics counters; nothing is published through them.
         let r = StdOrdering::Relaxed;
-        // Run blocks count at once, (holder, block) pairs at the end of an apply: the larger is
-        // the better denominator while an apply is under way (a cold ledger's first event).
-        let blocks = self.counters.blocks.load(r).max(self.counters.run_blocks.load(r)).max(1) as u128;
+        // (holder, block) pairs, as of the last apply's end. Not the runs' blocks: under eviction
+        // churn runs keep blocks no holder has, and dividing by those under-charged the runs (the
+        // gateway soak left its budget). During an apply the count lags its new runs, which
+        // over-charges, so a tight budget may evict more than it must: never too little.
+        let blocks = self.counters.blocks.load(r).max(1) as u128;
         let runs = self.counters.run_bytes.load(r) as u128
             + RUN_RECORD_BYTES * u128::from(self.counters.holder_runs.load(r));
         let per_block = BUDGET_BYTES_PER_BLOCK as u128 + runs / blocks;

@@ -889,8 +889,9 @@ impl Apply<'_> {
             // Relaxed: a statistics counter; nothing is published through it.
             self.shared.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
             // Give the memory back: the map was sized for the capacity, not the budget; from now
-            // on it grows by quarters past the share.
-            p.entries.set_target(budget);
+            // on it is sized for the share and an eighth, so that the store that goes past the
+            // share is evicted for before the map would grow for it.
+            p.entries.set_target(budget + budget / 8);
             if p.entries.capacity() > 2 * budget {
                 p.entries.shrink_to(budget * 100 / (100 + slack));
             }
