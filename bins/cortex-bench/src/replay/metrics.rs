@@ -113,10 +113,12 @@ pub struct Learned {
 }
 
 impl Learned {
-    /// From `/debug/workers`' body ([`cortex_proxy::Control::workers_view`]): the first rank of
-    /// every worker that is not a decode worker and learned from at least one sample.
+    /// From `/debug/workers`' body ([`cortex_proxy::Control::workers_view`]) of a gateway in
+    /// front of simulators with `timing`: the first rank of every worker that is not a decode
+    /// worker and learned from at least one sample.
     #[must_use]
-    pub fn from_view(view: &Value, true_rate: f64) -> Learned {
+    pub fn from_view(view: &Value, timing: &cortex_sim::Timing) -> Learned {
+        let true_rate = 1.0 / (timing.prefill_per_token.as_secs_f64() * timing.speed);
         let mut out = Learned { true_rate, ..Learned::default() };
         for w in view["workers"].as_array().into_iter().flatten().filter(|w| w["role"] != "decode") {
             let l = &w["ranks"][0]["learned"];
@@ -128,6 +130,22 @@ impl Learned {
         }
         out.ratios.sort_by(f64::total_cmp);
         out
+    }
+
+    /// The JSON form.
+    #[must_use]
+    pub fn to_json(&self) -> Value {
+        json!({"true_tokens_per_s": self.true_rate, "learned_over_true": self.ratios, "samples": self.samples})
+    }
+
+    /// The report's diagnostic: `; learned prefill rate ÷ true …`, empty without `learned` or
+    /// a worker that learned.
+    #[must_use]
+    pub fn diagnostic(learned: Option<&Learned>) -> String {
+        learned
+            .and_then(Learned::summary)
+            .map(|l| format!("; learned prefill rate ÷ true {l}"))
+            .unwrap_or_default()
     }
 
     /// `median (min – max) over N workers`, or `None` without a worker that learned.
@@ -336,11 +354,7 @@ impl PolicyResult {
             "wall_s": self.wall_secs,
             "dispatch_late_p99_ms": self.late_p99_ms,
             "clock_ratio": self.clock_ratio,
-            "learned_prefill_rate": self.learned_rate.as_ref().map(|l| json!({
-                "true_tokens_per_s": l.true_rate,
-                "learned_over_true": l.ratios,
-                "samples": l.samples,
-            })),
+            "learned_prefill_rate": self.learned_rate.as_ref().map(Learned::to_json),
             "errors": self.errors,
         })
     }

@@ -587,9 +587,7 @@ async fn run_policy(
             let t = Instant::now();
             let outcomes = driver::run(sends, &opts, None).await;
             let wall = t.elapsed();
-            let timing = args.timing();
-            let true_rate = 1.0 / (timing.prefill_per_token.as_secs_f64() * timing.speed);
-            learned = Some(metrics::Learned::from_view(&gw.gateway.control().workers_view(), true_rate));
+            learned = Some(metrics::Learned::from_view(&gw.gateway.control().workers_view(), &args.timing()));
             gw.shutdown().await;
             (outcomes, wall)
         }

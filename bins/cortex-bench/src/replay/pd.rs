@@ -156,11 +156,7 @@ impl PdResult {
             "dispatch_late_p99_ms": self.late_p99_ms,
             "wall_s": self.wall_secs,
             "prefill_token_shares": self.prefill_shares,
-            "learned_prefill_rate": self.learned_rate.as_ref().map(|l| json!({
-                "true_tokens_per_s": l.true_rate,
-                "learned_over_true": l.ratios,
-                "samples": l.samples,
-            })),
+            "learned_prefill_rate": self.learned_rate.as_ref().map(super::metrics::Learned::to_json),
             "errors": self.errors,
         })
     }
@@ -439,12 +435,10 @@ pub async fn run_policy(
     let wall = t.elapsed();
     let learned = match &front {
         FrontEnd::Cortex(gw) => {
-            let timing = run.spec.timing;
-            let true_rate = 1.0 / (timing.prefill_per_token.as_secs_f64() * timing.speed);
             let view = gw.gateway.control().workers_view();
             // The gateway's whole view at the end, beside its log, for a closer look.
             let _ = std::fs::write(run.log.with_extension("workers.json"), view.to_string());
-            Some(super::metrics::Learned::from_view(&view, true_rate))
+            Some(super::metrics::Learned::from_view(&view, &run.spec.timing))
         }
         FrontEnd::Process { .. } => None,
     };

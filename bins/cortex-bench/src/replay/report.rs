@@ -312,11 +312,7 @@ fn pd_table(s: &mut String, w: &WorkloadRun) {
                     r.prefill_shares.iter().map(|x| format!("{:.0} %", x * 100.0)).collect();
                 format!("; prefill workers' shares of computed tokens {}", shares.join(" / "))
             },
-            r.learned_rate
-                .as_ref()
-                .and_then(super::metrics::Learned::summary)
-                .map(|l| format!("; learned prefill rate ÷ true {l}"))
-                .unwrap_or_default(),
+            super::metrics::Learned::diagnostic(r.learned_rate.as_ref()),
             if modes.is_empty() { String::new() } else { format!("; served: {}", modes.join(", ")) },
             if r.errors.is_empty() { String::new() } else { format!("; errors: {}", r.errors.join(" | ")) },
         );
@@ -392,11 +388,7 @@ pub fn table(replay: &Replay, goals: &[Goal]) -> String {
                 r.late_p99_ms,
                 r.clock_ratio.map_or("n/a".to_owned(), |c| format!("{c:.2}")),
                 r.load.cov_total,
-                r.learned_rate
-                    .as_ref()
-                    .and_then(super::metrics::Learned::summary)
-                    .map(|l| format!("; learned prefill rate ÷ true {l}"))
-                    .unwrap_or_default(),
+                super::metrics::Learned::diagnostic(r.learned_rate.as_ref()),
                 if r.load.idle_workers > 0 {
                     format!("; {} worker(s) routed nothing", r.load.idle_workers)
                 } else {
