@@ -28,6 +28,15 @@ fn timing() -> Timing {
     }
 }
 
+/// The engine's own generate request for `prompt` (token ids) and `max_tokens`.
+fn generate(w: &SimWorker, prompt: &[u32], max_tokens: u32) -> (&'static str, serde_json::Value) {
+    if w.config().engine.name() == "vllm" {
+        ("/v1/completions", json!({"prompt": prompt, "max_tokens": max_tokens}))
+    } else {
+        ("/generate", json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": max_tokens}}))
+    }
+}
+
 #[test]
 fn ttft_falls_with_cached_tokens() {
     for mut cfg in [SimConfig::vllm(), SimConfig::sglang()] {
@@ -35,11 +44,7 @@ fn ttft_falls_with_cached_tokens() {
         let t = cfg.timing;
         let w = SimWorker::start(cfg).expect("worker");
         let prompt: Vec<u32> = (5000..6000).collect();
-        let (path, body) = if w.config().engine.name() == "vllm" {
-            ("/v1/completions", json!({"prompt": prompt, "max_tokens": 2}))
-        } else {
-            ("/generate", json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}))
-        };
+        let (path, body) = generate(&w, &prompt, 2);
         let cold = post(w.http_addr(), path, &body);
         let warm = post(w.http_addr(), path, &body);
         let expect = |uncached: u32| ms(t.prefill_overhead + t.prefill_per_token * uncached);
@@ -135,11 +140,7 @@ fn a_one_step_prefill_answers_after_its_cost_on_the_wall_clock() {
         cfg.timing = Timing { speed: 1.0, prefill_overhead: Duration::from_millis(150), ..timing() };
         let w = SimWorker::start(cfg).expect("worker");
         let prompt: Vec<u32> = (7000..7032).collect();
-        let (path, body) = if w.config().engine.name() == "vllm" {
-            ("/v1/completions", json!({"prompt": prompt, "max_tokens": 1}))
-        } else {
-            ("/generate", json!({"input_ids": prompt, "sampling_params": {"max_new_tokens": 1}}))
-        };
+        let (path, body) = generate(&w, &prompt, 1);
         let began = std::time::Instant::now();
         let r = post(w.http_addr(), path, &body);
         let wall = began.elapsed();
