@@ -51,6 +51,8 @@ pub struct RankState {
     /// Prompt tokens the rank computed (prefilled) so far; the rest of its requests' prompts
     /// came from its cache or over a KV transfer.
     pub computed_prompt_tokens: u64,
+    /// Running requests preempted for want of KV room (their KV freed, to be computed again).
+    pub preemptions: u64,
 }
 
 /// A rank's PD legs, counted as the engines' own code would see them.

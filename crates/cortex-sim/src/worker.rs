@@ -97,6 +97,7 @@ impl Shared {
             },
             cancelled: load.stats.cancelled,
             computed_prompt_tokens: load.stats.computed_prompt_tokens,
+            preemptions: load.stats.preemptions,
         })
     }
 

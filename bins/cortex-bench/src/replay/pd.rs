@@ -135,6 +135,8 @@ pub struct PdResult {
     pub errors: Vec<String>,
     /// Each prefill worker's share of the prompt tokens the prefill workers computed.
     pub prefill_shares: Vec<f64>,
+    /// Preemptions on the decode workers (a running request's KV freed for want of room).
+    pub decode_preemptions: u64,
     /// Cortex: the prefill workers' learned prefill rates against the simulators' true one.
     pub learned_rate: Option<super::metrics::Learned>,
 }
@@ -156,6 +158,7 @@ impl PdResult {
             "dispatch_late_p99_ms": self.late_p99_ms,
             "wall_s": self.wall_secs,
             "prefill_token_shares": self.prefill_shares,
+            "decode_preemptions": self.decode_preemptions,
             "learned_prefill_rate": self.learned_rate.as_ref().map(super::metrics::Learned::to_json),
             "errors": self.errors,
         })
@@ -433,6 +436,11 @@ pub async fn run_policy(
     let t = Instant::now();
     let outcomes = driver::run(sends, &opts, None).await;
     let wall = t.elapsed();
+    // One line per request beside the log, to find what the slowest ones had in common.
+    let _ = std::fs::write(
+        run.log.with_extension("requests.tsv"),
+        requests_tsv(sends, &outcomes, run.compression),
+    );
     let learned = match &front {
         FrontEnd::Cortex(gw) => {
             let view = gw.gateway.control().workers_view();
@@ -450,12 +458,40 @@ pub async fn run_policy(
         .filter(|w| w.config().role == cortex_sim::Role::Prefill)
         .map(|w| w.rank_state(0).map_or(0, |s| s.computed_prompt_tokens))
         .collect();
+    let decode_preemptions = sims
+        .workers
+        .iter()
+        .filter(|w| w.config().role == cortex_sim::Role::Decode)
+        .map(|w| w.rank_state(0).map_or(0, |s| s.preemptions))
+        .sum();
     tokio::task::spawn_blocking(move || sims.shutdown()).await?;
     let mut r = summarize(&label, analysis, &outcomes, totals, run.compression, wall);
     let all = computed.iter().sum::<u64>().max(1) as f64;
     r.prefill_shares = computed.iter().map(|&c| c as f64 / all).collect();
     r.learned_rate = learned;
+    r.decode_preemptions = decode_preemptions;
     Ok(r)
+}
+
+/// Each request's send time, decode worker, mode and end-to-end TTFT, in trace milliseconds.
+fn requests_tsv(sends: &[Send], outcomes: &[Outcome], compression: f64) -> String {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3 * compression;
+    let mut out =
+        String::from("request\tsent_ms\tworker\tpd_mode\tpredicted_hit\thead_ms\tttft_ms\tstatus\n");
+    for (i, (s, o)) in sends.iter().zip(outcomes).enumerate() {
+        let opt = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
+        out.push_str(&format!(
+            "{i}\t{:.1}\t{}\t{}\t{}\t{:.1}\t{}\t{}\n",
+            ms(s.at),
+            opt(o.worker.map(|w| w.to_string())),
+            opt(o.pd_mode.clone()),
+            opt(o.predicted_hit.map(|h| h.to_string())),
+            ms(o.wall_head),
+            opt(o.wall_first_token.map(|t| format!("{:.1}", ms(t)))),
+            o.status,
+        ));
+    }
+    out
 }
 
 /// The Python that runs vLLM's toy proxy: `auto` is the venv `cargo xtask pd-check` creates

@@ -301,10 +301,11 @@ fn pd_table(s: &mut String, w: &WorkloadRun) {
         let modes: Vec<String> = r.pd_modes.iter().map(|(k, v)| format!("{k} {v}")).collect();
         let _ = writeln!(
             s,
-            "- {}: wall {:.0} s; dispatch late p99 {:.1} ms{}{}{}{}",
+            "- {}: wall {:.0} s; dispatch late p99 {:.1} ms; decode preemptions {}{}{}{}{}",
             r.label,
             r.wall_secs,
             r.late_p99_ms,
+            r.decode_preemptions,
             if r.prefill_shares.is_empty() {
                 String::new()
             } else {
