@@ -274,6 +274,7 @@ impl Routing {
                 std::mem::forget(snap.book_holder(
                     HolderId::new(w.spec().id, DpRank(0)),
                     300,
+                    0,
                     Timestamp::ZERO,
                 ));
             }
@@ -303,6 +304,7 @@ impl Routing {
             cache: CacheView::Overlap { scores: overlap, block_tokens: route.block_size() },
             routing_key: None,
             prefix: seq,
+            kv_blocks: 0,
         };
         self.sched.decide(&snap, &req, ranking).expect("decide");
     }

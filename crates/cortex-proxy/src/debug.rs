@@ -59,6 +59,8 @@ fn candidate(c: &Candidate, registry: &Registry) -> Value {
         "est_ttft_ms": c.est_ttft_ms,
         "load_reported": c.load_reported,
         "kv_usage": c.kv_usage,
+        "kv_blocks": c.kv_blocks,
+        "kv_committed_blocks": c.kv_committed,
         "ledger": c.ledger.as_str(),
         "score": {"affinity": c.score.affinity, "load": c.score.load, "queue": c.score.queue, "total": c.score.total},
         "excluded": c.excluded.map(exclusion),

@@ -384,7 +384,7 @@ impl Driver<'_> {
         let now = self.fw.clock().now();
         match self.candidate(leg, holder) {
             Some(c) => self.plan.snapshot.book(c, now),
-            None => self.plan.snapshot.book_holder(holder, self.plan.prompt_tokens, now),
+            None => self.plan.snapshot.book_holder(holder, self.plan.prompt_tokens, self.plan.kv_blocks, now),
         }
     }
 

@@ -127,6 +127,9 @@ pub struct PdPlan {
     pub regular: Option<Ranking>,
     /// Prompt tokens (an estimate when the prompt could not be tokenized).
     pub prompt_tokens: u32,
+    /// KV blocks the request holds at its longest: its prompt and its output limit (the prompt
+    /// alone when the request gives none).
+    pub kv_blocks: u32,
     /// The prompt's block identities (empty when untrusted).
     pub seq: Vec<SeqHash>,
     /// The tokens of the prompt's first block, for the alignment checks (empty without one).
@@ -177,6 +180,8 @@ struct Prepared {
     seq: Vec<SeqHash>,
     untrusted: Option<(Untrusted, String)>,
     prompt_tokens: u32,
+    /// KV blocks the request holds at its longest (see `cortex_sched::Request::kv_blocks`).
+    kv_blocks: u32,
 }
 
 thread_local! {
@@ -374,6 +379,7 @@ impl Planner {
             decode,
             regular,
             prompt_tokens: p.prompt_tokens,
+            kv_blocks: p.kv_blocks,
             seq: p.seq,
             first_page,
             snapshot,
@@ -426,7 +432,8 @@ impl Planner {
         }
         let prompt_tokens = if toks.is_empty() { estimate_tokens(&facts.prompt) } else { toks.len() };
         let prompt_tokens = u32::try_from(prompt_tokens).unwrap_or(u32::MAX);
-        Ok(Prepared { model, tokens: toks, seq, untrusted, prompt_tokens })
+        let kv_blocks = kv_blocks(prompt_tokens, facts.max_output_tokens, model.block_size());
+        Ok(Prepared { model, tokens: toks, seq, untrusted, prompt_tokens, kv_blocks })
     }
 
     /// The ledger query and the scheduler's ranking, into `ranking`.
@@ -472,6 +479,7 @@ impl Planner {
             cache,
             routing_key: ask.routing_key.as_deref(),
             prefix: &p.seq,
+            kv_blocks: p.kv_blocks,
         };
         self.sched.decide(snapshot, &req, ranking)
     }
@@ -513,6 +521,13 @@ impl Planner {
             pending: Arc::clone(self.sched.pending()),
         })
     }
+}
+
+/// The KV blocks of `prompt_tokens` and up to `max_output` generated tokens, in pages of
+/// `block_size` tokens.
+fn kv_blocks(prompt_tokens: u32, max_output: Option<u32>, block_size: u32) -> u32 {
+    let tokens = u64::from(prompt_tokens) + u64::from(max_output.unwrap_or(0));
+    u32::try_from(tokens.div_ceil(u64::from(block_size.max(1)))).unwrap_or(u32::MAX)
 }
 
 /// Why tokenizing did not give tokens.
@@ -584,6 +599,14 @@ mod tests {
         assert!(tokenize_inline(&Prompt::Text("a short completion prompt".into())));
         assert!(!tokenize_inline(&Prompt::Text("x".repeat(INLINE_TOKENIZE_BYTES + 1))));
         assert!(!tokenize_inline(&Prompt::Chat(serde_json::Map::new())));
+    }
+
+    #[test]
+    fn a_request_s_kv_is_its_prompt_and_output_limit_in_whole_pages() {
+        assert_eq!(kv_blocks(272, Some(256), 16), 33);
+        assert_eq!(kv_blocks(273, Some(256), 16), 34, "a partial page is a page");
+        assert_eq!(kv_blocks(272, None, 16), 17, "no limit given: the prompt alone");
+        assert_eq!(kv_blocks(u32::MAX, Some(u32::MAX), 1), u32::MAX);
     }
 
     fn ask(body: &str, headers: &[(&str, &str)]) -> Result<Ask, ProxyError> {

@@ -78,6 +78,10 @@ pub struct RequestFacts {
     /// The largest token id the body gives as a prompt (`prompt` or `input_ids`, every prompt of
     /// a batch), checked against the model's vocabulary before anything is forwarded.
     pub max_token_id: Option<u32>,
+    /// The output limit, if the body gives one as a non-negative integer: `max_completion_tokens`
+    /// or `max_tokens` (OpenAI routes), `sampling_params.max_new_tokens` (`/generate`). The
+    /// engine validates it; Cortex only sizes the request's KV with it.
+    pub max_output_tokens: Option<u32>,
 }
 
 /// Parses a request body for `route`.
@@ -126,7 +130,20 @@ pub fn parse(route: Route, body: &[u8]) -> Result<RequestFacts, ProxyError> {
         lora: str_field("lora_path")?,
         client_rank,
         max_token_id: ids.and_then(max_token_id),
+        max_output_tokens: max_output_tokens(route, &obj),
     })
+}
+
+/// See [`RequestFacts::max_output_tokens`]: the first limit given, read leniently.
+fn max_output_tokens(route: Route, obj: &Map<String, Value>) -> Option<u32> {
+    let limit = |v: Option<&Value>| v.and_then(Value::as_u64).map(|n| u32::try_from(n).unwrap_or(u32::MAX));
+    match route {
+        Route::ChatCompletions => {
+            limit(obj.get("max_completion_tokens")).or_else(|| limit(obj.get("max_tokens")))
+        }
+        Route::Completions => limit(obj.get("max_tokens")),
+        Route::Generate => limit(obj.get("sampling_params").and_then(|s| s.get("max_new_tokens"))),
+    }
 }
 
 /// The largest number in a token-id list or a batch of them (ids that are not numbers are the
@@ -330,6 +347,22 @@ mod tests {
         assert_eq!(max(Route::Generate, r#"{"input_ids":[[4],[5,6]]}"#), Some(6));
         assert_eq!(max(Route::Completions, r#"{"prompt":"text"}"#), None);
         assert_eq!(max(Route::ChatCompletions, r#"{"messages":[{"role":"user","content":"x"}]}"#), None);
+    }
+
+    #[test]
+    fn the_output_limit_is_read_where_each_route_puts_it() {
+        let limit = |route, body: &str| parse(route, body.as_bytes()).unwrap().max_output_tokens;
+        let chat = r#""messages":[{"role":"user","content":"x"}]"#;
+        assert_eq!(limit(Route::ChatCompletions, &format!("{{{chat},\"max_tokens\":64}}")), Some(64));
+        let both = format!("{{{chat},\"max_tokens\":64,\"max_completion_tokens\":32}}");
+        assert_eq!(limit(Route::ChatCompletions, &both), Some(32), "the newer name wins");
+        assert_eq!(limit(Route::ChatCompletions, &format!("{{{chat}}}")), None);
+        assert_eq!(limit(Route::Completions, r#"{"prompt":"x","max_tokens":7}"#), Some(7));
+        assert_eq!(limit(Route::Generate, r#"{"text":"x","sampling_params":{"max_new_tokens":9}}"#), Some(9));
+        // Not a non-negative integer: unknown (the engine refuses it, not Cortex).
+        assert_eq!(limit(Route::Completions, r#"{"prompt":"x","max_tokens":-1}"#), None);
+        assert_eq!(limit(Route::Completions, r#"{"prompt":"x","max_tokens":"7"}"#), None);
+        assert_eq!(limit(Route::Completions, r#"{"prompt":"x","max_tokens":99999999999}"#), Some(u32::MAX));
     }
 
     #[test]

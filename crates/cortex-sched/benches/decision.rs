@@ -91,7 +91,12 @@ fn fixture(workers: u32) -> Fixture {
         w.state().set_ledger(DpRank(0), LedgerState::Ready);
         // Some load, so the bound and the load terms have work to do.
         for _ in 0..(i % 5) {
-            std::mem::forget(snap.book_holder(HolderId::new(w.spec().id, DpRank(0)), 300, Timestamp::ZERO));
+            std::mem::forget(snap.book_holder(
+                HolderId::new(w.spec().id, DpRank(0)),
+                300,
+                0,
+                Timestamp::ZERO,
+            ));
         }
     }
     Fixture {

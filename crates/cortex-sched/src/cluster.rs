@@ -338,15 +338,24 @@ impl Snapshot {
         let w = self.worker(candidate.holder.worker)?;
         let rate = w.spec.capacity.prefill_tokens_per_sec;
         let (prefill, queue) = (u64::from(candidate.prefill_tokens), u64::from(candidate.queue_tokens));
-        Booking::new(Arc::clone(&w.state), candidate.holder, prefill, queue, rate, now)
+        let kv = u64::from(candidate.kv_blocks);
+        Booking::new(Arc::clone(&w.state), candidate.holder, (prefill, kv), queue, rate, now)
     }
 
-    /// Books one request and `prefill_tokens` on `holder` directly (a holder chosen outside a
-    /// ranking: a pinned decode rank, an operator override, tests).
-    pub fn book_holder(&self, holder: HolderId, prefill_tokens: u32, now: Timestamp) -> Option<Booking> {
+    /// Books one request, `prefill_tokens` and `kv_blocks` (see [`crate::Request::kv_blocks`])
+    /// on `holder` directly (a holder chosen outside a ranking: a pinned decode rank, an
+    /// operator override, tests).
+    pub fn book_holder(
+        &self,
+        holder: HolderId,
+        prefill_tokens: u32,
+        kv_blocks: u32,
+        now: Timestamp,
+    ) -> Option<Booking> {
         let w = self.worker(holder.worker)?;
         let rate = w.spec.capacity.prefill_tokens_per_sec;
-        Booking::new(Arc::clone(&w.state), holder, u64::from(prefill_tokens), 0, rate, now)
+        let work = (u64::from(prefill_tokens), u64::from(kv_blocks));
+        Booking::new(Arc::clone(&w.state), holder, work, 0, rate, now)
     }
 
     /// Whether `holder` may take a request at `now`: present, healthy, not cooling down, breaker

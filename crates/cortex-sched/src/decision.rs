@@ -201,13 +201,17 @@ pub struct Request<'a> {
     pub routing_key: Option<&'a [u8]>,
     /// The prompt's chained block hashes, for `prefix_hash` (empty when unknown).
     pub prefix: &'a [SeqHash],
+    /// KV blocks the request holds at its longest (prompt and output limit), 0 when unknown: a
+    /// decode holder whose bookings with it would exceed its KV capacity is excluded while
+    /// another has room.
+    pub kv_blocks: u32,
 }
 
 impl<'a> Request<'a> {
     /// A request with no routing key and no prefix hashes.
     #[must_use]
     pub fn new(model: &'a str, role: Role, now: Timestamp, prompt_tokens: u32, cache: CacheView<'a>) -> Self {
-        Request { model, role, now, prompt_tokens, cache, routing_key: None, prefix: &[] }
+        Request { model, role, now, prompt_tokens, cache, routing_key: None, prefix: &[], kv_blocks: 0 }
     }
 }
 
@@ -242,6 +246,10 @@ pub enum Exclusion {
         /// The bound in force for this decision.
         cap: u32,
     },
+    /// A decode holder whose KV capacity the requests in flight there and this one would
+    /// exceed, while another decode holder has room (the engine would queue it or preempt a
+    /// running request).
+    KvFull,
 }
 
 impl Exclusion {
@@ -255,6 +263,7 @@ impl Exclusion {
             Exclusion::BreakerOpen => "breaker_open",
             Exclusion::LedgerNotReady => "ledger_not_ready",
             Exclusion::BoundedLoad { .. } => "bounded_load",
+            Exclusion::KvFull => "kv_full",
         }
     }
 }
@@ -272,6 +281,11 @@ pub struct Candidate {
     pub affinity_tokens: u32,
     /// Prefill tokens a booking on this holder reserves: prompt tokens less `matched_tokens`.
     pub prefill_tokens: u32,
+    /// KV blocks a booking on this holder reserves ([`Request::kv_blocks`]).
+    pub kv_blocks: u32,
+    /// KV blocks the requests in flight on the holder hold at their longest: this gateway's
+    /// bookings, scaled up when the engine reports more requests than this gateway booked.
+    pub kv_committed: u32,
     /// Requests in flight: this gateway's bookings, or the engine's running + waiting when it
     /// reports more.
     pub active_requests: u32,

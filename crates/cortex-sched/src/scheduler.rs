@@ -339,11 +339,25 @@ impl<S: Scorer> Scheduler<S> {
                 reported += usize::from(load_reported);
                 booked_total += u64::from(booked);
             }
+            // The KV the requests in flight hold at their longest: this gateway's bookings, and
+            // the engine's requests beyond them (another replica's) at the same mean size.
+            let own_kv = rs.booked_kv_blocks();
+            let kv_committed = match active.checked_sub(booked) {
+                Some(0) | None => own_kv,
+                Some(more) => own_kv
+                    .checked_div(u64::from(booked))
+                    .filter(|&mean| mean > 0)
+                    .unwrap_or(u64::from(req.kv_blocks))
+                    .saturating_mul(u64::from(more))
+                    .saturating_add(own_kv),
+            };
             out.candidates.push(Candidate {
                 holder: slot.holder,
                 matched_tokens: 0,
                 affinity_tokens: 0,
                 prefill_tokens: req.prompt_tokens,
+                kv_blocks: req.kv_blocks,
+                kv_committed: u32::try_from(kv_committed).unwrap_or(u32::MAX),
                 active_requests: active,
                 booked_requests: booked,
                 queue_latency_ms: queue_ms as f32,
@@ -359,7 +373,53 @@ impl<S: Scorer> Scheduler<S> {
                 key: 0,
             });
         }
+        // `cache_aware` checks the room after the cache lookup: a holder's cached prefix takes
+        // no new blocks.
+        let cache_aware = matches!(
+            self.pools[req.role.index()].policy,
+            PolicyConfig::CacheAware | PolicyConfig::CacheAwareV1
+        );
+        if !cache_aware && Self::checks_kv_room(req) {
+            let full = Self::exclude_kv_full(pool, out);
+            admissible -= full.0;
+            reported -= full.1;
+            booked_total -= full.2;
+        }
         (admissible, reported, booked_total)
+    }
+
+    /// Whether the decision keeps the request off a holder it would overfill: decode holders,
+    /// whose requests hold their KV for their whole generation (a prefill or regular holder's
+    /// wait is in its queue estimate), when the request's size is known.
+    fn checks_kv_room(req: &Request<'_>) -> bool {
+        req.role == crate::cluster::Role::Decode && req.kv_blocks > 0
+    }
+
+    /// Excludes the decode holders that the request would overfill (the requests in flight
+    /// there and this one need more KV blocks than the holder has), as long as one admissible
+    /// holder has room: there the engine takes the request at once, where a full one queues it
+    /// or preempts a running request, which then computes its whole prompt again. When none
+    /// has room, all stay and the policy decides. Returns what it excluded as (holders, of
+    /// them with a load signal, their bookings).
+    fn exclude_kv_full(pool: &[HolderSlot], out: &mut Ranking) -> (usize, usize, u64) {
+        let full = |c: &Candidate, slot: &HolderSlot| {
+            let cap = slot.capacity.kv_blocks;
+            cap > 0 && u64::from(c.kv_committed) + u64::from(c.kv_blocks) > u64::from(cap)
+        };
+        let admissible = || out.candidates.iter().zip(pool).filter(|(c, _)| c.excluded.is_none());
+        if !admissible().any(|(c, slot)| !full(c, slot)) {
+            return (0, 0, 0);
+        }
+        let mut gone = (0, 0, 0);
+        for (c, slot) in out.candidates.iter_mut().zip(pool) {
+            if c.excluded.is_none() && full(c, slot) {
+                c.excluded = Some(Exclusion::KvFull);
+                gone.0 += 1;
+                gone.1 += usize::from(c.load_reported);
+                gone.2 += u64::from(c.booked_requests);
+            }
+        }
+        gone
     }
 
     /// Admissible first in key order, excluded after in pool order; sets `out.admissible`.
@@ -542,6 +602,17 @@ impl<S: Scorer> Scheduler<S> {
             } else {
                 distrust = Some(FallbackReason::LedgerNotReady);
             }
+        }
+        if Self::checks_kv_room(req) {
+            if let CacheView::Overlap { block_tokens, .. } = req.cache {
+                // Its cached prefix is already in the holder's KV: only the rest is new.
+                for c in &mut out.candidates {
+                    c.kv_blocks = c.kv_blocks.saturating_sub(c.matched_tokens / block_tokens.max(1));
+                }
+            }
+            let full = Self::exclude_kv_full(pool.holders, out);
+            admissible -= full.0;
+            booked -= full.2;
         }
         // One pass: the load bound, any hit at all (bound-excluded included), and the best cache
         // holder among the admissible (most matched tokens, then fewest active).

@@ -119,6 +119,8 @@ pub struct RankLoad {
     pub estimate: Estimate,
     /// Prefill tokens this gateway booked since that report.
     pub since_report_tokens: u64,
+    /// KV blocks this gateway's bookings hold at their longest (prompt and output limit).
+    pub booked_kv_blocks: u64,
 }
 
 /// One data-parallel rank's atomics. `repr(C)`: the fields every decision reads come first.
@@ -130,6 +132,8 @@ pub(crate) struct RankState {
     booked_requests: AtomicU32,
     ledger: AtomicU8,
     booked_prefill_tokens: AtomicU64,
+    /// KV blocks of the bookings at their longest (see `RankLoad`).
+    booked_kv_blocks: AtomicU64,
     running: AtomicU32,
     waiting: AtomicU32,
     waiting_prefill_tokens: AtomicU64,
@@ -182,6 +186,7 @@ impl RankState {
             learn: Mutex::new(Learner { fit, last_totals: None }),
             booked_requests: AtomicU32::new(0),
             booked_prefill_tokens: AtomicU64::new(0),
+            booked_kv_blocks: AtomicU64::new(0),
             prefill_busy_until: AtomicU64::new(0),
             running: AtomicU32::new(0),
             waiting: AtomicU32::new(0),
@@ -244,6 +249,12 @@ impl RankState {
     #[inline]
     pub(crate) fn booked_prefill_tokens(&self) -> u64 {
         self.booked_prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    // Relaxed: as above.
+    #[inline]
+    pub(crate) fn booked_kv_blocks(&self) -> u64 {
+        self.booked_kv_blocks.load(Ordering::Relaxed)
     }
 
     /// How late, in nanoseconds, on average at `now`, this gateway's bookings without a first
@@ -435,6 +446,7 @@ impl WorkerState {
             engine: r.engine(now, None),
             estimate: r.estimate(),
             since_report_tokens: r.since_report_tokens(),
+            booked_kv_blocks: r.booked_kv_blocks(),
         })
     }
 
@@ -598,18 +610,20 @@ pub struct Booking {
     epoch: u32,
     /// Its prompt's chain in the prefixes in flight, when tracked.
     pending: Option<(Arc<PendingPrefixes>, PendingKey)>,
+    /// KV blocks it holds at its longest, until it ends.
+    kv_blocks: u64,
     /// When its first token was due by the estimate at dispatch (ns), while it is counted among
     /// the holder's bookings without one.
     due_ns: Option<u64>,
 }
 
 impl Booking {
-    /// Books one request and `prefill_tokens` on `holder`, with `queue_tokens` of prefill work
-    /// ahead of it. `None` if the rank does not exist.
+    /// Books one request, `prefill_tokens` and `kv_blocks` on `holder`, with `queue_tokens` of
+    /// prefill work ahead of it. `None` if the rank does not exist.
     pub(crate) fn new(
         state: Arc<WorkerState>,
         holder: HolderId,
-        prefill_tokens: u64,
+        (prefill_tokens, kv_blocks): (u64, u64),
         queue_tokens: u64,
         prefill_tokens_per_sec: u32,
         now: Timestamp,
@@ -619,6 +633,7 @@ impl Booking {
         // Relaxed (all): independent counters read as estimates.
         r.booked_requests.fetch_add(1, Ordering::Relaxed);
         r.booked_prefill_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
+        r.booked_kv_blocks.fetch_add(kv_blocks, Ordering::Relaxed);
         r.booked_total_requests.fetch_add(1, Ordering::Relaxed);
         r.booked_total_tokens.fetch_add(prefill_tokens, Ordering::Relaxed);
         let est = r.estimate();
@@ -647,6 +662,7 @@ impl Booking {
             epoch,
             pending: None,
             due_ns: Some(due_ns),
+            kv_blocks,
         })
     }
 
@@ -779,6 +795,7 @@ impl Drop for Booking {
         // Relaxed: see `new`. The rank was checked in `new`; a state's rank count never changes.
         if let Some(r) = self.state.rank_state(self.holder.rank) {
             r.booked_requests.fetch_sub(1, Ordering::Relaxed);
+            r.booked_kv_blocks.fetch_sub(self.kv_blocks, Ordering::Relaxed);
         }
     }
 }
@@ -812,18 +829,19 @@ mod tests {
     #[test]
     fn booking_releases_prefill_at_first_token_and_request_on_drop() {
         let s = state(HealthPolicy::default());
-        let mut b = Booking::new(s.clone(), holder(1), 500, 0, 10_000, ms(0)).expect("rank 1");
+        let mut b = Booking::new(s.clone(), holder(1), (500, 40), 0, 10_000, ms(0)).expect("rank 1");
         let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
-        assert_eq!((load.booked_requests, load.booked_prefill_tokens), (1, 500));
+        assert_eq!((load.booked_requests, load.booked_prefill_tokens, load.booked_kv_blocks), (1, 500, 40));
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_requests, 0);
         b.first_token(ms(40));
         b.first_token(ms(90)); // second call is a no-op
         let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
-        assert_eq!((load.booked_requests, load.booked_prefill_tokens), (1, 0));
+        // The KV stays held until the request ends: it decodes after its first token.
+        assert_eq!((load.booked_requests, load.booked_prefill_tokens, load.booked_kv_blocks), (1, 0, 40));
         drop(b);
         let load = s.rank_load(DpRank(1), ms(0)).expect("rank");
-        assert_eq!((load.booked_requests, load.booked_prefill_tokens), (0, 0));
-        assert!(Booking::new(s, holder(2), 1, 0, 10_000, ms(0)).is_none(), "no rank 2");
+        assert_eq!((load.booked_requests, load.booked_prefill_tokens, load.booked_kv_blocks), (0, 0, 0));
+        assert!(Booking::new(s, holder(2), (1, 0), 0, 10_000, ms(0)).is_none(), "no rank 2");
     }
 
     #[test]
@@ -831,8 +849,8 @@ mod tests {
         let s = state(HealthPolicy::default());
         let busy = |s: &WorkerState| s.rank_load(DpRank(0), ms(0)).expect("rank").prefill_busy_until;
         // 10,000 tokens/s: 1,000 tokens are 100 ms of prefill.
-        let mut a = Booking::new(s.clone(), holder(0), 1000, 0, 10_000, ms(0)).expect("rank");
-        let mut b = Booking::new(s.clone(), holder(0), 1000, 0, 10_000, ms(50)).expect("rank");
+        let mut a = Booking::new(s.clone(), holder(0), (1000, 0), 0, 10_000, ms(0)).expect("rank");
+        let mut b = Booking::new(s.clone(), holder(0), (1000, 0), 0, 10_000, ms(50)).expect("rank");
         assert_eq!(busy(&s), ms(200), "queued behind the first");
         assert_eq!(s.rank_state(DpRank(0)).expect("rank").prefill_backlog_ns(ms(150)), 50_000_000);
         // The engine is faster than nominal: the first token at 60 ms leaves 1,000 tokens booked.
@@ -842,7 +860,7 @@ mod tests {
         assert_eq!(busy(&s), ms(160));
         assert_eq!(s.rank_state(DpRank(0)).expect("rank").prefill_backlog_ns(ms(200)), 0);
         // Idle: a new booking starts from now.
-        let c = Booking::new(s.clone(), holder(0), 500, 0, 10_000, ms(1000)).expect("rank");
+        let c = Booking::new(s.clone(), holder(0), (500, 0), 0, 10_000, ms(1000)).expect("rank");
         assert_eq!(busy(&s), ms(1050));
         c.fail(FailureClass::Timeout, ms(1010));
         assert_eq!(busy(&s), ms(1010), "a failed request leaves the queue");
@@ -855,8 +873,8 @@ mod tests {
         assert_eq!(r.unanswered_lateness_ns(ms(5)), 0);
         // At the prior (10 ms + 0.1 ms per token), due after twice the estimate and a second:
         // at 2·(10 + 30) + 1,000 = 1,080 ms and at 100 + 2·10 + 1,000 = 1,120 ms.
-        let mut a = Booking::new(s.clone(), holder(0), 300, 0, 10_000, ms(0)).expect("rank");
-        let b = Booking::new(s.clone(), holder(0), 0, 0, 10_000, ms(100)).expect("rank");
+        let mut a = Booking::new(s.clone(), holder(0), (300, 0), 0, 10_000, ms(0)).expect("rank");
+        let b = Booking::new(s.clone(), holder(0), (0, 0), 0, 10_000, ms(100)).expect("rank");
         // (Milliseconds: the estimate's seconds are floating point.)
         let late = |at| r.unanswered_lateness_ns(ms(at)) / 1_000_000;
         assert_eq!(late(1_090), 0, "on time on average");
@@ -873,8 +891,8 @@ mod tests {
     #[test]
     fn dropping_before_first_token_releases_everything() {
         let s = state(HealthPolicy::default());
-        let a = Booking::new(s.clone(), holder(0), 300, 0, 10_000, ms(0)).expect("rank");
-        let b = Booking::new(s.clone(), holder(0), 200, 0, 10_000, ms(0)).expect("rank");
+        let a = Booking::new(s.clone(), holder(0), (300, 0), 0, 10_000, ms(0)).expect("rank");
+        let b = Booking::new(s.clone(), holder(0), (200, 0), 0, 10_000, ms(0)).expect("rank");
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_prefill_tokens, 500);
         a.fail(FailureClass::Timeout, ms(1));
         assert_eq!(s.rank_load(DpRank(0), ms(0)).expect("rank").booked_prefill_tokens, 200);
@@ -1001,9 +1019,15 @@ mod tests {
                 let s = Arc::clone(&s);
                 scope.spawn(move || {
                     for i in 0..5_000u64 {
-                        let mut b =
-                            Booking::new(Arc::clone(&s), holder((i % 2) as u16), 100 + t, 0, 10_000, ms(i))
-                                .expect("rank");
+                        let mut b = Booking::new(
+                            Arc::clone(&s),
+                            holder((i % 2) as u16),
+                            (100 + t, 3),
+                            0,
+                            10_000,
+                            ms(i),
+                        )
+                        .expect("rank");
                         match i % 4 {
                             0 => drop(b),
                             1 => b.first_token(ms(i + 1)),
@@ -1019,7 +1043,11 @@ mod tests {
         });
         for r in 0..2 {
             let l = s.rank_load(DpRank(r), ms(0)).expect("rank");
-            assert_eq!((l.booked_requests, l.booked_prefill_tokens), (0, 0), "rank {r}");
+            assert_eq!(
+                (l.booked_requests, l.booked_prefill_tokens, l.booked_kv_blocks),
+                (0, 0, 0),
+                "rank {r}"
+            );
         }
     }
 }

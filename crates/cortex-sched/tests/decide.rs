@@ -74,7 +74,7 @@ impl Fixture {
     fn load(&mut self, holder: HolderId, n: u32, prefill: u32) -> &mut Self {
         let snap = self.cluster.load();
         for _ in 0..n {
-            self.bookings.push(snap.book_holder(holder, prefill, ms(0)).expect("book"));
+            self.bookings.push(snap.book_holder(holder, prefill, 0, ms(0)).expect("book"));
         }
         self
     }
@@ -701,6 +701,66 @@ fn prefill_and_decode_pools_use_their_own_policies() {
     assert!(f.out.all().all(|c| c.holder.worker.0 >= 2 && c.matched_tokens == 0));
 }
 
+#[test]
+fn a_decode_holder_the_request_would_overfill_is_passed_over_while_another_has_room() {
+    // Two decode workers of 100 KV blocks; the first holds the prompt's first 10 blocks.
+    let specs = (0..2)
+        .map(|i| WorkerSpec {
+            role: Role::Decode,
+            capacity: Capacity { kv_blocks: 100, ..Capacity::default() },
+            ..WorkerSpec::new(WorkerId(i), MODEL, Engine::Sglang)
+        })
+        .collect();
+    let mut f = Fixture::with_specs(specs, SchedConfig::default());
+    f.hits(&[(h(0), 10)]);
+    let overlap = f.overlap.clone();
+    let snap = f.cluster.load();
+    let cache = CacheView::Overlap { scores: &overlap, block_tokens: BLOCK };
+    let request =
+        |kv_blocks| Request { kv_blocks, ..Request::new(MODEL, Role::Decode, ms(1), PROMPT, cache) };
+    // 70 of its blocks are held by a request in flight there.
+    let held = snap.book_holder(h(0), 0, 70, ms(0)).expect("book");
+    // A request of 20 blocks fits beside it: the prefix wins.
+    f.sched.decide(&snap, &request(20), &mut f.out).expect("ok");
+    assert_eq!(f.out.first().expect("first").holder, h(0));
+    assert_eq!(f.out.first().expect("first").kv_committed, 70);
+    // One of 40 fits too: its first 10 blocks are the cached prefix, which takes no room.
+    f.sched.decide(&snap, &request(40), &mut f.out).expect("ok");
+    assert_eq!((f.out.first().expect("first").holder, f.out.excluded().count()), (h(0), 0));
+    assert_eq!(f.out.first().expect("first").kv_blocks, 30);
+    // One of 45 would overfill it (the engine would queue it or preempt): the other takes it.
+    f.sched.decide(&snap, &request(45), &mut f.out).expect("ok");
+    assert_eq!(f.out.first().expect("first").holder, h(1));
+    let full = f.out.excluded().next().expect("excluded");
+    assert_eq!((full.holder, full.excluded), (h(0), Some(Exclusion::KvFull)));
+    // Without a size (no output limit known, no tokens), nothing is excluded.
+    f.sched.decide(&snap, &request(0), &mut f.out).expect("ok");
+    assert_eq!(f.out.first().expect("first").holder, h(0));
+    // When no holder has room, none is excluded and the policy decides.
+    let other = snap.book_holder(h(1), 0, 70, ms(0)).expect("book");
+    f.sched.decide(&snap, &request(45), &mut f.out).expect("ok");
+    assert_eq!(f.out.excluded().count(), 0);
+    assert_eq!(f.out.first().expect("first").holder, h(0));
+    // The booking frees its blocks when the request ends.
+    drop((held, other));
+    f.sched.decide(&snap, &request(45), &mut f.out).expect("ok");
+    assert_eq!((f.out.first().expect("first").holder, f.out.excluded().count()), (h(0), 0));
+    // Load-only decode checks the room too, with the whole request (it ignores the cache).
+    let pools = PoolPolicies { decode: PolicyConfig::LeastLoad, ..PoolPolicies::default() };
+    let least = Scheduler::new(SchedConfig { pools, ..SchedConfig::default() }).expect("config");
+    let _held = snap.book_holder(h(1), 0, 70, ms(0)).expect("book");
+    let _small = [0, 1].map(|_| snap.book_holder(h(0), 0, 1, ms(0)).expect("book"));
+    least.decide(&snap, &request(0), &mut f.out).expect("ok");
+    assert_eq!(f.out.first().expect("first").holder, h(1), "the least loaded");
+    least.decide(&snap, &request(40), &mut f.out).expect("ok");
+    assert_eq!(f.out.first().expect("first").holder, h(0), "h(1) is less loaded, but only h(0) has room");
+    // The regular pool is left to the time estimate (its queue is in the engine's report).
+    let regular = Fixture::new(2, SchedConfig::default()).cluster.load();
+    let r = Request { kv_blocks: 1_000_000, ..Request::new(MODEL, Role::Regular, ms(1), PROMPT, cache) };
+    f.sched.decide(&regular, &r, &mut f.out).expect("ok");
+    assert_eq!(f.out.excluded().count(), 0);
+}
+
 /// A custom scorer: prefers the highest worker id, ignoring everything else.
 struct HighestId;
 
@@ -835,7 +895,7 @@ fn time_first_chunks_teach_each_holder_its_speed() {
     // w0's first chunks: 1,250 tokens/s and 20 ms of overhead (the prior says 10,000 and 10 ms).
     for i in 0..64u64 {
         let prefill = 200 + (i % 8) as u32 * 500;
-        let mut b = snap.book_holder(h(0), prefill, ms(1_000 * i)).expect("book");
+        let mut b = snap.book_holder(h(0), prefill, 0, ms(1_000 * i)).expect("book");
         let took = 20.0 + f64::from(prefill) / 1.25;
         b.first_output(Timestamp::from_nanos(1_000_000_000 * i + (took * 1e6) as u64));
         b.succeed(ms(1_000 * i + 900));
@@ -845,7 +905,7 @@ fn time_first_chunks_teach_each_holder_its_speed() {
     assert!((learned.overhead_s - 0.02).abs() < 0.005, "{learned:?}");
     assert_eq!(f.state(0).learned_samples(DpRank(0)), 64);
     // A non-streaming first byte teaches nothing.
-    let mut b = snap.book_holder(h(1), 100, ms(0)).expect("book");
+    let mut b = snap.book_holder(h(1), 100, 0, ms(0)).expect("book");
     b.first_token(ms(5_000));
     drop(b);
     assert_eq!(f.state(1).learned_samples(DpRank(0)), 0);
