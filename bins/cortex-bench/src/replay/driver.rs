@@ -45,6 +45,8 @@ pub struct Outcome {
     pub completion_tokens: u64,
     /// The worker that served it (index into the cluster).
     pub worker: Option<usize>,
+    /// Cortex, disaggregated: the worker that computed the prompt (index into the cluster).
+    pub prefill_worker: Option<usize>,
     /// Cortex: the match mode it was routed with.
     pub match_mode: Option<String>,
     /// Cortex: the cache hit it predicted, tokens.
@@ -259,6 +261,7 @@ async fn send(
         status: parts.status.as_u16(),
         sim_ttft_ms: header(h, "x-sim-ttft-ms").and_then(|v| v.parse().ok()),
         worker: header(h, "x-cortex-assigned-worker").and_then(|w| w.strip_prefix('w')?.parse().ok()),
+        prefill_worker: header(h, "x-cortex-prefill-worker").and_then(|w| w.strip_prefix('w')?.parse().ok()),
         match_mode: header(h, "x-cortex-match-mode").map(str::to_owned),
         predicted_hit: header(h, "x-cortex-cache-hit-tokens").and_then(|v| v.parse().ok()),
         pd_mode: header(h, "x-cortex-pd").map(str::to_owned),

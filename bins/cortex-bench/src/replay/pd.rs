@@ -439,7 +439,7 @@ pub async fn run_policy(
     // One line per request beside the log, to find what the slowest ones had in common.
     let _ = std::fs::write(
         run.log.with_extension("requests.tsv"),
-        requests_tsv(sends, &outcomes, run.compression),
+        requests_tsv(sends, analysis, &outcomes, run.compression),
     );
     let learned = match &front {
         FrontEnd::Cortex(gw) => {
@@ -473,16 +473,20 @@ pub async fn run_policy(
     Ok(r)
 }
 
-/// Each request's send time, decode worker, mode and end-to-end TTFT, in trace milliseconds.
-fn requests_tsv(sends: &[Send], outcomes: &[Outcome], compression: f64) -> String {
+/// Each request's send time, prompt size, workers, mode and end-to-end TTFT, in trace
+/// milliseconds.
+fn requests_tsv(sends: &[Send], analysis: &Analysis, outcomes: &[Outcome], compression: f64) -> String {
     let ms = |d: Duration| d.as_secs_f64() * 1e3 * compression;
-    let mut out =
-        String::from("request\tsent_ms\tworker\tpd_mode\tpredicted_hit\thead_ms\tttft_ms\tstatus\n");
+    let mut out = String::from(
+        "request\tsent_ms\tprompt_tokens\tprefill_worker\tworker\tpd_mode\tpredicted_hit\thead_ms\tttft_ms\tstatus\n",
+    );
     for (i, (s, o)) in sends.iter().zip(outcomes).enumerate() {
         let opt = |v: Option<String>| v.unwrap_or_else(|| "-".to_owned());
         out.push_str(&format!(
-            "{i}\t{:.1}\t{}\t{}\t{}\t{:.1}\t{}\t{}\n",
+            "{i}\t{:.1}\t{}\t{}\t{}\t{}\t{}\t{:.1}\t{}\t{}\n",
             ms(s.at),
+            opt(analysis.prompt_tokens.get(i).map(ToString::to_string)),
+            opt(o.prefill_worker.map(|w| w.to_string())),
             opt(o.worker.map(|w| w.to_string())),
             opt(o.pd_mode.clone()),
             opt(o.predicted_hit.map(|h| h.to_string())),
