@@ -284,7 +284,8 @@ pub struct Candidate {
     /// KV blocks a booking on this holder reserves ([`Request::kv_blocks`]).
     pub kv_blocks: u32,
     /// KV blocks the requests in flight on the holder hold at their longest: this gateway's
-    /// bookings, scaled up when the engine reports more requests than this gateway booked.
+    /// bookings, scaled up when the engine reports more requests than this gateway booked
+    /// (decode pools, for a request whose size is known; 0 otherwise).
     pub kv_committed: u32,
     /// Requests in flight: this gateway's bookings, or the engine's running + waiting when it
     /// reports more.

@@ -285,6 +285,7 @@ impl<S: Scorer> Scheduler<S> {
             LoadSignals::EngineReports { max_age } => Some(max_age),
         };
         let (mut admissible, mut reported, mut booked_total) = (0, 0, 0u64);
+        let kv_room = Self::checks_kv_room(req);
         for slot in pool {
             let st = &*slot.state;
             let Some(rs) = st.rank_state(slot.holder.rank) else { continue };
@@ -340,9 +341,11 @@ impl<S: Scorer> Scheduler<S> {
                 booked_total += u64::from(booked);
             }
             // The KV the requests in flight hold at their longest: this gateway's bookings, and
-            // the engine's requests beyond them (another replica's) at the same mean size.
-            let own_kv = rs.booked_kv_blocks();
+            // the engine's requests beyond them (another replica's) at the same mean size. Only
+            // where the room is checked (a decision of every pool reads this holder state).
+            let own_kv = if kv_room { rs.booked_kv_blocks() } else { 0 };
             let kv_committed = match active.checked_sub(booked) {
+                _ if !kv_room => 0,
                 Some(0) | None => own_kv,
                 Some(more) => own_kv
                     .checked_div(u64::from(booked))
@@ -379,7 +382,7 @@ impl<S: Scorer> Scheduler<S> {
             self.pools[req.role.index()].policy,
             PolicyConfig::CacheAware | PolicyConfig::CacheAwareV1
         );
-        if !cache_aware && Self::checks_kv_room(req) {
+        if !cache_aware && kv_room {
             let full = Self::exclude_kv_full(pool, out);
             admissible -= full.0;
             reported -= full.1;
