@@ -523,10 +523,18 @@ impl Planner {
     }
 }
 
-/// The KV blocks of `prompt_tokens` and up to `max_output` generated tokens, in pages of
-/// `block_size` tokens.
+/// Output tokens a request's KV is sized for at most, whatever its limit: SGLang's scheduler
+/// clips its own estimate of a request's output there (`SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION`,
+/// 4096), since a client's limit is a bound most requests stop far short of. Without the clip,
+/// one request asking for a context's worth of output would fill a decode worker by the count
+/// and turn every other request away from it.
+const OUTPUT_ESTIMATE_CLIP: u32 = 4096;
+
+/// The KV blocks of `prompt_tokens` and up to `max_output` generated tokens (clipped at
+/// [`OUTPUT_ESTIMATE_CLIP`]), in pages of `block_size` tokens.
 fn kv_blocks(prompt_tokens: u32, max_output: Option<u32>, block_size: u32) -> u32 {
-    let tokens = u64::from(prompt_tokens) + u64::from(max_output.unwrap_or(0));
+    let output = max_output.unwrap_or(0).min(OUTPUT_ESTIMATE_CLIP);
+    let tokens = u64::from(prompt_tokens) + u64::from(output);
     u32::try_from(tokens.div_ceil(u64::from(block_size.max(1)))).unwrap_or(u32::MAX)
 }
 
@@ -606,6 +614,7 @@ mod tests {
         assert_eq!(kv_blocks(272, Some(256), 16), 33);
         assert_eq!(kv_blocks(273, Some(256), 16), 34, "a partial page is a page");
         assert_eq!(kv_blocks(272, None, 16), 17, "no limit given: the prompt alone");
+        assert_eq!(kv_blocks(100, Some(1_000_000), 16), (100 + 4096_u32).div_ceil(16), "clipped");
         assert_eq!(kv_blocks(u32::MAX, Some(u32::MAX), 1), u32::MAX);
     }
 

@@ -338,7 +338,9 @@ impl Snapshot {
         let w = self.worker(candidate.holder.worker)?;
         let rate = w.spec.capacity.prefill_tokens_per_sec;
         let (prefill, queue) = (u64::from(candidate.prefill_tokens), u64::from(candidate.queue_tokens));
-        let kv = u64::from(candidate.kv_blocks);
+        // One request can hold no more than the whole cache.
+        let cap = w.spec.capacity.kv_blocks;
+        let kv = u64::from(if cap > 0 { candidate.kv_blocks.min(cap) } else { candidate.kv_blocks });
         Booking::new(Arc::clone(&w.state), candidate.holder, (prefill, kv), queue, rate, now)
     }
 

@@ -741,6 +741,13 @@ fn a_decode_holder_the_request_would_overfill_is_passed_over_while_another_has_r
     f.sched.decide(&snap, &request(45), &mut f.out).expect("ok");
     assert_eq!(f.out.excluded().count(), 0);
     assert_eq!(f.out.first().expect("first").holder, h(0));
+    // A request larger than a holder's whole cache books no more than that cache (70 + 100).
+    let mut c = *f.out.all().find(|c| c.holder == h(1)).expect("h(1)");
+    (c.kv_blocks, c.prefill_tokens, c.queue_tokens) = (u32::MAX, 0, 0);
+    let huge = snap.book(&c, ms(0)).expect("book");
+    let rank = snap.worker(WorkerId(1)).expect("w").state().rank_load(DpRank(0), ms(0)).expect("rank");
+    assert_eq!(rank.booked_kv_blocks, 170);
+    drop(huge);
     // The booking frees its blocks when the request ends.
     drop((held, other));
     f.sched.decide(&snap, &request(45), &mut f.out).expect("ok");
