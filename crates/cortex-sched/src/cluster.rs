@@ -82,6 +82,15 @@ pub struct Capacity {
     pub prefill_tokens_per_sec: u32,
 }
 
+impl Capacity {
+    /// The KV blocks a request of `blocks` holds here: no more than the whole cache (when its
+    /// size is known).
+    #[must_use]
+    pub fn kv_held(&self, blocks: u32) -> u64 {
+        u64::from(if self.kv_blocks > 0 { blocks.min(self.kv_blocks) } else { blocks })
+    }
+}
+
 impl Default for Capacity {
     fn default() -> Self {
         Capacity { max_running_requests: 256, kv_blocks: 0, prefill_tokens_per_sec: 10_000 }
@@ -338,9 +347,7 @@ impl Snapshot {
         let w = self.worker(candidate.holder.worker)?;
         let rate = w.spec.capacity.prefill_tokens_per_sec;
         let (prefill, queue) = (u64::from(candidate.prefill_tokens), u64::from(candidate.queue_tokens));
-        // One request can hold no more than the whole cache.
-        let cap = w.spec.capacity.kv_blocks;
-        let kv = u64::from(if cap > 0 { candidate.kv_blocks.min(cap) } else { candidate.kv_blocks });
+        let kv = w.spec.capacity.kv_held(candidate.kv_blocks);
         Booking::new(Arc::clone(&w.state), candidate.holder, (prefill, kv), queue, rate, now)
     }
 
@@ -356,7 +363,7 @@ impl Snapshot {
     ) -> Option<Booking> {
         let w = self.worker(holder.worker)?;
         let rate = w.spec.capacity.prefill_tokens_per_sec;
-        let work = (u64::from(prefill_tokens), u64::from(kv_blocks));
+        let work = (u64::from(prefill_tokens), w.spec.capacity.kv_held(kv_blocks));
         Booking::new(Arc::clone(&w.state), holder, work, 0, rate, now)
     }
 

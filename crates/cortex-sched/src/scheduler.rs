@@ -207,17 +207,32 @@ impl<S: Scorer> Scheduler<S> {
         let mut pool = snap.pool(req.model, req.role).ok_or(SchedError::NoPool)?;
         pool.holders = &pool.holders[..pool.holders.len().min(MAX_POOL_HOLDERS)];
         let time = rt.policy == PolicyConfig::CacheAware;
-        let (admissible, reported, booked) = self.gather(pool.holders, req, time, out);
+        let (mut admissible, mut reported, mut booked) = self.gather(pool.holders, req, time, out);
         if admissible == 0 {
             Self::order(out);
             return Err(SchedError::NoneAdmissible);
         }
-        let signals = match self.config.load_signals {
+        let signals_of = |admissible: usize, reported: usize| match self.config.load_signals {
             LoadSignals::Booked => Signals::Complete,
             LoadSignals::EngineReports { .. } if reported == admissible => Signals::Complete,
             LoadSignals::EngineReports { .. } if reported == 0 => Signals::Missing,
             LoadSignals::EngineReports { .. } => Signals::Partial,
         };
+        // The KV room: `cache_aware` checks it once it knows each holder's cached prefix (which
+        // takes no new blocks); every other decision (the load fallbacks of `cache_aware_v1`
+        // included) here, with the whole request.
+        let looks_at_cache = match rt.policy {
+            PolicyConfig::CacheAware => true,
+            PolicyConfig::CacheAwareV1 => signals_of(admissible, reported) == Signals::Complete,
+            _ => false,
+        };
+        if Self::checks_kv_room(req) && !looks_at_cache {
+            let full = Self::exclude_kv_full(pool.holders, out);
+            admissible -= full.0;
+            reported -= full.1;
+            booked -= full.2;
+        }
+        let signals = signals_of(admissible, reported);
         match rt.policy {
             // Time-based: a holder without a fresh report is estimated from this gateway's own
             // bookings, so partial or missing engine reports do not degrade the decision.
@@ -340,19 +355,11 @@ impl<S: Scorer> Scheduler<S> {
                 reported += usize::from(load_reported);
                 booked_total += u64::from(booked);
             }
-            // The KV the requests in flight hold at their longest: this gateway's bookings, and
-            // the engine's requests beyond them (another replica's) at the same mean size. Only
-            // where the room is checked (a decision of every pool reads this holder state).
-            let own_kv = if kv_room { rs.booked_kv_blocks() } else { 0 };
-            let kv_committed = match active.checked_sub(booked) {
-                _ if !kv_room => 0,
-                Some(0) | None => own_kv,
-                Some(more) => own_kv
-                    .checked_div(u64::from(booked))
-                    .filter(|&mean| mean > 0)
-                    .unwrap_or(u64::from(req.kv_blocks))
-                    .saturating_mul(u64::from(more))
-                    .saturating_add(own_kv),
+            // Only where the room is checked: a decision of every pool reads this holder state.
+            let kv_committed = if kv_room {
+                Self::kv_committed(rs.booked_kv_blocks(), booked, active, req.kv_blocks)
+            } else {
+                0
             };
             out.candidates.push(Candidate {
                 holder: slot.holder,
@@ -376,19 +383,17 @@ impl<S: Scorer> Scheduler<S> {
                 key: 0,
             });
         }
-        // `cache_aware` checks the room after the cache lookup: a holder's cached prefix takes
-        // no new blocks.
-        let cache_aware = matches!(
-            self.pools[req.role.index()].policy,
-            PolicyConfig::CacheAware | PolicyConfig::CacheAwareV1
-        );
-        if !cache_aware && kv_room {
-            let full = Self::exclude_kv_full(pool, out);
-            admissible -= full.0;
-            reported -= full.1;
-            booked_total -= full.2;
-        }
         (admissible, reported, booked_total)
+    }
+
+    /// The KV blocks the requests in flight on a holder hold at their longest: this gateway's
+    /// bookings (`own` blocks over `booked` requests), and the engine's requests beyond them
+    /// (`active` counts them; another replica's) at the same mean size, or at `this` request's
+    /// size when this gateway has none there.
+    fn kv_committed(own: u64, booked: u32, active: u32, this: u32) -> u64 {
+        let more = u64::from(active.saturating_sub(booked));
+        let mean = own.checked_div(u64::from(booked)).filter(|&m| m > 0).unwrap_or(u64::from(this));
+        own.saturating_add(mean.saturating_mul(more))
     }
 
     /// Whether the decision keeps the request off a holder it would overfill: decode holders,

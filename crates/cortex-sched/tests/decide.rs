@@ -761,6 +761,15 @@ fn a_decode_holder_the_request_would_overfill_is_passed_over_while_another_has_r
     assert_eq!(f.out.first().expect("first").holder, h(1), "the least loaded");
     least.decide(&snap, &request(40), &mut f.out).expect("ok");
     assert_eq!(f.out.first().expect("first").holder, h(0), "h(1) is less loaded, but only h(0) has room");
+    // `cache_aware_v1` without load reports falls back to rotating, which checks the room too.
+    let pools = PoolPolicies { decode: PolicyConfig::CacheAwareV1, ..PoolPolicies::default() };
+    let signals = LoadSignals::EngineReports { max_age: Duration::from_secs(1) };
+    let v1 = Scheduler::new(SchedConfig { pools, load_signals: signals, ..SchedConfig::default() })
+        .expect("config");
+    for _ in 0..4 {
+        v1.decide(&snap, &request(40), &mut f.out).expect("ok");
+        assert_eq!(f.out.first().expect("first").holder, h(0), "{:?}", f.out.mode());
+    }
     // The regular pool is left to the time estimate (its queue is in the engine's report).
     let regular = Fixture::new(2, SchedConfig::default()).cluster.load();
     let r = Request { kv_blocks: 1_000_000, ..Request::new(MODEL, Role::Regular, ms(1), PROMPT, cache) };
