@@ -10,10 +10,15 @@
 //! BPE of its own bytes gives itself — a property of the vocabulary, computed the first time a
 //! piece needs it (computing all 151k at load would take a fifth of a second) — and such a piece
 //! then costs one hash lookup. There is no cache of text.
+//!
+//! The lookup is the encoder's main cost on a prompt never seen before: 151k entries are
+//! megabytes, so each probe is a cache miss. The vocabulary therefore keeps a piece of up to
+//! [`INLINE`] bytes inside its table entry and the whole-token flag next to the id, so that a
+//! lookup touches the table alone, not a separately allocated key and a per-id flag array.
 
 use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::Token;
 
@@ -73,13 +78,105 @@ pub(super) enum BpeError {
     MergeOutOfVocabulary(String),
 }
 
+/// Pieces up to this many bytes are kept inside the vocabulary's table entry.
+const INLINE: usize = 15;
+
+/// A piece of up to [`INLINE`] bytes as a table key: the bytes, zero-padded, then the length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct InlineKey([u64; 2]);
+
+impl InlineKey {
+    /// The key of `bytes` (at most [`INLINE`] of them), read with overlapping word loads rather
+    /// than a copy of variable length: the key is built on every lookup.
+    #[inline]
+    fn of(bytes: &[u8]) -> InlineKey {
+        let n = bytes.len();
+        debug_assert!(n <= INLINE);
+        let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap_or_default());
+        let half =
+            |at: usize| u64::from(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap_or_default()));
+        let (lo, hi) = if n >= 8 {
+            // Bytes 8..n are the top n - 8 bytes of the last word.
+            (word(0), word(n - 8).checked_shr(8 * (16 - n) as u32).unwrap_or(0))
+        } else if n >= 4 {
+            // Two overlapping halves: the shared bytes are the same on both sides.
+            (half(0) | half(n - 4) << (8 * (n - 4)), 0)
+        } else if n > 0 {
+            let b = |i: usize| u64::from(bytes[i]) << (8 * i);
+            (b(0) | b(n / 2) | b(n - 1), 0)
+        } else {
+            (0, 0)
+        };
+        InlineKey([lo, hi | (n as u64) << 56])
+    }
+
+    #[cfg(test)]
+    fn bytes(self) -> Vec<u8> {
+        let mut k = [0u8; 16];
+        k[..8].copy_from_slice(&self.0[0].to_le_bytes());
+        k[8..].copy_from_slice(&self.0[1].to_le_bytes());
+        k[..usize::from(k[15])].to_vec()
+    }
+}
+
+impl std::hash::Hash for InlineKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // One 64-bit input for the hasher's finalizer; a collision only costs a key compare.
+        state.write_u64(self.0[0] ^ self.0[1].wrapping_mul(0x9E37_79B9_7F4A_7C15).rotate_left(31));
+    }
+}
+
+/// Raw bytes → an entry: the token id in the low 24 bits ([`MAX_ID`]), and above them whether
+/// BPE of the token's own bytes gives the token ([`UNKNOWN`] until a piece first needs it).
+struct Vocab {
+    short: FastMap<InlineKey, AtomicU32>,
+    long: FastMap<Box<[u8]>, AtomicU32>,
+}
+
+const ID_BITS: u32 = 24;
+
+impl Vocab {
+    fn with_capacity(n: usize) -> Vocab {
+        let mut short = FastMap::default();
+        short.reserve(n);
+        Vocab { short, long: FastMap::default() }
+    }
+
+    fn insert(&mut self, bytes: &[u8], id: Token) -> Result<(), BpeError> {
+        if id >= MAX_ID {
+            return Err(BpeError::IdTooLarge(id));
+        }
+        let entry = AtomicU32::new(id | u32::from(UNKNOWN) << ID_BITS);
+        if bytes.len() <= INLINE {
+            self.short.insert(InlineKey::of(bytes), entry);
+        } else {
+            self.long.insert(bytes.into(), entry);
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn entry(&self, bytes: &[u8]) -> Option<&AtomicU32> {
+        if bytes.len() <= INLINE { self.short.get(&InlineKey::of(bytes)) } else { self.long.get(bytes) }
+    }
+
+    fn id(&self, bytes: &[u8]) -> Option<Token> {
+        self.entry(bytes).map(|e| e.load(Ordering::Relaxed) & (MAX_ID - 1))
+    }
+
+    #[cfg(test)]
+    fn iter(&self) -> impl Iterator<Item = (Vec<u8>, Token)> + '_ {
+        let id = |e: &AtomicU32| e.load(Ordering::Relaxed) & (MAX_ID - 1);
+        self.short
+            .iter()
+            .map(move |(k, e)| (k.bytes(), id(e)))
+            .chain(self.long.iter().map(move |(k, e)| (k.to_vec(), id(e))))
+    }
+}
+
 /// A byte-level BPE model.
 pub(super) struct Bpe {
-    /// Raw bytes → id.
-    vocab: FastMap<Box<[u8]>, Token>,
-    /// Per id: whether BPE of the token's own bytes gives the token ([`UNKNOWN`] until a piece
-    /// first needs it).
-    whole: Box<[AtomicU8]>,
+    vocab: Vocab,
     merges: FastMap<u64, Merge>,
     byte_ids: [Token; 256],
     /// `ignore_merges`: a piece that is a vocabulary token is that token.
@@ -87,11 +184,11 @@ pub(super) struct Bpe {
 }
 
 /// Token ids must be below this (vocabularies have a few hundred thousand).
-const MAX_ID: Token = 1 << 24;
+const MAX_ID: Token = 1 << ID_BITS;
 
 const UNKNOWN: u8 = 0;
-const WHOLE: u8 = 1;
-const SPLIT: u8 = 2;
+const WHOLE: u32 = 1;
+const SPLIT: u32 = 2;
 
 /// Byte-level characters are below this code point.
 const ALPHABET_END: usize = 0x144;
@@ -139,21 +236,18 @@ impl Bpe {
         ignore_merges: bool,
     ) -> Result<Bpe, BpeError> {
         let inverse = byte_of_char();
-        let mut raw: FastMap<Box<[u8]>, Token> = FastMap::default();
-        raw.reserve(vocab.len());
+        let mut raw = Vocab::with_capacity(vocab.len());
         let mut buf = Vec::new();
-        let mut max_id = 0;
         for (s, id) in vocab {
             // A string outside the byte-level alphabet can never be a piece nor made by merges
             // (which concatenate byte-level strings): no input reaches it.
             if raw_bytes(s, &inverse, &mut buf) {
-                raw.insert(buf.as_slice().into(), id);
-                max_id = max_id.max(id);
+                raw.insert(&buf, id)?;
             }
         }
         let mut byte_ids = [0; 256];
         for (b, slot) in byte_ids.iter_mut().enumerate() {
-            *slot = *raw.get(&[b as u8][..]).ok_or(BpeError::MissingByte(b as u8))?;
+            *slot = raw.id(&[b as u8]).ok_or(BpeError::MissingByte(b as u8))?;
         }
         let mut merge_map: FastMap<u64, Merge> = FastMap::default();
         merge_map.reserve(merges.len());
@@ -165,36 +259,34 @@ impl Bpe {
                 continue;
             }
             let oov = || BpeError::MergeOutOfVocabulary(format!("{a} {b}"));
-            let ia = *raw.get(ra.as_slice()).ok_or_else(oov)?;
-            let ib = *raw.get(rb.as_slice()).ok_or_else(oov)?;
+            let ia = raw.id(&ra).ok_or_else(oov)?;
+            let ib = raw.id(&rb).ok_or_else(oov)?;
             ra.extend_from_slice(&rb);
-            let new = *raw.get(ra.as_slice()).ok_or_else(oov)?;
+            let new = raw.id(&ra).ok_or_else(oov)?;
             merge_map.insert(pair(ia, ib), Merge { rank: u32::try_from(rank).unwrap_or(u32::MAX), new });
         }
-        if max_id >= MAX_ID {
-            return Err(BpeError::IdTooLarge(max_id));
-        }
-        let whole = (0..=max_id).map(|_| AtomicU8::new(UNKNOWN)).collect();
-        Ok(Bpe { vocab: raw, whole, merges: merge_map, byte_ids, ignore_merges })
+        Ok(Bpe { vocab: raw, merges: merge_map, byte_ids, ignore_merges })
     }
 
     /// Appends the tokens of one pre-tokenizer piece to `out`.
     #[inline]
     pub(super) fn encode_piece(&self, piece: &[u8], out: &mut Vec<Token>) {
-        let Some(&id) = self.vocab.get(piece) else { return self.merge(piece, out) };
+        let Some(entry) = self.vocab.entry(piece) else { return self.merge(piece, out) };
+        // Relaxed: the flag is a pure function of the vocabulary, any thread computes the same.
+        let e = entry.load(Ordering::Relaxed);
+        let id = e & (MAX_ID - 1);
         if self.ignore_merges {
             out.push(id);
             return;
         }
-        // Relaxed: the flag is a pure function of the vocabulary, any thread computes the same.
-        let flag = &self.whole[id as usize];
-        match flag.load(Ordering::Relaxed) {
+        match e >> ID_BITS {
             WHOLE => out.push(id),
             SPLIT => self.merge(piece, out),
             _ => {
                 let start = out.len();
                 self.merge(piece, out);
-                flag.store(if out[start..] == [id] { WHOLE } else { SPLIT }, Ordering::Relaxed);
+                let flag = if out[start..] == [id] { WHOLE } else { SPLIT };
+                entry.store(id | flag << ID_BITS, Ordering::Relaxed);
             }
         }
     }
@@ -362,8 +454,30 @@ mod tests {
     }
 
     fn ids_to_text(bpe: &Bpe, ids: &[Token]) -> Vec<String> {
-        let by_id: HashMap<u32, &[u8]> = bpe.vocab.iter().map(|(k, v)| (*v, &k[..])).collect();
-        ids.iter().map(|id| String::from_utf8_lossy(by_id[id]).into_owned()).collect()
+        let by_id: HashMap<u32, Vec<u8>> = bpe.vocab.iter().map(|(k, v)| (v, k)).collect();
+        ids.iter().map(|id| String::from_utf8_lossy(&by_id[id]).into_owned()).collect()
+    }
+
+    #[test]
+    fn an_inline_key_holds_exactly_its_bytes() {
+        let mut seed = 0x2545_F491_4F6C_DD1Du64;
+        for n in 0..=INLINE {
+            for _ in 0..200 {
+                let bytes: Vec<u8> = (0..n)
+                    .map(|_| {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 7;
+                        seed ^= seed << 17;
+                        seed as u8
+                    })
+                    .collect();
+                assert_eq!(InlineKey::of(&bytes).bytes(), bytes);
+            }
+            // Trailing zero bytes are not padding: the length tells them apart.
+            if n < INLINE {
+                assert_ne!(InlineKey::of(&vec![0; n]), InlineKey::of(&vec![0; n + 1]));
+            }
+        }
     }
 
     #[test]
