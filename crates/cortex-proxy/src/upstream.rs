@@ -549,11 +549,15 @@ impl HttpBody for RelayBody {
     }
 }
 
-/// Finds the usage in a stream's last bytes (the last `data:` event carrying one) or in a JSON
-/// body.
+/// Finds the usage in a stream's last bytes (the last `data:` event that is JSON and mentions
+/// a usage) or in a JSON body.
+///
+/// The document is scanned for the four numbers alone ([`usage_scan`]): nothing else of a
+/// response is built or allocated, where a `serde_json::Value` of the whole body cost a
+/// visible share of the gateway's CPU per request.
 #[must_use]
 pub fn find_usage(tail: &[u8], sse: bool) -> Option<Completion> {
-    let value: serde_json::Value = if sse {
+    let doc: usage_scan::Doc = if sse {
         let text = std::str::from_utf8(tail).ok().or_else(|| {
             // The tail may start inside a UTF-8 sequence; skip to the next event.
             let start = tail.windows(2).position(|w| w == b"\n\n")? + 2;
@@ -566,25 +570,225 @@ pub fn find_usage(tail: &[u8], sse: bool) -> Option<Completion> {
     } else {
         serde_json::from_slice(tail).ok()?
     };
-    // A /generate batch answers with an array: take the first item.
-    let value = match value {
-        serde_json::Value::Array(mut items) if !items.is_empty() => items.swap_remove(0),
-        v => v,
-    };
-    let as_u32 = |v: Option<&serde_json::Value>| {
-        v.and_then(serde_json::Value::as_u64).and_then(|n| u32::try_from(n).ok())
-    };
-    let usage = value.get("usage");
-    let meta = value.get("meta_info");
-    let cached =
-        as_u32(usage.and_then(|u| u.get("prompt_tokens_details")).and_then(|d| d.get("cached_tokens")))
-            .or_else(|| as_u32(meta.and_then(|m| m.get("cached_tokens"))));
-    let prompt = as_u32(usage.and_then(|u| u.get("prompt_tokens")))
-        .or_else(|| as_u32(meta.and_then(|m| m.get("prompt_tokens"))));
+    let (usage, meta) = (&doc.usage, &doc.meta_info);
+    let cached = usage.cached_tokens.or(meta.cached_tokens);
+    let prompt = usage.prompt_tokens.or(meta.prompt_tokens);
     if cached.is_none() && prompt.is_none() {
         return None;
     }
     Some(Completion { cached_tokens: cached, prompt_tokens: prompt })
+}
+
+/// A lenient reader of a response's usage numbers.
+///
+/// Key decision: it reads what `serde_json::Value` lookups read, and nothing stricter. A
+/// number is kept only when it is an unsigned integer within `u32`; a field of another type, an
+/// object where a number was expected or the reverse reads as absent, never as an error; the
+/// last of duplicate keys wins; a top-level array (a `/generate` batch) is read through its
+/// first item. The JSON must still be valid as a whole (serde_json checks what it skips).
+mod usage_scan {
+    use std::borrow::Cow;
+    use std::fmt;
+
+    use serde::de::{Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+    /// The fields of a response the usage comes from.
+    #[derive(Default)]
+    pub(super) struct Doc {
+        /// `usage`: `prompt_tokens` and `prompt_tokens_details.cached_tokens`.
+        pub usage: Counts,
+        /// SGLang's `meta_info`: `prompt_tokens` and `cached_tokens`.
+        pub meta_info: Counts,
+    }
+
+    /// The two numbers of one object.
+    #[derive(Default)]
+    pub(super) struct Counts {
+        pub prompt_tokens: Option<u32>,
+        pub cached_tokens: Option<u32>,
+    }
+
+    /// Which object a [`Counts`] reads (they name the cached tokens differently).
+    #[derive(Clone, Copy)]
+    enum Kind {
+        Usage,
+        Meta,
+        Details,
+    }
+
+    /// A key, borrowed from the input unless it has escapes.
+    struct Key<'a>(Cow<'a, str>);
+
+    impl<'de> Deserialize<'de> for Key<'de> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Key<'de>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a key")
+                }
+                fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Self::Value, E> {
+                    Ok(Key(Cow::Borrowed(s)))
+                }
+                fn visit_str<E>(self, s: &str) -> Result<Self::Value, E> {
+                    Ok(Key(Cow::Owned(s.to_owned())))
+                }
+            }
+            d.deserialize_str(V)
+        }
+    }
+
+    /// Accepts any value: `on_map` reads an object's entries, anything else reads as `default`.
+    macro_rules! lenient_visitor {
+        ($visitor:ident, $value:ty, $default:expr) => {
+            fn visit_bool<E>(self, _: bool) -> Result<$value, E> {
+                Ok($default)
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<$value, E> {
+                Ok($default)
+            }
+            fn visit_str<E>(self, _: &str) -> Result<$value, E> {
+                Ok($default)
+            }
+            fn visit_unit<E>(self) -> Result<$value, E> {
+                Ok($default)
+            }
+            fn visit_none<E>(self) -> Result<$value, E> {
+                Ok($default)
+            }
+        };
+    }
+
+    /// A number read as `Value::as_u64` then `u32::try_from` read it.
+    struct Num(Option<u32>);
+
+    impl<'de> Deserialize<'de> for Num {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> Visitor<'de> for V {
+                type Value = Num;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("any value")
+                }
+                lenient_visitor!(V, Num, Num(None));
+                fn visit_u64<E>(self, n: u64) -> Result<Num, E> {
+                    Ok(Num(u32::try_from(n).ok()))
+                }
+                fn visit_i64<E>(self, n: i64) -> Result<Num, E> {
+                    Ok(Num(u32::try_from(n).ok()))
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Num, A::Error> {
+                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                    Ok(Num(None))
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Num, A::Error> {
+                    while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                    Ok(Num(None))
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+
+    /// An object of `kind`, read leniently.
+    struct CountsOf(Kind);
+
+    impl<'de> serde::de::DeserializeSeed<'de> for CountsOf {
+        type Value = Counts;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Counts, D::Error> {
+            struct V(Kind);
+            impl<'de> Visitor<'de> for V {
+                type Value = Counts;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("any value")
+                }
+                lenient_visitor!(V, Counts, Counts::default());
+                fn visit_u64<E>(self, _: u64) -> Result<Counts, E> {
+                    Ok(Counts::default())
+                }
+                fn visit_i64<E>(self, _: i64) -> Result<Counts, E> {
+                    Ok(Counts::default())
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Counts, A::Error> {
+                    while seq.next_element::<IgnoredAny>()?.is_some() {}
+                    Ok(Counts::default())
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Counts, A::Error> {
+                    let mut c = Counts::default();
+                    while let Some(Key(k)) = map.next_key::<Key<'de>>()? {
+                        match (self.0, &*k) {
+                            (Kind::Usage | Kind::Meta, "prompt_tokens") => {
+                                c.prompt_tokens = map.next_value::<Num>()?.0;
+                            }
+                            (Kind::Meta | Kind::Details, "cached_tokens") => {
+                                c.cached_tokens = map.next_value::<Num>()?.0;
+                            }
+                            (Kind::Usage, "prompt_tokens_details") => {
+                                c.cached_tokens = map.next_value_seed(CountsOf(Kind::Details))?.cached_tokens;
+                            }
+                            _ => {
+                                map.next_value::<IgnoredAny>()?;
+                            }
+                        }
+                    }
+                    Ok(c)
+                }
+            }
+            d.deserialize_any(V(self.0))
+        }
+    }
+
+    /// The top-level object, or a batch's first item.
+    struct Top {
+        nested: bool,
+    }
+
+    impl<'de> serde::de::DeserializeSeed<'de> for Top {
+        type Value = Doc;
+        fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Doc, D::Error> {
+            d.deserialize_any(self)
+        }
+    }
+
+    impl<'de> Visitor<'de> for Top {
+        type Value = Doc;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("any value")
+        }
+        lenient_visitor!(Top, Doc, Doc::default());
+        fn visit_u64<E>(self, _: u64) -> Result<Doc, E> {
+            Ok(Doc::default())
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Doc, E> {
+            Ok(Doc::default())
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Doc, A::Error> {
+            // Only the outermost array is a batch: an item that is itself an array
+            // has no usage (as `Value::get` on an array finds none).
+            let first = if self.nested { None } else { seq.next_element_seed(Top { nested: true })? };
+            while seq.next_element::<IgnoredAny>()?.is_some() {}
+            Ok(first.unwrap_or_default())
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Doc, A::Error> {
+            let mut doc = Doc::default();
+            while let Some(Key(k)) = map.next_key::<Key<'de>>()? {
+                match &*k {
+                    "usage" => doc.usage = map.next_value_seed(CountsOf(Kind::Usage))?,
+                    "meta_info" => doc.meta_info = map.next_value_seed(CountsOf(Kind::Meta))?,
+                    _ => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            Ok(doc)
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Doc {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            serde::de::DeserializeSeed::deserialize(Top { nested: false }, d)
+        }
+    }
 }
 
 /// Builds the URI of `path` on a worker whose base is `base` (`http://host:port`).
@@ -670,6 +874,115 @@ mod tests {
             Some(Completion { cached_tokens: Some(16), prompt_tokens: Some(20) })
         );
         assert_eq!(find_usage(b"data: {\"choices\":[]}\n\ndata: [DONE]\n\n", true), None);
+    }
+
+    /// The reading `find_usage` had before its scan: a `serde_json::Value` of the document.
+    fn usage_by_value(tail: &[u8], sse: bool) -> Option<Completion> {
+        let value: serde_json::Value = if sse {
+            let text = std::str::from_utf8(tail).ok().or_else(|| {
+                let start = tail.windows(2).position(|w| w == b"\n\n")? + 2;
+                std::str::from_utf8(&tail[start..]).ok()
+            })?;
+            text.rsplit("\n\n")
+                .filter_map(|ev| ev.trim().strip_prefix("data:").map(str::trim))
+                .filter(|d| d.contains("\"usage\"") || d.contains("\"cached_tokens\""))
+                .find_map(|d| serde_json::from_str(d).ok())?
+        } else {
+            serde_json::from_slice(tail).ok()?
+        };
+        let value = match value {
+            serde_json::Value::Array(mut items) if !items.is_empty() => items.swap_remove(0),
+            v => v,
+        };
+        let as_u32 = |v: Option<&serde_json::Value>| {
+            v.and_then(serde_json::Value::as_u64).and_then(|n| u32::try_from(n).ok())
+        };
+        let usage = value.get("usage");
+        let meta = value.get("meta_info");
+        let cached =
+            as_u32(usage.and_then(|u| u.get("prompt_tokens_details")).and_then(|d| d.get("cached_tokens")))
+                .or_else(|| as_u32(meta.and_then(|m| m.get("cached_tokens"))));
+        let prompt = as_u32(usage.and_then(|u| u.get("prompt_tokens")))
+            .or_else(|| as_u32(meta.and_then(|m| m.get("prompt_tokens"))));
+        if cached.is_none() && prompt.is_none() {
+            return None;
+        }
+        Some(Completion { cached_tokens: cached, prompt_tokens: prompt })
+    }
+
+    /// Random JSON text that leans on the usage fields: each of their names, every type where a
+    /// number or an object is expected, numbers around the `u32` limit, duplicates, batches.
+    fn random_json(rng: &mut fastrand::Rng, depth: u32, out: &mut String) {
+        const KEYS: [&str; 8] = [
+            "usage",
+            "meta_info",
+            "prompt_tokens",
+            "cached_tokens",
+            "prompt_tokens_details",
+            "choices",
+            "text",
+            "us\\u0061ge",
+        ];
+        const NUMBERS: [&str; 10] =
+            ["0", "-0", "7", "-3", "4294967295", "4294967296", "18446744073709551615", "1e3", "2.0", "-1.5"];
+        // Objects near the top (where the fields live), numbers below.
+        let pick = match depth {
+            0 => [5, 6, 6, 6, 6, 6, 6][rng.usize(..7)],
+            1 => [0, 1, 2, 3, 4, 5, 6, 6, 6][rng.usize(..9)],
+            2 | 3 => [0, 0, 1, 1, 2, 3, 4, 5, 6][rng.usize(..9)],
+            _ => rng.u8(0..5),
+        };
+        match pick {
+            0 | 1 => out.push_str(NUMBERS[rng.usize(..NUMBERS.len())]),
+            2 => out.push_str(["null", "true", "false"][rng.usize(..3)]),
+            3 => out.push_str(["\"x\"", "\"usage\"", "\"\\u00e9\"", "\"\""][rng.usize(..4)]),
+            4 => out.push_str(["{}", "[]"][rng.usize(..2)]),
+            5 => {
+                out.push('[');
+                for i in 0..rng.usize(0..4) {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    random_json(rng, depth + 1, out);
+                }
+                out.push(']');
+            }
+            _ => {
+                out.push('{');
+                for i in 0..rng.usize(0..6) {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    out.push('"');
+                    out.push_str(KEYS[rng.usize(..KEYS.len())]);
+                    out.push_str("\":");
+                    random_json(rng, depth + 1, out);
+                }
+                out.push('}');
+            }
+        }
+    }
+
+    #[test]
+    fn the_usage_scan_reads_what_a_json_value_reads() {
+        let mut rng = fastrand::Rng::with_seed(20_261_203);
+        let mut found = 0;
+        for _ in 0..50_000 {
+            let mut doc = String::new();
+            random_json(&mut rng, 0, &mut doc);
+            if rng.u8(..8) == 0 {
+                // Invalid JSON too: a cut document.
+                doc.truncate(rng.usize(..=doc.len()));
+            }
+            let body = doc.as_bytes();
+            let want = usage_by_value(body, false);
+            assert_eq!(find_usage(body, false), want, "{doc}");
+            found += usize::from(want.is_some());
+            let sse = format!("data: {{\"choices\":[]}}\n\ndata: {doc}\n\ndata: [DONE]\n\n");
+            assert_eq!(find_usage(sse.as_bytes(), true), usage_by_value(sse.as_bytes(), true), "{sse}");
+        }
+        // The generator reaches the fields, so the comparison is not only of absences.
+        assert!(found > 200, "only {found} documents had a usage");
     }
 
     #[test]

@@ -108,3 +108,30 @@ async fn the_request_path_allocates_only_its_budget() {
     assert_eq!(counted, BUDGET.to_vec(), "allocations per step (name, count) against the budget");
     h.shutdown().await;
 }
+
+/// The relay reads a finished response's usage (`upstream::find_usage`) for the alignment
+/// checks and the hit metrics. It scans for the four numbers and allocates nothing of its own,
+/// on a body and on a stream's tail: the one allocation is serde_json's scratch buffer, which
+/// holds the stack of containers it skips (here `choices: [{...}]`). A `serde_json::Value` of
+/// the same body, which it used to build, allocates for every node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_s_usage_is_read_without_allocating() {
+    use cortex_proxy::upstream::find_usage;
+    let h = start(Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)])).await;
+    let value = json!({"model": MODEL, "prompt": "Say something about caches.", "max_tokens": 4});
+    let answer = h.post("/v1/completions", &[], &value).await;
+    assert_eq!(answer.status, StatusCode::OK, "{}", answer.text());
+    let body = answer.text().into_bytes();
+    let sse = format!("data: {{\"choices\":[]}}\n\ndata: {}\n\ndata: [DONE]\n\n", answer.text());
+    for _ in 0..2 {
+        let (usage, n) = allocations(|| find_usage(&body, false));
+        assert!(usage.is_some_and(|u| u.prompt_tokens.is_some()), "{}", answer.text());
+        assert_eq!(n, 1, "allocations reading a body's usage: {}", answer.text());
+        let (usage, n) = allocations(|| find_usage(sse.as_bytes(), true));
+        assert!(usage.is_some(), "{sse}");
+        assert_eq!(n, 1, "allocations reading a stream's usage");
+    }
+    let (_, tree) = allocations(|| serde_json::from_slice::<serde_json::Value>(&body).map(drop));
+    assert!(tree > 5, "a Value of the body allocates ({tree}): the comparison above means something");
+    h.shutdown().await;
+}
