@@ -296,13 +296,34 @@ impl<S: Scorer> Scheduler<S> {
         time: bool,
         out: &mut Ranking,
     ) -> (usize, usize, u64) {
-        let now = req.now;
         let max_age = match self.config.load_signals {
             LoadSignals::Booked => None,
             LoadSignals::EngineReports { max_age } => Some(max_age),
         };
-        let (mut admissible, mut reported, mut booked_total) = (0, 0, 0u64);
         let kv_room = Self::checks_kv_room(req);
+        out.candidates.reserve(pool.len());
+        out.facts.reserve(pool.len());
+        // The same loop, compiled apart for the default decision (`cache_aware` on this
+        // gateway's bookings, no KV room check): what it does not use is not in its loop.
+        if time && max_age.is_none() && !kv_room {
+            Self::gather_with::<true>(pool, req, (true, None, false), out)
+        } else {
+            Self::gather_with::<false>(pool, req, (time, max_age, kv_room), out)
+        }
+    }
+
+    /// [`Scheduler::gather`] with `(time, max_age, kv_room)` fixed to `(true, None, false)`
+    /// under `DEFAULT`.
+    #[inline]
+    fn gather_with<const DEFAULT: bool>(
+        pool: &[HolderSlot],
+        req: &Request<'_>,
+        (time, max_age, kv_room): (bool, Option<std::time::Duration>, bool),
+        out: &mut Ranking,
+    ) -> (usize, usize, u64) {
+        let (time, max_age, kv_room) = if DEFAULT { (true, None, false) } else { (time, max_age, kv_room) };
+        let now = req.now;
+        let (mut admissible, mut reported, mut booked_total) = (0, 0, 0u64);
         for slot in pool {
             let st = &*slot.state;
             let Some(rs) = st.rank_state(slot.holder.rank) else { continue };
