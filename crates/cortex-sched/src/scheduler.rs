@@ -688,39 +688,17 @@ impl<S: Scorer> Scheduler<S> {
         // as if affinity counts; scored again without it in the rare decision where the best
         // cache holder turns out to be past the watermark.
         let cap = self.config.bounded_load.map(|b| Self::cap(b, admissible, booked));
-        let cap32 = cap.map_or(u32::MAX, |c| u32::try_from(c).unwrap_or(u32::MAX));
-        let mut any_hit = false;
-        let mut best: Option<(usize, u32, u32)> = None;
         let trusted = distrust.is_none();
         let n = out.candidates.len() as u64;
         let offset = self.random() % n.max(1);
-        let mut top: Option<(u64, usize)> = None;
-        for (i, (c, f)) in out.candidates.iter_mut().zip(&out.facts).enumerate() {
-            if c.excluded.is_none() && cap.is_some_and(|cap| u64::from(c.booked_requests) >= cap) {
-                c.excluded = Some(Exclusion::BoundedLoad { cap: cap32 });
-            }
-            any_hit |= c.matched_tokens > 0;
-            if c.excluded.is_some() {
-                continue;
-            }
-            if c.matched_tokens > 0
-                && best.is_none_or(|(_, m, a)| (c.matched_tokens, a) > (m, c.active_requests))
-            {
-                best = Some((i, c.matched_tokens, c.active_requests));
-            }
-            let at = (i as u64, n, offset);
-            let key = if time {
-                Self::score_one(&self.scorer, &pool.holders[i], req, (trusted, true), at, c, f)
-            } else {
-                Self::score_one(&self.weighted, &pool.holders[i], req, (trusted, false), at, c, f)
-            };
-            if top.is_none_or(|(k, _)| key < k) {
-                top = Some((key, i));
-            }
-        }
+        let (any_hit, best, top) = if time {
+            Self::bound_and_score(&self.scorer, pool.holders, req, cap, (trusted, true), offset, out)
+        } else {
+            Self::bound_and_score(&self.weighted, pool.holders, req, cap, (trusted, false), offset, out)
+        };
         let over_watermark = best
             .is_some_and(|(i, _, _)| self.over_watermark(&out.candidates[i], pool.holders[i].capacity, time));
-        let mut top = top.map(|(_, i)| i);
+        let mut top = top;
         if trusted && over_watermark {
             top = if time {
                 Self::rescore(&self.scorer, pool.holders, req, (false, true), offset, out)
@@ -736,6 +714,46 @@ impl<S: Scorer> Scheduler<S> {
             None if any_hit => (MatchMode::LoadAware, Some(FallbackReason::HitOverruled)),
             None => (MatchMode::LoadAware, Some(FallbackReason::NoHit)),
         };
+    }
+
+    /// `cache_aware`'s pass over the candidates: the load bound `cap`, any hit at all
+    /// (bound-excluded included), the best cache holder among the admissible (most matched
+    /// tokens, then fewest active) and the score with `scorer` (see [`Scheduler::score_all`]).
+    /// Returns (any hit, the best cache holder with its matched tokens and active requests, the
+    /// best scored). One copy per scorer: the loop holds only its arithmetic.
+    fn bound_and_score<T: Scorer + ?Sized>(
+        scorer: &T,
+        pool: &[HolderSlot],
+        req: &Request<'_>,
+        cap: Option<u64>,
+        (counted, time): (bool, bool),
+        offset: u64,
+        out: &mut Ranking,
+    ) -> (bool, Option<(usize, u32, u32)>, Option<usize>) {
+        let cap32 = cap.map_or(u32::MAX, |c| u32::try_from(c).unwrap_or(u32::MAX));
+        let mut any_hit = false;
+        let mut best: Option<(usize, u32, u32)> = None;
+        let n = out.candidates.len() as u64;
+        let mut top: Option<(u64, usize)> = None;
+        for (i, (c, f)) in out.candidates.iter_mut().zip(&out.facts).enumerate() {
+            if c.excluded.is_none() && cap.is_some_and(|cap| u64::from(c.booked_requests) >= cap) {
+                c.excluded = Some(Exclusion::BoundedLoad { cap: cap32 });
+            }
+            any_hit |= c.matched_tokens > 0;
+            if c.excluded.is_some() {
+                continue;
+            }
+            if c.matched_tokens > 0
+                && best.is_none_or(|(_, m, a)| (c.matched_tokens, a) > (m, c.active_requests))
+            {
+                best = Some((i, c.matched_tokens, c.active_requests));
+            }
+            let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c, f);
+            if top.is_none_or(|(k, _)| key < k) {
+                top = Some((key, i));
+            }
+        }
+        (any_hit, best, top.map(|(_, i)| i))
     }
 
     fn least_load(
