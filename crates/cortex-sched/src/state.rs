@@ -174,6 +174,11 @@ pub(crate) struct RankState {
     learn: Mutex<Learner>,
 }
 
+// The layout the decision relies on: a rank's decision fields in its first line, rank 0 in the
+// line after its worker's failure state.
+const _: () = assert!(std::mem::offset_of!(RankState, booked_kv_blocks) <= 64);
+const _: () = assert!(std::mem::offset_of!(WorkerState, rank0) == 64);
+
 /// What a decision reads of a holder's first line (see [`RankState::hot`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Hot {
