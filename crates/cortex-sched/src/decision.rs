@@ -325,6 +325,15 @@ pub struct Candidate {
     pub(crate) key: u64,
 }
 
+/// What the score reads of a candidate besides the candidate: the estimate the gather read and
+/// how full the holder's cache is, kept beside it so that scoring reads no holder state again.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Facts {
+    pub(crate) secs_per_token: f64,
+    pub(crate) overhead_s: f64,
+    pub(crate) cache_fill: f32,
+}
+
 /// The result of a decision, in a buffer the caller lends and reuses.
 ///
 /// The candidates stay where the decision wrote them (pool order); the ranking is a sorted array
@@ -332,6 +341,8 @@ pub struct Candidate {
 #[derive(Clone, Debug)]
 pub struct Ranking {
     pub(crate) candidates: Vec<Candidate>,
+    /// Per candidate, what its score reads besides it.
+    pub(crate) facts: Vec<Facts>,
     /// Sort keys, admissible first; the low 20 bits of each index `candidates`. The first
     /// `RANKED` admissible ones are sorted; all of them when `sorted`.
     pub(crate) order: Vec<u64>,
@@ -355,6 +366,7 @@ impl Ranking {
     pub fn with_capacity(holders: usize) -> Self {
         Ranking {
             candidates: Vec::with_capacity(holders),
+            facts: Vec::with_capacity(holders),
             order: Vec::with_capacity(holders),
             sorted: true,
             admissible: 0,
@@ -366,6 +378,7 @@ impl Ranking {
 
     pub(crate) fn reset(&mut self, policy: PolicyKind) {
         self.candidates.clear();
+        self.facts.clear();
         self.order.clear();
         self.sorted = true;
         self.admissible = 0;

@@ -26,10 +26,12 @@ use crate::config::{
     Assignment, BoundedLoad, ConfigError, LoadSignals, ManualConfig, PolicyConfig, PrefixHashConfig,
     SchedConfig, UnreadyHolders,
 };
-use crate::decision::{CacheView, Candidate, Exclusion, FallbackReason, MatchMode, Ranking, Request, Score};
+use crate::decision::{
+    CacheView, Candidate, Exclusion, Facts, FallbackReason, MatchMode, Ranking, Request, Score,
+};
 use crate::failure::BreakerState;
 use crate::scorer::{ScoreInput, Scorer, TimeScorer, WeightedScorer};
-use crate::state::{LedgerState, RankState};
+use crate::state::LedgerState;
 use crate::time::Timestamp;
 
 /// Why no candidate could be ranked.
@@ -294,13 +296,34 @@ impl<S: Scorer> Scheduler<S> {
         time: bool,
         out: &mut Ranking,
     ) -> (usize, usize, u64) {
-        let now = req.now;
         let max_age = match self.config.load_signals {
             LoadSignals::Booked => None,
             LoadSignals::EngineReports { max_age } => Some(max_age),
         };
-        let (mut admissible, mut reported, mut booked_total) = (0, 0, 0u64);
         let kv_room = Self::checks_kv_room(req);
+        out.candidates.reserve(pool.len());
+        out.facts.reserve(pool.len());
+        // The same loop, compiled apart for the default decision (`cache_aware` on this
+        // gateway's bookings, no KV room check): what it does not use is not in its loop.
+        if time && max_age.is_none() && !kv_room {
+            Self::gather_with::<true>(pool, req, (true, None, false), out)
+        } else {
+            Self::gather_with::<false>(pool, req, (time, max_age, kv_room), out)
+        }
+    }
+
+    /// [`Scheduler::gather`] with `(time, max_age, kv_room)` fixed to `(true, None, false)`
+    /// under `DEFAULT`.
+    #[inline]
+    fn gather_with<const DEFAULT: bool>(
+        pool: &[HolderSlot],
+        req: &Request<'_>,
+        (time, max_age, kv_room): (bool, Option<std::time::Duration>, bool),
+        out: &mut Ranking,
+    ) -> (usize, usize, u64) {
+        let (time, max_age, kv_room) = if DEFAULT { (true, None, false) } else { (time, max_age, kv_room) };
+        let now = req.now;
+        let (mut admissible, mut reported, mut booked_total) = (0, 0, 0u64);
         for slot in pool {
             let st = &*slot.state;
             let Some(rs) = st.rank_state(slot.holder.rank) else { continue };
@@ -313,12 +336,15 @@ impl<S: Scorer> Scheduler<S> {
                     None => None,
                 },
             };
-            let booked = rs.booked_requests();
+            let hot = rs.hot();
+            let booked = hot.booked_requests;
             let mut active = booked;
-            let mut queue_ms = crate::state::u64_to_f64(rs.prefill_backlog_ns(now)) * 1e-6;
-            let own = rs.booked_prefill_tokens();
+            let own = hot.booked_prefill_tokens;
             let mut queue_tokens = own;
             let capacity = slot.capacity;
+            // `cache_aware` computes it from the queue below; the others read the prefill clock.
+            let mut queue_ms =
+                if time { 0.0 } else { crate::state::u64_to_f64(rs.prefill_backlog_ns(now)) * 1e-6 };
             let mut kv_usage = None;
             let load_reported = match max_age {
                 None => true,
@@ -337,18 +363,17 @@ impl<S: Scorer> Scheduler<S> {
                     None => false,
                 },
             };
-            let est = rs.estimate();
             if time {
                 // A holder whose requests are on average past the first token estimated at
                 // their dispatch is behind its estimate (stalled, or slower than learned so
                 // far): the next request waits at least that much longer too.
                 // In nanoseconds: no `Duration` built and taken apart per holder.
                 let late_ns = rs.unanswered_lateness_ns(now);
-                if late_ns > 0 && est.secs_per_token > 0.0 {
+                if late_ns > 0 && hot.secs_per_token > 0.0 {
                     let late = crate::state::u64_to_f64(late_ns) * 1e-9;
-                    queue_tokens = queue_tokens.saturating_add((late / est.secs_per_token) as u64);
+                    queue_tokens = queue_tokens.saturating_add((late / hot.secs_per_token) as u64);
                 }
-                queue_ms = est.secs_per_token * crate::state::u64_to_f64(queue_tokens) * 1e3;
+                queue_ms = hot.secs_per_token * crate::state::u64_to_f64(queue_tokens) * 1e3;
             }
             if excluded.is_none() {
                 admissible += 1;
@@ -372,15 +397,21 @@ impl<S: Scorer> Scheduler<S> {
                 booked_requests: booked,
                 queue_latency_ms: queue_ms as f32,
                 queue_tokens: u32::try_from(queue_tokens).unwrap_or(u32::MAX),
-                rate_tokens_per_sec: est.rate() as f32,
+                rate_tokens_per_sec: hot.rate_tokens_per_sec,
                 pending_tokens: 0,
                 est_ttft_ms: 0.0,
                 load_reported,
                 kv_usage,
-                ledger: rs.ledger(),
+                ledger: hot.ledger,
                 score: Score::default(),
                 excluded,
                 key: 0,
+            });
+            let cap = capacity.kv_blocks;
+            out.facts.push(Facts {
+                secs_per_token: hot.secs_per_token,
+                overhead_s: hot.overhead_s,
+                cache_fill: if cap == 0 { 1.0 } else { (hot.cached_blocks / cap as f32).min(1.0) },
             });
         }
         (admissible, reported, booked_total)
@@ -438,18 +469,24 @@ impl<S: Scorer> Scheduler<S> {
     /// [`Ranking::sort_all`] (the debug view) orders them (see [`top_sorted`]; a full sort was a
     /// sixth of a 64-holder decision).
     fn order(out: &mut Ranking) {
+        // One pass: admissible keys from the front, excluded indices from the back (then put
+        // back in pool order).
+        let n = out.candidates.len();
         out.order.clear();
+        out.order.resize(n, 0);
+        let (mut front, mut back) = (0, n);
+        let order = &mut out.order[..n];
         for (i, c) in out.candidates.iter().enumerate() {
             if c.excluded.is_none() {
-                out.order.push(c.key | i as u64);
+                order[front] = c.key | i as u64;
+                front += 1;
+            } else {
+                back -= 1;
+                order[back] = i as u64;
             }
         }
-        let admissible = out.order.len();
-        for (i, c) in out.candidates.iter().enumerate() {
-            if c.excluded.is_some() {
-                out.order.push(i as u64);
-            }
-        }
+        let admissible = front;
+        out.order[admissible..].reverse();
         let ranked = &mut out.order[..admissible];
         if ranked.len() > RANKED {
             top_sorted(ranked);
@@ -475,43 +512,67 @@ impl<S: Scorer> Scheduler<S> {
     ) -> Option<usize> {
         let n = out.candidates.len() as u64;
         let offset = self.random() % n.max(1);
+        Self::rescore(scorer, pool, req, (counted, time), offset, out)
+    }
+
+    /// [`Scheduler::score_all`] with the tie-break rotation's `offset` drawn.
+    fn rescore<T: Scorer + ?Sized>(
+        scorer: &T,
+        pool: &[HolderSlot],
+        req: &Request<'_>,
+        (counted, time): (bool, bool),
+        offset: u64,
+        out: &mut Ranking,
+    ) -> Option<usize> {
+        let n = out.candidates.len() as u64;
         let mut best: Option<(u64, usize)> = None;
-        for (i, c) in out.candidates.iter_mut().enumerate() {
+        for (i, (c, f)) in out.candidates.iter_mut().zip(&out.facts).enumerate() {
             if c.excluded.is_some() {
                 continue;
             }
-            c.affinity_tokens = if counted { c.matched_tokens } else { 0 };
-            let rank = pool[i].state.rank_state(c.holder.rank);
-            let est = rank.map(RankState::estimate);
-            let cached = if counted { c.affinity_tokens.max(c.pending_tokens) } else { 0 };
-            let input = ScoreInput {
-                holder: c.holder,
-                matched_tokens: cached,
-                prompt_tokens: req.prompt_tokens,
-                active_requests: c.active_requests,
-                queue_latency_ms: f64::from(c.queue_latency_ms),
-                kv_usage: c.kv_usage,
-                capacity: pool[i].capacity,
-                queue_tokens: c.queue_tokens,
-                secs_per_token: est.map_or(1e-4, |e| e.secs_per_token),
-                overhead_s: est.map_or(0.0, |e| e.overhead_s),
-                cache_fill: rank.map_or(1.0, |r| {
-                    let cap = pool[i].capacity.kv_blocks;
-                    if cap == 0 { 1.0 } else { (r.cached_blocks() as f32 / cap as f32).min(1.0) }
-                }),
-            };
-            c.score = scorer.score(&input);
-            if time {
-                c.est_ttft_ms = input.est_ttft_ms() as f32;
-            }
-            // (i + n − offset) mod n without a division: i, offset < n.
-            let t = i as u64 + n - offset;
-            c.key = sort_key(desc_key(c.score.total), if t >= n { t - n } else { t });
-            if best.is_none_or(|(k, _)| c.key < k) {
-                best = Some((c.key, i));
+            let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c, f);
+            if best.is_none_or(|(k, _)| key < k) {
+                best = Some((key, i));
             }
         }
         best.map(|(_, i)| i)
+    }
+
+    /// Scores the admissible candidate `c`, the `i`-th of `n`, and keys it by its score; returns
+    /// the key. See [`Scheduler::score_all`].
+    #[inline]
+    fn score_one<T: Scorer + ?Sized>(
+        scorer: &T,
+        slot: &HolderSlot,
+        req: &Request<'_>,
+        (counted, time): (bool, bool),
+        (i, n, offset): (u64, u64, u64),
+        c: &mut Candidate,
+        f: &Facts,
+    ) -> u64 {
+        c.affinity_tokens = if counted { c.matched_tokens } else { 0 };
+        let cached = if counted { c.affinity_tokens.max(c.pending_tokens) } else { 0 };
+        let input = ScoreInput {
+            holder: c.holder,
+            matched_tokens: cached,
+            prompt_tokens: req.prompt_tokens,
+            active_requests: c.active_requests,
+            queue_latency_ms: f64::from(c.queue_latency_ms),
+            kv_usage: c.kv_usage,
+            capacity: slot.capacity,
+            queue_tokens: c.queue_tokens,
+            secs_per_token: f.secs_per_token,
+            overhead_s: f.overhead_s,
+            cache_fill: f.cache_fill,
+        };
+        c.score = scorer.score(&input);
+        if time {
+            c.est_ttft_ms = input.est_ttft_ms() as f32;
+        }
+        // (i + n − offset) mod n without a division: i, offset < n.
+        let t = i + n - offset;
+        c.key = sort_key(desc_key(c.score.total), if t >= n { t - n } else { t });
+        c.key
     }
 
     /// Whether the best cache holder is past the high watermark: its in-flight requests against
@@ -622,32 +683,29 @@ impl<S: Scorer> Scheduler<S> {
             admissible -= full.0;
             booked -= full.2;
         }
-        // One pass: the load bound, any hit at all (bound-excluded included), and the best cache
-        // holder among the admissible (most matched tokens, then fewest active).
+        // One pass: the load bound, any hit at all (bound-excluded included), the best cache
+        // holder among the admissible (most matched tokens, then fewest active), and the score
+        // as if affinity counts; scored again without it in the rare decision where the best
+        // cache holder turns out to be past the watermark.
         let cap = self.config.bounded_load.map(|b| Self::cap(b, admissible, booked));
-        let cap32 = cap.map_or(u32::MAX, |c| u32::try_from(c).unwrap_or(u32::MAX));
-        let mut any_hit = false;
-        let mut best: Option<(usize, u32, u32)> = None;
-        for (i, c) in out.candidates.iter_mut().enumerate() {
-            if c.excluded.is_none() && cap.is_some_and(|cap| u64::from(c.booked_requests) >= cap) {
-                c.excluded = Some(Exclusion::BoundedLoad { cap: cap32 });
-            }
-            any_hit |= c.matched_tokens > 0;
-            if c.excluded.is_none()
-                && c.matched_tokens > 0
-                && best.is_none_or(|(_, m, a)| (c.matched_tokens, a) > (m, c.active_requests))
-            {
-                best = Some((i, c.matched_tokens, c.active_requests));
-            }
-        }
+        let trusted = distrust.is_none();
+        let n = out.candidates.len() as u64;
+        let offset = self.random() % n.max(1);
+        let (any_hit, best, top) = if time {
+            Self::bound_and_score(&self.scorer, pool.holders, req, cap, (trusted, true), offset, out)
+        } else {
+            Self::bound_and_score(&self.weighted, pool.holders, req, cap, (trusted, false), offset, out)
+        };
         let over_watermark = best
             .is_some_and(|(i, _, _)| self.over_watermark(&out.candidates[i], pool.holders[i].capacity, time));
-        let counted = distrust.is_none() && !over_watermark;
-        let top = if time {
-            self.score_all(&self.scorer, pool.holders, req, counted, true, out)
-        } else {
-            self.score_all(&self.weighted, pool.holders, req, counted, false, out)
-        };
+        let mut top = top;
+        if trusted && over_watermark {
+            top = if time {
+                Self::rescore(&self.scorer, pool.holders, req, (false, true), offset, out)
+            } else {
+                Self::rescore(&self.weighted, pool.holders, req, (false, false), offset, out)
+            };
+        }
         let top_hit = top.is_some_and(|i| out.candidates[i].affinity_tokens > 0);
         (out.mode, out.reason) = match distrust {
             Some(r) => (MatchMode::LoadAware, Some(r)),
@@ -656,6 +714,46 @@ impl<S: Scorer> Scheduler<S> {
             None if any_hit => (MatchMode::LoadAware, Some(FallbackReason::HitOverruled)),
             None => (MatchMode::LoadAware, Some(FallbackReason::NoHit)),
         };
+    }
+
+    /// `cache_aware`'s pass over the candidates: the load bound `cap`, any hit at all
+    /// (bound-excluded included), the best cache holder among the admissible (most matched
+    /// tokens, then fewest active) and the score with `scorer` (see [`Scheduler::score_all`]).
+    /// Returns (any hit, the best cache holder with its matched tokens and active requests, the
+    /// best scored). One copy per scorer: the loop holds only its arithmetic.
+    fn bound_and_score<T: Scorer + ?Sized>(
+        scorer: &T,
+        pool: &[HolderSlot],
+        req: &Request<'_>,
+        cap: Option<u64>,
+        (counted, time): (bool, bool),
+        offset: u64,
+        out: &mut Ranking,
+    ) -> (bool, Option<(usize, u32, u32)>, Option<usize>) {
+        let cap32 = cap.map_or(u32::MAX, |c| u32::try_from(c).unwrap_or(u32::MAX));
+        let mut any_hit = false;
+        let mut best: Option<(usize, u32, u32)> = None;
+        let n = out.candidates.len() as u64;
+        let mut top: Option<(u64, usize)> = None;
+        for (i, (c, f)) in out.candidates.iter_mut().zip(&out.facts).enumerate() {
+            if c.excluded.is_none() && cap.is_some_and(|cap| u64::from(c.booked_requests) >= cap) {
+                c.excluded = Some(Exclusion::BoundedLoad { cap: cap32 });
+            }
+            any_hit |= c.matched_tokens > 0;
+            if c.excluded.is_some() {
+                continue;
+            }
+            if c.matched_tokens > 0
+                && best.is_none_or(|(_, m, a)| (c.matched_tokens, a) > (m, c.active_requests))
+            {
+                best = Some((i, c.matched_tokens, c.active_requests));
+            }
+            let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c, f);
+            if top.is_none_or(|(k, _)| key < k) {
+                top = Some((key, i));
+            }
+        }
+        (any_hit, best, top.map(|(_, i)| i))
     }
 
     fn least_load(

@@ -123,15 +123,37 @@ pub struct RankLoad {
     pub booked_kv_blocks: u64,
 }
 
-/// One data-parallel rank's atomics. `repr(C)`: the fields every decision reads come first.
+/// One data-parallel rank's atomics.
+///
+/// Layout (`repr(C)`, cache-line aligned): the first 64 bytes hold everything a decision reads
+/// of the holder under the default policy and signals, each field in the form the decision uses
+/// it (the estimate as `f64` seconds and `f32` tokens per second, the cache's blocks as `f32`):
+/// written once per change, so a decision reads one line per holder and converts nothing (see
+/// [`RankState::hot`]). What only updates, engine reports and other policies read follows.
 #[derive(Debug)]
-#[repr(C)]
+#[repr(C, align(64))]
 pub(crate) struct RankState {
+    booked_requests: AtomicU32,
+    /// Bookings of this gateway still waiting for their first token, and the sum of the times
+    /// (ns) each was due by the estimate at its dispatch: how late they are on average says
+    /// whether the holder is behind its estimate.
+    unanswered: AtomicU32,
+    booked_prefill_tokens: AtomicU64,
+    /// The learned TTFT line, published for decisions: `f64` bits of the seconds per token of
+    /// prefill work and of the fixed overhead (seconds), `f32` bits of the rate (tokens per
+    /// second). Stored as nanoseconds and picoseconds before: the values are still rounded to
+    /// those units (see `publish`).
+    est_secs_per_token: AtomicU64,
+    est_overhead_s: AtomicU64,
+    est_rate: AtomicU32,
+    /// `f32` bits of the blocks its cache holds, as the ledger last counted them (see
+    /// [`WorkerState::set_cached_blocks`]).
+    cached_blocks: AtomicU32,
+    unanswered_due_sum_ns: AtomicU64,
     /// Nanoseconds: the virtual clock of booked prefill work (see `RankLoad`).
     prefill_busy_until: AtomicU64,
-    booked_requests: AtomicU32,
     ledger: AtomicU8,
-    booked_prefill_tokens: AtomicU64,
+    // (end of the first line)
     /// KV blocks of the bookings at their longest (see `RankLoad`).
     booked_kv_blocks: AtomicU64,
     running: AtomicU32,
@@ -140,10 +162,6 @@ pub(crate) struct RankState {
     kv_usage_ppm: AtomicU32,
     /// Nanoseconds of the last report plus one; 0 = never reported.
     reported_at: AtomicU64,
-    /// The learned TTFT line, published for decisions: fixed overhead (ns) and picoseconds per
-    /// token of prefill work.
-    est_overhead_ns: AtomicU64,
-    est_ps_per_token: AtomicU64,
     /// Counts the engine's reports: a booking made since the last one is not in it yet.
     report_epoch: AtomicU32,
     /// Prefill tokens this gateway booked since the engine's last report and not yet prefilled.
@@ -152,16 +170,25 @@ pub(crate) struct RankState {
     /// a waiting request an engine counts but does not size is taken to be).
     booked_total_requests: AtomicU64,
     booked_total_tokens: AtomicU64,
-    /// Bookings of this gateway still waiting for their first token, and the sum of the times
-    /// (ns) each was due by the estimate at its dispatch: how late they are on average says
-    /// whether the holder is behind its estimate.
-    unanswered: AtomicU32,
-    unanswered_due_sum_ns: AtomicU64,
-    /// Blocks its cache holds, as the ledger last counted them (see
-    /// [`WorkerState::set_cached_blocks`]).
-    cached_blocks: AtomicU64,
     /// The learner, and the engine's last cumulative prefill totals (updates only).
     learn: Mutex<Learner>,
+}
+
+// The layout the decision relies on: a rank's decision fields in its first line, rank 0 in the
+// line after its worker's failure state.
+const _: () = assert!(std::mem::offset_of!(RankState, booked_kv_blocks) <= 64);
+const _: () = assert!(std::mem::offset_of!(WorkerState, rank0) == 64);
+
+/// What a decision reads of a holder's first line (see [`RankState::hot`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Hot {
+    pub(crate) booked_requests: u32,
+    pub(crate) booked_prefill_tokens: u64,
+    pub(crate) secs_per_token: f64,
+    pub(crate) overhead_s: f64,
+    pub(crate) rate_tokens_per_sec: f32,
+    pub(crate) cached_blocks: f32,
+    pub(crate) ledger: LedgerState,
 }
 
 #[derive(Debug)]
@@ -174,15 +201,16 @@ impl RankState {
     fn new(prior_rate: u32) -> Self {
         let fit = RateFit::new(f64::from(prior_rate.max(1)), PRIOR_OVERHEAD.as_secs_f64());
         let r = RankState {
-            est_overhead_ns: AtomicU64::new(0),
-            est_ps_per_token: AtomicU64::new(0),
+            est_secs_per_token: AtomicU64::new(0),
+            est_overhead_s: AtomicU64::new(0),
+            est_rate: AtomicU32::new(0),
             report_epoch: AtomicU32::new(0),
             since_report_tokens: AtomicU64::new(0),
             booked_total_requests: AtomicU64::new(0),
             booked_total_tokens: AtomicU64::new(0),
             unanswered: AtomicU32::new(0),
             unanswered_due_sum_ns: AtomicU64::new(0),
-            cached_blocks: AtomicU64::new(0),
+            cached_blocks: AtomicU32::new(0),
             learn: Mutex::new(Learner { fit, last_totals: None }),
             booked_requests: AtomicU32::new(0),
             booked_prefill_tokens: AtomicU64::new(0),
@@ -200,10 +228,16 @@ impl RankState {
     }
 
     fn publish(&self, e: Estimate) {
-        // Relaxed (both): an estimate read by decisions; a torn pair (one field of the previous
-        // estimate) is as good as either.
-        self.est_overhead_ns.store((e.overhead_s * 1e9) as u64, Ordering::Relaxed);
-        self.est_ps_per_token.store((e.secs_per_token * 1e12).max(1.0) as u64, Ordering::Relaxed);
+        // Rounded to whole nanoseconds and picoseconds as before, so that every estimate read
+        // is the one the unit-based store gave.
+        let overhead_s = u64_to_f64((e.overhead_s * 1e9) as u64) * 1e-9;
+        let secs_per_token = u64_to_f64((e.secs_per_token * 1e12).max(1.0) as u64) * 1e-12;
+        let est = Estimate { overhead_s, secs_per_token };
+        // Relaxed (all three): an estimate read by decisions; a torn read (one field of the
+        // previous estimate) is as good as either.
+        self.est_overhead_s.store(overhead_s.to_bits(), Ordering::Relaxed);
+        self.est_secs_per_token.store(secs_per_token.to_bits(), Ordering::Relaxed);
+        self.est_rate.store((est.rate() as f32).to_bits(), Ordering::Relaxed);
     }
 
     /// The learned TTFT line.
@@ -211,8 +245,24 @@ impl RankState {
     pub(crate) fn estimate(&self) -> Estimate {
         // Relaxed: see `publish`.
         Estimate {
-            overhead_s: u64_to_f64(self.est_overhead_ns.load(Ordering::Relaxed)) * 1e-9,
-            secs_per_token: u64_to_f64(self.est_ps_per_token.load(Ordering::Relaxed)) * 1e-12,
+            overhead_s: f64::from_bits(self.est_overhead_s.load(Ordering::Relaxed)),
+            secs_per_token: f64::from_bits(self.est_secs_per_token.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// What a decision reads of the holder, all from its first cache line.
+    #[inline]
+    pub(crate) fn hot(&self) -> Hot {
+        // Relaxed (all): independent estimates, as in the accessors below; torn across fields
+        // is fine (see the module docs).
+        Hot {
+            booked_requests: self.booked_requests.load(Ordering::Relaxed),
+            booked_prefill_tokens: self.booked_prefill_tokens.load(Ordering::Relaxed),
+            secs_per_token: f64::from_bits(self.est_secs_per_token.load(Ordering::Relaxed)),
+            overhead_s: f64::from_bits(self.est_overhead_s.load(Ordering::Relaxed)),
+            rate_tokens_per_sec: f32::from_bits(self.est_rate.load(Ordering::Relaxed)),
+            cached_blocks: f32::from_bits(self.cached_blocks.load(Ordering::Relaxed)),
+            ledger: LedgerState::from_code(self.ledger.load(Ordering::Relaxed)),
         }
     }
 
@@ -264,19 +314,15 @@ impl RankState {
     pub(crate) fn unanswered_lateness_ns(&self, now: Timestamp) -> u64 {
         // Relaxed (both): an estimate; the two loads may straddle a booking, which moves the
         // mean by one request's share at most.
-        let n = self.unanswered.load(Ordering::Relaxed);
-        if n == 0 {
+        let n = u64::from(self.unanswered.load(Ordering::Relaxed));
+        let sum = self.unanswered_due_sum_ns.load(Ordering::Relaxed);
+        // `now > ⌊sum / n⌋` exactly when `now · n > sum` (integers): the division (tens of
+        // cycles, per holder and decision) is left to the rare holder that is late. Also false
+        // when none is outstanding.
+        if u128::from(now.as_nanos()) * u128::from(n) <= u128::from(sum) {
             return 0;
         }
-        let mean_due = self.unanswered_due_sum_ns.load(Ordering::Relaxed) / u64::from(n);
-        now.as_nanos().saturating_sub(mean_due)
-    }
-
-    /// Blocks its cache holds, as the ledger last counted them.
-    #[inline]
-    pub(crate) fn cached_blocks(&self) -> u64 {
-        // Relaxed: a gauge read as a hint; nothing is published through it.
-        self.cached_blocks.load(Ordering::Relaxed)
+        now.as_nanos() - sum / n
     }
 
     /// Expected wait for this gateway's booked prefill work at `now`, in nanoseconds.
@@ -362,24 +408,24 @@ fn breaker_parts(w: u64) -> (u64, u64, u64) {
 
 /// One worker's fast state, shared by every snapshot that contains the worker id.
 ///
-/// Layout (`repr(C)`, cache-line aligned): what every decision reads — cooldown, breaker, then
-/// rank 0's bookings and ledger state — sits in the first 64 bytes; ranks 1.. are boxed; cold
-/// fields follow.
+/// Layout (`repr(C)`, cache-line aligned): the first 64 bytes hold the worker's failure state a
+/// decision checks (cooldown, breaker); rank 0 follows in the same allocation, its decision line
+/// right after (most workers have one rank: a decision reads two adjacent lines per holder);
+/// ranks 1.. are boxed; the policy comes last.
 #[derive(Debug)]
 #[repr(C, align(64))]
 pub struct WorkerState {
     /// Nanoseconds; the worker is skipped while `now < cooldown_until`.
     cooldown_until: AtomicU64,
     breaker: AtomicU64,
-    /// Rank 0 lives in the same allocation as the worker's own fields (most workers have one
-    /// rank); ranks 1.. are boxed.
-    rank0: RankState,
+    breaker_opened_at: AtomicU64,
+    /// Ranks 1.. (rank 0 lives in the same allocation as the worker's own fields).
     more_ranks: Box<[RankState]>,
     /// The class of the failure that set the current cooldown (0: none).
     cooldown_class: AtomicU8,
     /// The class of the last failure of any kind (0: none).
     last_failure: AtomicU8,
-    breaker_opened_at: AtomicU64,
+    rank0: RankState,
     policy: HealthPolicy,
 }
 
@@ -419,7 +465,8 @@ impl WorkerState {
     /// Sets how many blocks holder `rank`'s cache holds, as the ledger counts them (false: no
     /// such rank). `cache_aware` weighs a copy into a cache by how full it is.
     pub fn set_cached_blocks(&self, rank: DpRank, blocks: u64) -> bool {
-        // Relaxed: a gauge read per decision as a hint.
+        // Relaxed: a gauge read per decision as a hint. Stored as the `f32` the decision uses.
+        let blocks = (blocks as f32).to_bits();
         self.rank_state(rank).map(|r| r.cached_blocks.store(blocks, Ordering::Relaxed)).is_some()
     }
 
