@@ -786,6 +786,56 @@ mod tests {
         assert!(stale < 300 && never < 800, "stale {stale}, never stored {never}");
     }
 
+    /// Entries name their run by its record's index: freed records are reused, and compacting
+    /// the records after evictions renumbers every entry, which still unpacks to its location.
+    #[test]
+    fn run_records_are_reused_and_compacted_under_their_entries() {
+        let mut p = Private { entries: EngineMap::with_capacity_target(1000), ..Private::default() };
+        // Run addresses are only packed, never read, here.
+        let run = |i: u64| i << 12;
+        let countable = |r: u64, off: usize| Entry {
+            // SAFETY: never dereferenced (see above).
+            loc: crate::run::pack(unsafe { Run::from_bits(r) }, off),
+            stamp: 0,
+            gpu: 1,
+            low: 0,
+            state: COUNTABLE,
+            ns: NS_NONE,
+        };
+        let add = |p: &mut Private, engine: u64, r: u64, off: usize| {
+            if p.runs.get_mut(r).is_none() {
+                p.runs.insert(r, HolderRun::default());
+            }
+            let v = p.pack(&countable(r, off));
+            p.entries.insert_new(engine, v);
+        };
+        for i in 1..=200u64 {
+            add(&mut p, i, run(i), (i % 64) as usize);
+        }
+        add(&mut p, 1000, run(7), 63);
+        let orphan = Entry { loc: 0, stamp: 3, gpu: 0, low: 2, state: ORPHAN, ns: 4 };
+        let v = p.pack(&orphan);
+        p.entries.insert_new(2000, v);
+        for i in 11..=200u64 {
+            p.remove_entry(i);
+            p.runs.remove(run(i));
+        }
+        // Freed records are reused before the slab grows.
+        add(&mut p, 300, run(300), 5);
+        assert_eq!(p.runs.recs.len(), 200);
+        assert!(p.runs.sparse());
+        p.shrink_runs();
+        assert_eq!((p.runs.recs.len(), p.runs.len()), (11, 11));
+        for i in 1..=10u64 {
+            assert_eq!(p.entry(i).map(|e| e.loc), Some(countable(run(i), (i % 64) as usize).loc));
+        }
+        assert_eq!(p.entry(1000).map(|e| e.loc), Some(countable(run(7), 63).loc));
+        assert_eq!(p.entry(300).map(|e| e.loc), Some(countable(run(300), 5).loc));
+        let o = p.entry(2000).expect("orphan");
+        assert_eq!((o.loc, o.stamp, o.gpu, o.low, o.state, o.ns), (0, 3, 0, 2, ORPHAN, 4));
+        assert_eq!(p.entry(11).map(|e| e.loc), None);
+    }
+
     proptest! {
         /// The engine map behaves like a `HashMap` under inserts, replacements and removals
         /// (clusters that wrap around the end included: keys from a small range collide).
