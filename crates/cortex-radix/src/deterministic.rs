@@ -12,7 +12,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize as StdAtomicUsize, Ordering as StdOrdering};
 
-use crate::holder::{COUNTABLE, EngineMap, Entry, NS_NONE, mix64};
+use crate::holder::{EngineMap, SlotValue, mix64};
 use crate::run::unpack;
 use crate::sync::Mutex;
 
@@ -22,12 +22,33 @@ fn key(ns: u64, engine: u64) -> u64 {
     engine ^ mix64(ns ^ 0x6465_7465_726d_696e)
 }
 
+/// A block of the index: its location (in halves, so that a slot is 20 bytes) and how many
+/// holders have it (0 only in a vacant slot).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DetBlock {
+    loc: [u32; 2],
+    holders: u32,
+}
+
+impl DetBlock {
+    fn loc(&self) -> u64 {
+        u64::from(self.loc[0]) | (u64::from(self.loc[1]) << 32)
+    }
+}
+
+impl SlotValue for DetBlock {
+    const VACANT: DetBlock = DetBlock { loc: [0, 0], holders: 0 };
+    fn is_vacant(&self) -> bool {
+        self.holders == 0
+    }
+}
+
 /// Countable blocks of deterministic holders by (namespace, engine hash), and the deterministic
 /// orphans waiting on a parent nobody had yet.
 pub(crate) struct DeterministicIndex {
-    /// `key(ns, engine) → (location in the entry's loc, holders in its stamp)`: [`EngineMap`]s
-    /// (no tombstones, so churn does not grow them), 64 shards by a mix of the key's parts.
-    blocks: Box<[Mutex<EngineMap>]>,
+    /// `key(ns, engine) → (location, holders)`: [`EngineMap`]s (no tombstones, so churn does
+    /// not grow them), 64 shards by a mix of the key's parts.
+    blocks: Box<[Mutex<EngineMap<DetBlock>>]>,
     /// `(ns, parent engine hash) → slots of the holders with an orphan waiting on it`.
     waits: Mutex<HashMap<(u64, u64), Vec<u32>>>,
     /// How many (ns, parent) pairs are waited on: read without the lock, so that registering a
@@ -48,7 +69,7 @@ impl DeterministicIndex {
         }
     }
 
-    fn shard(&self, ns: u64, engine: u64) -> &Mutex<EngineMap> {
+    fn shard(&self, ns: u64, engine: u64) -> &Mutex<EngineMap<DetBlock>> {
         &self.blocks[(mix64(ns ^ engine.rotate_left(32)) >> 58) as usize]
     }
 
@@ -59,13 +80,13 @@ impl DeterministicIndex {
         let mut m = self.shard(ns, engine).lock();
         let key = key(ns, engine);
         if let Some(slot) = m.get_mut(&key) {
-            slot.stamp += 1;
+            slot.holders += 1;
             return false;
         }
         let before = m.heap_bytes();
         // The index's own reference (the caller's holder has the run, so it holds one).
         unpack(loc).0.acquire();
-        m.insert_new(key, Entry { loc, stamp: 1, gpu: 0, low: 0, state: COUNTABLE, ns: NS_NONE });
+        m.insert_new(key, DetBlock { loc: [loc as u32, (loc >> 32) as u32], holders: 1 });
         let after = m.heap_bytes();
         if after != before {
             // Relaxed: a statistics counter; nothing is published through it.
@@ -82,15 +103,18 @@ impl DeterministicIndex {
         let mut m = self.shard(ns, engine).lock();
         let key = key(ns, engine);
         let slot = m.get_mut(&key)?;
-        slot.stamp -= 1;
-        if slot.stamp == 0 { m.remove(&key).map(|d| d.loc) } else { None }
+        if slot.holders > 1 {
+            slot.holders -= 1;
+            return None;
+        }
+        m.remove(&key).map(|d| d.loc())
     }
 
     /// The location some deterministic holder has for block `(ns, engine)`, with a new
     /// reference to its run for the caller.
     pub(crate) fn lookup(&self, ns: u64, engine: u64) -> Option<u64> {
         let m = self.shard(ns, engine).lock();
-        let loc = m.get(&key(ns, engine)).map(|v| v.loc)?;
+        let loc = m.get(&key(ns, engine)).map(DetBlock::loc)?;
         // Under the shard's lock the entry holds a reference, so taking another is safe.
         unpack(loc).0.acquire();
         Some(loc)
@@ -160,7 +184,7 @@ impl DeterministicIndex {
     /// Adds the runs the entries hold references to (as `Run::bits`) to `runs`.
     pub(crate) fn collect_runs(&self, runs: &mut HashSet<u64>) {
         for shard in self.blocks.iter() {
-            runs.extend(shard.lock().values().map(|e| unpack(e.loc).0.bits()));
+            runs.extend(shard.lock().values().map(|e| unpack(e.loc()).0.bits()));
         }
     }
 }

@@ -5,16 +5,23 @@
 //! writer lives here, in plain (non-atomic) maps behind the holder's own mutex, which its
 //! writer takes — and, rarely, `remove_worker`, another holder's writer grafting a deterministic
 //! orphan, and the diagnostic reads `Ledger::block` and `Ledger::dump`. The shared runs ([`crate::run`]) hold only what readers need: per holder and
-//! run, two cuts. A block is one 24-byte slot of an [`EngineMap`] (its engine hash, then 16 bytes:
-//! the block's location — run and offset, packed; unused for orphans and uncountable blocks — its
-//! store stamp — the LRU order is the stamp order, evicted in batches by a selection, not a linked
-//! list — its reference counts on GPU and on lower tiers, its state and its namespace, by index,
-//! for deterministic grafting). Per run the holder has blocks of, a [`HolderRun`] keeps which
-//! offsets it has (on GPU, on any tier) so that the cuts it publishes are exact. Orphans' extra data
-//! and waiting lists are small side maps.
+//! run, two cuts. A block is one 20-byte slot of an [`EngineMap`] (its engine hash, then a
+//! 12-byte [`Packed`]: the block's location — the index of the holder's record of the run and the
+//! offset; unused for orphans and uncountable blocks — its store stamp — the LRU order is the
+//! stamp order, evicted in batches by a selection, not a linked list — its reference counts on GPU
+//! and on lower tiers, its state and its namespace, by index, for deterministic grafting). Per run
+//! the holder has blocks of, a [`HolderRun`] in a slab ([`HolderRuns`]) keeps which offsets it has
+//! (on GPU, on any tier) so that the cuts it publishes are exact. Orphans' extra data and waiting
+//! lists are small side maps.
+//!
+//! The slot is 20 bytes, not the 24 of a `u64` location, because the holder already keeps a record
+//! per run it has blocks of: naming that record by a 4-byte slab index instead of the run's address
+//! cut the bytes per (holder, block) from 36.6 to 31.9 at 8 holders × 100k blocks (`docs/perf.md`).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::run::Run;
 
 /// The state of a block in its holder.
 pub(crate) const COUNTABLE: u8 = 0;
@@ -98,36 +105,90 @@ pub(crate) fn mix64(mut x: u64) -> u64 {
 
 pub(crate) type Map<V> = HashMap<u64, V, BuildHasherDefault<MixHasher>>;
 
-/// Marks a vacant [`EngineMap`] slot (in the entry's state byte).
-const VACANT: u8 = u8::MAX;
-
-#[derive(Clone, Copy)]
-struct Slot {
-    key: u64,
-    e: Entry,
+/// A map's value: `Copy`, with one value that marks a vacant slot.
+pub(crate) trait SlotValue: Copy {
+    /// The value of a vacant slot.
+    const VACANT: Self;
+    /// Whether this is the vacant value.
+    fn is_vacant(&self) -> bool;
 }
 
-const EMPTY_SLOT: Slot =
-    Slot { key: 0, e: Entry { loc: 0, stamp: 0, gpu: 0, low: 0, state: VACANT, ns: NS_NONE } };
+/// Marks a vacant [`Packed`] slot (in its state byte; real state bytes are at most
+/// `2 | 63 << 2`).
+const VACANT: u8 = u8::MAX;
 
-/// A holder's blocks by engine hash: linear probing over 24-byte slots (key and entry side by
-/// side, so a probe touches one line), sized for the holder's capacity at 4/5 load, with
-/// backward-shift deletion (no tombstones) and a prefetch for a store's blocks.
+/// A holder's block as its map keeps it: 12 bytes, so that a slot with its key is 20. The
+/// location is the holder's record of the run ([`HolderRuns`], by index) and the offset, kept in
+/// the state byte's upper six bits; [`Private::entry`] unpacks it into an [`Entry`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Packed {
+    /// Index of the run's record in [`HolderRuns`] when countable; 0 otherwise.
+    run: u32,
+    /// As [`Entry::stamp`].
+    pub(crate) stamp: u32,
+    gpu: u8,
+    low: u8,
+    /// The state (low two bits) and, when countable, the offset in the run (`<< 2`).
+    state_off: u8,
+    ns: u8,
+}
+
+impl SlotValue for Packed {
+    const VACANT: Packed = Packed { run: 0, stamp: 0, gpu: 0, low: 0, state_off: VACANT, ns: NS_NONE };
+    #[inline]
+    fn is_vacant(&self) -> bool {
+        self.state_off == VACANT
+    }
+}
+
+/// A slot: the key in two halves (4-byte alignment, so that a [`Packed`] slot is 20 bytes, not
+/// 24), then the value.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Slot<V> {
+    key: [u32; 2],
+    v: V,
+}
+
+impl<V: SlotValue> Slot<V> {
+    const EMPTY: Slot<V> = Slot { key: [0, 0], v: V::VACANT };
+
+    #[inline]
+    fn key(&self) -> u64 {
+        u64::from(self.key[0]) | (u64::from(self.key[1]) << 32)
+    }
+}
+
+#[inline]
+fn halves(key: u64) -> [u32; 2] {
+    [key as u32, (key >> 32) as u32]
+}
+
+/// Blocks by engine hash (a holder's, and the deterministic index's): linear probing over slots
+/// of the key and a small value side by side (20 bytes for a holder's [`Packed`] block, so a
+/// probe touches one line), sized for the holder's capacity at 4/5 load, with backward-shift
+/// deletion (no tombstones) and a prefetch for a store's blocks.
 ///
 /// Key decision: a general hash map would double past capacity and carry control bytes; a
 /// holder's block count is bounded by its capacity plus slack, so the map grows straight to the
 /// size that holds the capacity at 4/5 load, then by quarters.
-#[derive(Clone, Default)]
-pub(crate) struct EngineMap {
-    slots: Vec<Slot>,
+#[derive(Clone)]
+pub(crate) struct EngineMap<V> {
+    slots: Vec<Slot<V>>,
     len: usize,
     /// Slots that hold the holder's capacity at 4/5 load.
     target: usize,
 }
 
-impl EngineMap {
+impl<V: SlotValue> Default for EngineMap<V> {
+    fn default() -> Self {
+        EngineMap { slots: Vec::new(), len: 0, target: 0 }
+    }
+}
+
+impl<V: SlotValue> EngineMap<V> {
     /// An empty map for a holder of `capacity` blocks (allocates nothing yet).
-    pub(crate) fn with_capacity_target(capacity: usize) -> EngineMap {
+    pub(crate) fn with_capacity_target(capacity: usize) -> EngineMap<V> {
         EngineMap { slots: Vec::new(), len: 0, target: (capacity + capacity / 4).max(16) }
     }
 
@@ -136,18 +197,20 @@ impl EngineMap {
         ((u128::from(mix64(key)) * self.slots.len() as u128) >> 64) as usize
     }
 
+    #[inline]
     fn find(&self, key: u64) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
         }
         let n = self.slots.len();
+        let want = halves(key);
         let mut i = self.home(key);
         loop {
             let s = &self.slots[i];
-            if s.e.state == VACANT {
+            if s.v.is_vacant() {
                 return None;
             }
-            if s.key == key {
+            if s.key == want {
                 return Some(i);
             }
             i += 1;
@@ -166,12 +229,14 @@ impl EngineMap {
         crate::sync::prefetch(&raw const self.slots[self.home(key)]);
     }
 
-    pub(crate) fn get(&self, key: &u64) -> Option<&Entry> {
-        self.find(*key).map(|i| &self.slots[i].e)
+    #[inline]
+    pub(crate) fn get(&self, key: &u64) -> Option<&V> {
+        self.find(*key).map(|i| &self.slots[i].v)
     }
 
-    pub(crate) fn get_mut(&mut self, key: &u64) -> Option<&mut Entry> {
-        self.find(*key).map(|i| &mut self.slots[i].e)
+    #[inline]
+    pub(crate) fn get_mut(&mut self, key: &u64) -> Option<&mut V> {
+        self.find(*key).map(|i| &mut self.slots[i].v)
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -183,19 +248,19 @@ impl EngineMap {
         self.slots.len()
     }
 
-    /// Inserts or replaces `key`'s entry (tests; the ledger always knows which it does).
+    /// Inserts or replaces `key`'s value (tests; the ledger always knows which it does).
     #[cfg(all(test, not(loom)))]
-    pub(crate) fn insert(&mut self, key: u64, e: Entry) {
+    pub(crate) fn insert(&mut self, key: u64, v: V) {
         if let Some(i) = self.find(key) {
-            self.slots[i].e = e;
+            self.slots[i].v = v;
             return;
         }
-        self.insert_new(key, e);
+        self.insert_new(key, v);
     }
 
     /// Inserts `key`, which the caller knows is absent.
-    pub(crate) fn insert_new(&mut self, key: u64, e: Entry) {
-        debug_assert!(e.state != VACANT && self.find(key).is_none());
+    pub(crate) fn insert_new(&mut self, key: u64, v: V) {
+        debug_assert!(!v.is_vacant() && self.find(key).is_none());
         if (self.len + 1) * 5 > self.slots.len() * 4 {
             let n = self.slots.len();
             let grown = if n < self.target { (n * 2).clamp(16, self.target) } else { n + n / 4 };
@@ -203,20 +268,20 @@ impl EngineMap {
         }
         let n = self.slots.len();
         let mut i = self.home(key);
-        while self.slots[i].e.state != VACANT {
+        while !self.slots[i].v.is_vacant() {
             i += 1;
             if i == n {
                 i = 0;
             }
         }
-        self.slots[i] = Slot { key, e };
+        self.slots[i] = Slot { key: halves(key), v };
         self.len += 1;
     }
 
     /// Removes `key`, shifting later members of its cluster back (no tombstones).
-    pub(crate) fn remove(&mut self, key: &u64) -> Option<Entry> {
+    pub(crate) fn remove(&mut self, key: &u64) -> Option<V> {
         let mut hole = self.find(*key)?;
-        let out = self.slots[hole].e;
+        let out = self.slots[hole].v;
         let n = self.slots.len();
         let mut j = hole;
         loop {
@@ -224,10 +289,10 @@ impl EngineMap {
             if j == n {
                 j = 0;
             }
-            if self.slots[j].e.state == VACANT {
+            if self.slots[j].v.is_vacant() {
                 break;
             }
-            let h = self.home(self.slots[j].key);
+            let h = self.home(self.slots[j].key());
             // Move j back into the hole unless its home lies cyclically in (hole, j].
             let stays = if hole <= j { hole < h && h <= j } else { hole < h || h <= j };
             if !stays {
@@ -235,18 +300,18 @@ impl EngineMap {
                 hole = j;
             }
         }
-        self.slots[hole] = EMPTY_SLOT;
+        self.slots[hole] = Slot::EMPTY;
         self.len -= 1;
         Some(out)
     }
 
     fn resize(&mut self, slots: usize) {
-        let old = std::mem::replace(&mut self.slots, vec![EMPTY_SLOT; slots]);
+        let old = std::mem::replace(&mut self.slots, vec![Slot::EMPTY; slots]);
         self.slots.shrink_to_fit();
         self.len = 0;
         for s in old {
-            if s.e.state != VACANT {
-                self.insert_new(s.key, s.e);
+            if !s.v.is_vacant() {
+                self.insert_new(s.key(), s.v);
             }
         }
     }
@@ -273,21 +338,21 @@ impl EngineMap {
         self.len = 0;
     }
 
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&u64, &Entry)> {
-        self.slots.iter().filter(|s| s.e.state != VACANT).map(|s| (&s.key, &s.e))
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &V)> {
+        self.slots.iter().filter(|s| !s.v.is_vacant()).map(|s| (s.key(), &s.v))
     }
 
-    pub(crate) fn keys(&self) -> impl Iterator<Item = &u64> {
+    pub(crate) fn keys(&self) -> impl Iterator<Item = u64> {
         self.iter().map(|(k, _)| k)
     }
 
-    pub(crate) fn values(&self) -> impl Iterator<Item = &Entry> {
+    pub(crate) fn values(&self) -> impl Iterator<Item = &V> {
         self.iter().map(|(_, e)| e)
     }
 
     /// Heap bytes.
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.slots.capacity() * std::mem::size_of::<Slot>()
+        self.slots.capacity() * std::mem::size_of::<Slot<V>>()
     }
 }
 
@@ -313,13 +378,162 @@ impl HolderRun {
     }
 }
 
+/// No record (the end of the free list).
+const NO_RECORD: u32 = u32::MAX;
+
+/// The holder's records of the runs it has blocks of: a slab, so that an entry names its run by
+/// a 4-byte index, and a map from the run's address to its index, with the last index looked up
+/// remembered (a store's blocks are usually of one run). A free record keeps the next free index
+/// in its `entries`.
+#[derive(Default)]
+pub(crate) struct HolderRuns {
+    /// `(run address, record)`; address 0: free.
+    recs: Vec<(u64, HolderRun)>,
+    /// Run address → index in `recs`.
+    by_run: Map<u32>,
+    /// First free record, or [`NO_RECORD`] (a `Default` slab has none: `recs` is empty).
+    free: Option<u32>,
+    /// The last `(run address, index)` looked up.
+    last: (u64, u32),
+}
+
+impl HolderRuns {
+    /// Records.
+    pub(crate) fn len(&self) -> usize {
+        self.by_run.len()
+    }
+
+    /// The index of `run`'s record, if the holder has one.
+    #[inline]
+    pub(crate) fn index(&mut self, run: u64) -> Option<u32> {
+        if self.last.0 == run && run != 0 {
+            return Some(self.last.1);
+        }
+        let i = *self.by_run.get(&run)?;
+        self.last = (run, i);
+        Some(i)
+    }
+
+    /// `run`'s record, if the holder has one.
+    #[inline]
+    pub(crate) fn get_mut(&mut self, run: u64) -> Option<&mut HolderRun> {
+        let i = self.index(run)?;
+        Some(&mut self.recs[i as usize].1)
+    }
+
+    /// The run address of record `i`.
+    #[inline]
+    pub(crate) fn run_at(&self, i: u32) -> u64 {
+        self.recs[i as usize].0
+    }
+
+    /// Adds a record for `run` (which has none); returns its index.
+    pub(crate) fn insert(&mut self, run: u64, hr: HolderRun) -> u32 {
+        debug_assert!(run != 0 && !self.by_run.contains_key(&run));
+        let i = match self.free.filter(|&f| f != NO_RECORD) {
+            Some(f) => {
+                let next = self.recs[f as usize].1.entries;
+                self.free = Some(next);
+                self.recs[f as usize] = (run, hr);
+                f
+            }
+            None => {
+                let i = u32::try_from(self.recs.len()).unwrap_or_else(|_| unreachable!("more runs than u32"));
+                self.recs.push((run, hr));
+                i
+            }
+        };
+        self.by_run.insert(run, i);
+        self.last = (run, i);
+        i
+    }
+
+    /// Drops `run`'s record.
+    pub(crate) fn remove(&mut self, run: u64) -> Option<HolderRun> {
+        let i = self.by_run.remove(&run)?;
+        if self.last.0 == run {
+            self.last = (0, 0);
+        }
+        let next = self.free.unwrap_or(NO_RECORD);
+        let (_, hr) = std::mem::replace(
+            &mut self.recs[i as usize],
+            (0, HolderRun { entries: next, ..HolderRun::default() }),
+        );
+        self.free = Some(i);
+        Some(hr)
+    }
+
+    /// Every `(run address, record)`.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &HolderRun)> {
+        self.recs.iter().filter(|(r, _)| *r != 0).map(|(r, hr)| (*r, hr))
+    }
+
+    /// Takes every record, leaving none (and no memory).
+    pub(crate) fn take_all(&mut self) -> Vec<(u64, HolderRun)> {
+        let out = self.iter().map(|(r, hr)| (r, *hr)).collect();
+        *self = HolderRuns::default();
+        out
+    }
+
+    /// Whether the slab and the map hold over four times the room their records need.
+    pub(crate) fn sparse(&self) -> bool {
+        let n = self.len().max(16);
+        self.by_run.capacity() > 4 * n || self.recs.len() > 4 * n
+    }
+
+    /// Rebuilds the slab densely (indices change: `entries` is renumbered by `renumber`, which
+    /// gets the old and the new index of each record) and shrinks the map.
+    pub(crate) fn compact(&mut self, mut renumber: impl FnMut(&[u32])) {
+        let mut moved = vec![NO_RECORD; self.recs.len()];
+        let mut recs = Vec::with_capacity(self.len());
+        for (old, &(r, hr)) in self.recs.iter().enumerate() {
+            if r != 0 {
+                moved[old] = recs.len() as u32;
+                recs.push((r, hr));
+            }
+        }
+        self.recs = recs;
+        self.free = None;
+        self.by_run.clear();
+        self.by_run.shrink_to(2 * self.recs.len());
+        for (i, &(r, _)) in self.recs.iter().enumerate() {
+            self.by_run.insert(r, i as u32);
+        }
+        self.last = (0, 0);
+        renumber(&moved);
+    }
+
+    /// Heap bytes (the map's as hashbrown lays it out; see [`Private::heap_bytes`]).
+    pub(crate) fn heap_bytes(&self) -> usize {
+        self.recs.capacity() * std::mem::size_of::<(u64, HolderRun)>() + map_bytes(&self.by_run)
+    }
+}
+
+/// Heap bytes of a [`Map`] (hashbrown's layout: buckets of (key, value) plus one control byte
+/// each, buckets a power of two at most 7/8 full).
+fn map_bytes<V>(m: &Map<V>) -> usize {
+    let cap = m.capacity();
+    if cap == 0 {
+        return 0;
+    }
+    let buckets = if cap < 8 { cap + 1 } else { (cap * 8 / 7).next_power_of_two() };
+    buckets * (std::mem::size_of::<(u64, V)>() + 1) + 16
+}
+
+/// What a holder's record of a run costs at worst: its slab element with the slab at half use
+/// (it doubles) and its map bucket (a 13-byte bucket at 7/16 load, the least before the map
+/// doubles). Charged with the runs by the byte budget.
+pub(crate) const RUN_RECORD_BYTES: usize =
+    2 * std::mem::size_of::<(u64, HolderRun)>() + (std::mem::size_of::<(u64, u32)>() + 1) * 16 / 7 + 1;
+
 /// The writer-owned state of one holder.
 #[derive(Default)]
 pub(crate) struct Private {
-    /// Every block of the holder (countable, orphan or uncountable), by engine hash.
-    pub(crate) entries: EngineMap,
-    /// The holder's blocks of each run, by the run's address.
-    pub(crate) runs: Map<HolderRun>,
+    /// Every block of the holder (countable, orphan or uncountable), by engine hash; read and
+    /// written as [`Entry`]s through [`Private::entry`] and [`Private::set_entry`].
+    pub(crate) entries: EngineMap<Packed>,
+    /// The holder's blocks of each run.
+    pub(crate) runs: HolderRuns,
     /// Runs whose cuts changed since they were last published.
     pub(crate) dirty: Vec<u64>,
     /// Orphans' extra data, by engine hash.
@@ -400,7 +614,7 @@ impl Private {
     /// The next stamp, renumbering every entry's stamp by rank when the counter would wrap.
     pub(crate) fn next_stamp(&mut self) -> u32 {
         if self.tick == u32::MAX {
-            let mut order: Vec<(u32, u64)> = self.entries.iter().map(|(k, e)| (e.stamp, *k)).collect();
+            let mut order: Vec<(u32, u64)> = self.entries.iter().map(|(k, e)| (e.stamp, k)).collect();
             order.sort_unstable();
             for (rank, (_, k)) in order.iter().enumerate() {
                 if let Some(e) = self.entries.get_mut(k) {
@@ -433,34 +647,114 @@ impl Private {
             return Vec::new();
         }
         if k >= self.entries.len() {
-            return self.entries.keys().copied().collect();
+            return self.entries.keys().collect();
         }
         let mut stamps: Vec<u32> = self.entries.values().map(|e| e.stamp).collect();
         let (_, nth, _) = stamps.select_nth_unstable(k - 1);
         let threshold = *nth;
         // Stamps are unique within a holder, so exactly `k` entries qualify.
-        self.entries.iter().filter(|(_, e)| e.stamp <= threshold).map(|(k, _)| *k).collect()
+        self.entries.iter().filter(|(_, e)| e.stamp <= threshold).map(|(k, _)| k).collect()
     }
 
-    /// Heap bytes of this state (hashbrown's layout: buckets of (key, value) plus one control
-    /// byte each, buckets a power of two at most 7/8 full).
+    /// Heap bytes of this state (hash maps as hashbrown lays them out, see [`map_bytes`]).
     pub(crate) fn heap_bytes(&self) -> usize {
-        fn map_bytes<V>(m: &Map<V>) -> usize {
-            let cap = m.capacity();
-            if cap == 0 {
-                return 0;
-            }
-            let buckets = if cap < 8 { cap + 1 } else { (cap * 8 / 7).next_power_of_two() };
-            buckets * (std::mem::size_of::<(u64, V)>() + 1) + 16
-        }
         self.entries.heap_bytes()
-            + map_bytes(&self.runs)
+            + self.runs.heap_bytes()
             + self.dirty.capacity() * 8
             + map_bytes(&self.orphans)
             + map_bytes(&self.waiting)
             + self.waiting.values().map(|v| v.capacity() * 8).sum::<usize>()
             + self.namespaces.capacity() * 8
             + self.gone.heap_bytes()
+    }
+
+    /// Unpacks a map value.
+    #[inline]
+    fn unpack(&self, v: &Packed) -> Entry {
+        let state = v.state_off & 3;
+        let loc = if state == COUNTABLE {
+            // SAFETY: a countable entry's run has a record, and the holder holds a reference to
+            // it while it does.
+            crate::run::pack(
+                unsafe { Run::from_bits(self.runs.run_at(v.run)) },
+                usize::from(v.state_off >> 2),
+            )
+        } else {
+            0
+        };
+        Entry { loc, stamp: v.stamp, gpu: v.gpu, low: v.low, state, ns: v.ns }
+    }
+
+    /// Packs `e` (a countable entry's run must have a record).
+    #[inline]
+    fn pack(&mut self, e: &Entry) -> Packed {
+        let (run, off) = if e.state == COUNTABLE {
+            let (run, off) = crate::run::unpack(e.loc);
+            let i = self
+                .runs
+                .index(run.bits())
+                .unwrap_or_else(|| unreachable!("a countable entry's run has a record"));
+            (i, off as u8)
+        } else {
+            (0, 0)
+        };
+        Packed { run, stamp: e.stamp, gpu: e.gpu, low: e.low, state_off: e.state | (off << 2), ns: e.ns }
+    }
+
+    /// Block `engine`, if the holder has it.
+    #[inline]
+    pub(crate) fn entry(&self, engine: u64) -> Option<Entry> {
+        self.entries.get(&engine).map(|v| self.unpack(v))
+    }
+
+    /// Whether the holder has block `engine`.
+    #[inline]
+    pub(crate) fn has(&self, engine: u64) -> bool {
+        self.entries.get(&engine).is_some()
+    }
+
+    /// Replaces block `engine`'s entry (the holder has it).
+    #[inline]
+    pub(crate) fn set_entry(&mut self, engine: u64, e: &Entry) {
+        let v = self.pack(e);
+        if let Some(slot) = self.entries.get_mut(&engine) {
+            *slot = v;
+        }
+    }
+
+    /// Adds block `engine` (the holder does not have it).
+    #[inline]
+    pub(crate) fn insert_entry(&mut self, engine: u64, e: &Entry) {
+        let v = self.pack(e);
+        self.entries.insert_new(engine, v);
+    }
+
+    /// Drops block `engine`, returning its entry.
+    #[inline]
+    pub(crate) fn remove_entry(&mut self, engine: u64) -> Option<Entry> {
+        let v = self.entries.remove(&engine)?;
+        Some(self.unpack(&v))
+    }
+
+    /// Every block, unpacked.
+    pub(crate) fn iter_entries(&self) -> impl Iterator<Item = (u64, Entry)> {
+        self.entries.iter().map(|(k, v)| (k, self.unpack(v)))
+    }
+
+    /// Shrinks the run records if they are sparse (after evictions), renumbering the entries'
+    /// record indices.
+    pub(crate) fn shrink_runs(&mut self) {
+        if !self.runs.sparse() {
+            return;
+        }
+        let entries = &mut self.entries;
+        self.runs.compact(|moved| {
+            for s in entries.slots.iter_mut() {
+                if !s.v.is_vacant() && s.v.state_off & 3 == COUNTABLE {
+                    s.v.run = moved[s.v.run as usize];
+                }
+            }
+        });
     }
 }
 
@@ -469,8 +763,8 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn entry(seq: u64) -> Entry {
-        Entry { loc: seq, stamp: 0, gpu: 1, low: 0, state: COUNTABLE, ns: NS_NONE }
+    fn entry(v: u64) -> Packed {
+        Packed { run: v as u32, stamp: 0, gpu: 1, low: 0, state_off: COUNTABLE, ns: NS_NONE }
     }
 
     /// The filter finds the blocks lost in its last generation and the one before, forgets the
@@ -492,6 +786,56 @@ mod tests {
         assert!(stale < 300 && never < 800, "stale {stale}, never stored {never}");
     }
 
+    /// Entries name their run by its record's index: freed records are reused, and compacting
+    /// the records after evictions renumbers every entry, which still unpacks to its location.
+    #[test]
+    fn run_records_are_reused_and_compacted_under_their_entries() {
+        let mut p = Private { entries: EngineMap::with_capacity_target(1000), ..Private::default() };
+        // Run addresses are only packed, never read, here.
+        let run = |i: u64| i << 12;
+        let countable = |r: u64, off: usize| Entry {
+            // SAFETY: never dereferenced (see above).
+            loc: crate::run::pack(unsafe { Run::from_bits(r) }, off),
+            stamp: 0,
+            gpu: 1,
+            low: 0,
+            state: COUNTABLE,
+            ns: NS_NONE,
+        };
+        let add = |p: &mut Private, engine: u64, r: u64, off: usize| {
+            if p.runs.get_mut(r).is_none() {
+                p.runs.insert(r, HolderRun::default());
+            }
+            let v = p.pack(&countable(r, off));
+            p.entries.insert_new(engine, v);
+        };
+        for i in 1..=200u64 {
+            add(&mut p, i, run(i), (i % 64) as usize);
+        }
+        add(&mut p, 1000, run(7), 63);
+        let orphan = Entry { loc: 0, stamp: 3, gpu: 0, low: 2, state: ORPHAN, ns: 4 };
+        let v = p.pack(&orphan);
+        p.entries.insert_new(2000, v);
+        for i in 11..=200u64 {
+            p.remove_entry(i);
+            p.runs.remove(run(i));
+        }
+        // Freed records are reused before the slab grows.
+        add(&mut p, 300, run(300), 5);
+        assert_eq!(p.runs.recs.len(), 200);
+        assert!(p.runs.sparse());
+        p.shrink_runs();
+        assert_eq!((p.runs.recs.len(), p.runs.len()), (11, 11));
+        for i in 1..=10u64 {
+            assert_eq!(p.entry(i).map(|e| e.loc), Some(countable(run(i), (i % 64) as usize).loc));
+        }
+        assert_eq!(p.entry(1000).map(|e| e.loc), Some(countable(run(7), 63).loc));
+        assert_eq!(p.entry(300).map(|e| e.loc), Some(countable(run(300), 5).loc));
+        let o = p.entry(2000).expect("orphan");
+        assert_eq!((o.loc, o.stamp, o.gpu, o.low, o.state, o.ns), (0, 3, 0, 2, ORPHAN, 4));
+        assert_eq!(p.entry(11).map(|e| e.loc), None);
+    }
+
     proptest! {
         /// The engine map behaves like a `HashMap` under inserts, replacements and removals
         /// (clusters that wrap around the end included: keys from a small range collide).
@@ -504,17 +848,17 @@ mod tests {
                     m.insert(k, entry(k + 1));
                     want.insert(k, k + 1);
                 } else {
-                    prop_assert_eq!(m.remove(&k).map(|e| e.loc), want.remove(&k));
+                    prop_assert_eq!(m.remove(&k).map(|e| u64::from(e.run)), want.remove(&k));
                 }
                 prop_assert_eq!(m.len(), want.len());
             }
             for (k, v) in &want {
-                prop_assert_eq!(m.get(k).map(|e| e.loc), Some(*v));
+                prop_assert_eq!(m.get(k).map(|e| u64::from(e.run)), Some(*v));
             }
             prop_assert_eq!(m.iter().count(), want.len());
             m.shrink_to(0);
             for (k, v) in &want {
-                prop_assert_eq!(m.get(k).map(|e| e.loc), Some(*v));
+                prop_assert_eq!(m.get(k).map(|e| u64::from(e.run)), Some(*v));
             }
         }
     }

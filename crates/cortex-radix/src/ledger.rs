@@ -53,9 +53,8 @@ const PATH: usize = 16;
 /// with the blocks evicted (a run is freed with its last block).
 pub const BUDGET_BYTES_PER_BLOCK: usize = 96;
 
-/// What a holder's record of a run it has blocks of costs at worst (a 33-byte hash map bucket at
-/// 7/16 load, the least before the map doubles), charged with the runs.
-const RUN_RECORD_BYTES: u128 = 76;
+/// What a holder's record of a run it has blocks of costs at worst, charged with the runs.
+const RUN_RECORD_BYTES: u128 = crate::holder::RUN_RECORD_BYTES as u128;
 
 /// Ledger-wide settings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -700,7 +699,7 @@ impl Ledger {
     pub fn block(&self, holder: HolderId, engine: cortex_hash::kv::EngineHash) -> Option<DumpBlock> {
         let h = self.shared.registry.lock().by_id.get(&holder).cloned()?;
         let p = h.private.lock();
-        let e = p.entries.get(&engine.to_u64())?;
+        let e = p.entry(engine.to_u64())?;
         Some(DumpBlock {
             engine,
             state: match e.state {
@@ -724,9 +723,8 @@ impl Ledger {
         let h = self.shared.registry.lock().by_id.get(&holder).cloned()?;
         let p = h.private.lock();
         let mut blocks: Vec<DumpBlock> = p
-            .entries
-            .iter()
-            .map(|(&engine, e)| DumpBlock {
+            .iter_entries()
+            .map(|(engine, e)| DumpBlock {
                 engine: cortex_hash::kv::EngineHash::from_u64(engine),
                 state: match e.state {
                     COUNTABLE => DumpState::Countable(SeqHash::from_bits(seq_at(e.loc))),
@@ -877,7 +875,7 @@ impl Drop for LedgerShared {
         }
         let mut runs = std::collections::HashSet::new();
         for h in self.registry.lock().by_id.values() {
-            runs.extend(h.private.lock().runs.keys().copied());
+            runs.extend(h.private.lock().runs.iter().map(|(r, _)| r));
             runs.extend(h.mailbox.lock().iter().map(|g| unpack(g.loc).0.bits()));
         }
         self.det.collect_runs(&mut runs);

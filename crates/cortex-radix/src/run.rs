@@ -667,7 +667,7 @@ mod loom_models {
     /// A published run (one reference, its writer's).
     fn published(t: &SlotTable) -> Run {
         let g = epoch::pin();
-        create(t, &[H0, H1], 1, &g).0
+        create(t, &[H0, H1], 1, None, &g).0
     }
 
     /// Publish: a reader that finds a run in the head table reads its hashes.

@@ -56,8 +56,9 @@ fn budget_shares_blocks_by_capacity_and_evicts_the_oldest() {
     assert!(stats.evictions_budget > 0 && stats.evictions_capacity == 0, "{stats:?}");
     let blocks = |h: u32| ledger.dump(HolderId::new(WorkerId(h), DpRank(0))).expect("dump").blocks.len();
     // Each chain is a run of its own: 8 blocks in three cache lines (192 B) and one holder record
-    // (76 B), charged with the blocks: the budget allows 3000 × 96 / (96 + 268 / 8) = 2232 blocks.
-    let allowed = budget_blocks * BUDGET_BYTES_PER_BLOCK / (BUDGET_BYTES_PER_BLOCK + 268 / 8);
+    // (103 B at worst), charged with the blocks: the budget allows 3000 × 96 / (96 + 295 / 8) =
+    // 2181 blocks.
+    let allowed = budget_blocks * BUDGET_BYTES_PER_BLOCK / (BUDGET_BYTES_PER_BLOCK + 295 / 8);
     // Over its share, a holder goes down to the share less the 25 % slack (then refills).
     let (b0, b1) = (blocks(0), blocks(1));
     assert!((allowed / 3 * 100 / 125..=allowed / 3).contains(&b0), "{b0} of {allowed}");

@@ -352,7 +352,7 @@ impl Apply<'_> {
     /// was taken for it (handed to the holder, or released if it already has the run).
     fn attach(&self, p: &mut Private, loc: u64, fresh: bool) {
         let (run, _) = unpack(loc);
-        match p.runs.get_mut(&run.bits()) {
+        match p.runs.get_mut(run.bits()) {
             Some(hr) => {
                 hr.entries += 1;
                 if fresh {
@@ -373,13 +373,13 @@ impl Apply<'_> {
     /// the run unpublishes its cuts and releases the run.
     fn detach(&self, p: &mut Private, loc: u64) {
         let (run, _) = unpack(loc);
-        let Some(hr) = p.runs.get_mut(&run.bits()) else { return };
+        let Some(hr) = p.runs.get_mut(run.bits()) else { return };
         hr.entries -= 1;
         if hr.entries > 0 {
             return;
         }
         self.publish(run, hr.published, 0);
-        p.runs.remove(&run.bits());
+        p.runs.remove(run.bits());
         release(self.shared, run, self.guard);
     }
 
@@ -390,7 +390,7 @@ impl Apply<'_> {
             return;
         }
         let (run, off) = unpack(loc);
-        let Some(hr) = p.runs.get_mut(&run.bits()) else { return };
+        let Some(hr) = p.runs.get_mut(run.bits()) else { return };
         let bit = 1u64 << off;
         hr.gpu = if now.0 { hr.gpu | bit } else { hr.gpu & !bit };
         hr.any = if now.1 { hr.any | bit } else { hr.any & !bit };
@@ -412,7 +412,7 @@ impl Apply<'_> {
     /// Publishes the cuts of the runs whose offsets changed.
     fn flush(&self, p: &mut Private) {
         for key in std::mem::take(&mut p.dirty) {
-            let Some(hr) = p.runs.get_mut(&key) else { continue };
+            let Some(hr) = p.runs.get_mut(key) else { continue };
             let (old, cuts) = (hr.published, hr.cuts());
             hr.published = cuts;
             // SAFETY: the holder has the run (`hr`), so it holds a reference to it.
@@ -488,7 +488,7 @@ impl Apply<'_> {
     }
 
     fn apply_graft(&mut self, p: &mut Private, gr: Graft) {
-        let known = p.entries.get(&gr.parent).is_some_and(|e| e.state != ORPHAN);
+        let known = p.entry(gr.parent).is_some_and(|e| e.state != ORPHAN);
         if known {
             return;
         }
@@ -528,17 +528,19 @@ impl Apply<'_> {
         loc: u64,
     ) -> Option<Parent> {
         // Nothing is placed for a block the holder does not have.
-        p.entries.get(&engine)?;
+        if !p.has(engine) {
+            return None;
+        }
         let child = chain(SeqHash::from_bits(seq), BlockHash::from_bits(info.content)).to_bits();
         let ns_idx = self.ns_idx(p, info.ns);
         let (cloc, fresh) = self.place(loc, child, &[]);
         self.attach(p, cloc, fresh);
-        let e = p.entries.get_mut(&engine)?;
+        let mut e = p.entry(engine)?;
         let before = e.flags();
         e.state = COUNTABLE;
         e.loc = cloc;
         e.ns = ns_idx;
-        let e = *e;
+        p.set_entry(engine, &e);
         self.sync(p, before, &e);
         p.countable += 1;
         self.out.grafted += 1;
@@ -568,8 +570,9 @@ impl Apply<'_> {
                         }
                     }
                     _ => {
-                        if let Some(e) = p.entries.get_mut(&c) {
+                        if let Some(mut e) = p.entry(c) {
                             e.state = UNCOUNTABLE;
+                            p.set_entry(c, &e);
                         }
                         stack.push((c, Parent::Uncountable));
                     }
@@ -579,7 +582,7 @@ impl Apply<'_> {
     }
 
     fn parent_of(&self, p: &Private, engine: u64) -> Parent {
-        match p.entries.get(&engine) {
+        match p.entry(engine) {
             Some(e) if e.state == COUNTABLE => {
                 let (run, off) = unpack(e.loc);
                 Parent::Known { seq: run.hash(off), loc: e.loc }
@@ -652,7 +655,7 @@ impl Apply<'_> {
 
     fn store_one(&mut self, p: &mut Private, engine: u64, ident: Ident, gpu: bool) {
         let stamp = p.next_stamp();
-        let Some(e) = p.entries.get_mut(&engine) else {
+        let Some(mut e) = p.entry(engine) else {
             let mut e = Entry {
                 loc: 0,
                 stamp,
@@ -666,21 +669,22 @@ impl Apply<'_> {
                     e.state = COUNTABLE;
                     e.loc = loc;
                     e.ns = ns;
-                    p.entries.insert_new(engine, e);
+                    // The run's record first: the entry names it.
                     self.attach(p, loc, fresh);
+                    p.insert_entry(engine, &e);
                     self.sync(p, (false, false), &e);
                     p.countable += 1;
                     self.det_register(p, engine, &e);
                     self.cascade(p, engine, Parent::Known { seq: unpack(loc).0.hash(unpack(loc).1), loc });
                 }
                 Ident::Uncountable => {
-                    p.entries.insert_new(engine, e);
+                    p.insert_entry(engine, &e);
                     self.cascade(p, engine, Parent::Uncountable);
                 }
                 Ident::Orphan(info, ns) => {
                     e.state = ORPHAN;
                     e.ns = ns;
-                    p.entries.insert_new(engine, e);
+                    p.insert_entry(engine, &e);
                     p.orphans.insert(engine, info);
                     p.waiting.entry(info.parent).or_default().push(engine);
                     self.out.orphaned += 1;
@@ -697,33 +701,33 @@ impl Apply<'_> {
             (COUNTABLE, Ident::Countable { loc, fresh, ns }) if loc != e.loc => {
                 // A known engine hash with another identity: the new store replaces the old
                 // block, references included.
-                let old = *e;
+                let old = e;
                 e.loc = loc;
                 e.ns = ns;
                 e.gpu = u8::from(gpu);
                 e.low = u8::from(!gpu);
-                let new = *e;
                 self.attach(p, loc, fresh);
+                // Before `detach`, which may drop the old run's record.
+                p.set_entry(engine, &e);
                 self.cover(p, old.loc, before, (false, false));
                 self.detach(p, old.loc);
-                self.sync(p, (false, false), &new);
+                self.sync(p, (false, false), &e);
                 self.det_unregister(p, engine, &old);
-                self.det_register(p, engine, &new);
+                self.det_register(p, engine, &e);
                 // Relaxed: a statistics counter; nothing is published through it.
                 self.shared.counters.conflicts.fetch_add(1, StdOrdering::Relaxed);
             }
             (ORPHAN, Ident::Countable { loc, fresh, ns }) => {
-                bump(e, gpu);
+                bump(&mut e, gpu);
                 let info = p.orphans.remove(&engine);
                 if let Some(info) = info {
                     self.unlink_waiting(p, engine, info);
                 }
                 self.attach(p, loc, fresh);
-                let Some(e) = p.entries.get_mut(&engine) else { return };
                 e.state = COUNTABLE;
                 e.loc = loc;
                 e.ns = ns;
-                let e = *e;
+                p.set_entry(engine, &e);
                 self.sync(p, before, &e);
                 p.countable += 1;
                 self.out.grafted += 1;
@@ -731,20 +735,20 @@ impl Apply<'_> {
                 self.cascade(p, engine, Parent::Known { seq: unpack(loc).0.hash(unpack(loc).1), loc });
             }
             (UNCOUNTABLE, Ident::Countable { loc, fresh, ns }) => {
-                bump(e, gpu);
+                bump(&mut e, gpu);
                 e.state = COUNTABLE;
                 e.loc = loc;
                 e.ns = ns;
-                let e = *e;
                 self.attach(p, loc, fresh);
+                p.set_entry(engine, &e);
                 self.sync(p, before, &e);
                 p.countable += 1;
                 self.det_register(p, engine, &e);
                 self.cascade(p, engine, Parent::Known { seq: unpack(loc).0.hash(unpack(loc).1), loc });
             }
             (_, ident) => {
-                bump(e, gpu);
-                let e = *e;
+                bump(&mut e, gpu);
+                p.set_entry(engine, &e);
                 self.sync(p, before, &e);
                 if let Ident::Countable { loc, fresh: true, .. } = ident {
                     // The same block again: the holder already holds its run.
@@ -774,7 +778,7 @@ impl Apply<'_> {
 
     /// Drops entry `engine` entirely.
     fn drop_entry(&mut self, p: &mut Private, engine: u64) {
-        let Some(e) = p.entries.remove(&engine) else { return };
+        let Some(e) = p.remove_entry(engine) else { return };
         match e.state {
             COUNTABLE => {
                 // Before `detach`, which may release the run.
@@ -797,7 +801,7 @@ impl Apply<'_> {
         let gpu = ev.medium.is_gpu();
         for h in &ev.blocks {
             let engine = h.to_u64();
-            let Some(e) = p.entries.get_mut(&engine) else {
+            let Some(mut e) = p.entry(engine) else {
                 self.out.unknown_removes += 1;
                 continue;
             };
@@ -816,7 +820,7 @@ impl Apply<'_> {
                 } else {
                     e.low -= 1;
                 }
-                let e = *e;
+                p.set_entry(engine, &e);
                 self.sync(p, before, &e);
             }
         }
@@ -824,21 +828,19 @@ impl Apply<'_> {
 
     fn clear(&mut self, p: &mut Private) {
         // What the alignment check may ask about (`Gone`), read while the runs are held.
-        let lost: Vec<u64> =
-            p.entries.values().filter(|e| e.state == COUNTABLE).map(|e| super::seq_at(e.loc)).collect();
-        for seq in lost {
-            p.gone.insert(seq);
+        // The countable entries, unpacked while their runs' records are there.
+        let countable: Vec<(u64, Entry)> = p.iter_entries().filter(|(_, e)| e.state == COUNTABLE).collect();
+        for (_, e) in &countable {
+            p.gone.insert(super::seq_at(e.loc));
         }
         // Unpublish and release every run first, then forget the entries.
-        for (key, hr) in std::mem::take(&mut p.runs) {
+        for (key, hr) in p.runs.take_all() {
             // SAFETY: the holder has the run, so it holds a reference to it.
             let run = unsafe { Run::from_bits(key) };
             self.publish(run, hr.published, 0);
             release(self.shared, run, self.guard);
         }
         p.dirty.clear();
-        let countable: Vec<(u64, Entry)> =
-            p.entries.iter().filter(|(_, e)| e.state == COUNTABLE).map(|(k, e)| (*k, *e)).collect();
         for (engine, e) in countable {
             self.det_unregister(p, engine, &e);
         }
@@ -866,9 +868,7 @@ impl Apply<'_> {
         if p.entries.capacity() > 4 * p.entries.len().max(16) {
             p.entries.shrink_to(p.entries.len());
         }
-        if p.runs.capacity() > 4 * p.runs.len().max(16) {
-            p.runs.shrink_to(2 * p.runs.len());
-        }
+        p.shrink_runs();
         self.out.evicted += n as u64;
         n as u64
     }
