@@ -6,6 +6,10 @@
 //!   format) as fast as it can; measured from the first publish to the last batch visible in the
 //!   ledger, with one writer lane. Baselines in the same run: decoding the same payloads alone,
 //!   and decoding + applying them to a ledger writer directly (no sockets).
+//! - one batch at a time: the engine publishes a batch only once the previous one is visible, as
+//!   at a gateway's ordinary load (a batch per request); per batch, the time from publish to
+//!   visible (p50, p99) and the CPU time of the ingest threads and of the whole process (from
+//!   `/proc/self/task/*/schedstat`, Linux only).
 //! - time to READY: a cold start whose first batch is seq 10,000 (replayed from 0), a gap of 1,000
 //!   batches filled by replay, and an engine restart.
 //!
@@ -113,6 +117,51 @@ fn throughput(payloads: &[Vec<u8>]) -> (f64, f64, f64) {
     (mblocks_per_s(blocks, decode), mblocks_per_s(blocks, direct), mblocks_per_s(blocks, e2e))
 }
 
+/// CPU time in ns of this process's threads (all, and those whose name starts with `prefix`).
+fn thread_cpu_ns(prefix: &str) -> (u64, u64) {
+    let (mut all, mut named) = (0, 0);
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return (0, 0) };
+    for t in tasks.flatten() {
+        let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+        let ns: u64 = read("schedstat").split_whitespace().next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        all += ns;
+        if read("comm").starts_with(prefix) {
+            named += ns;
+        }
+    }
+    (all, named)
+}
+
+/// One batch at a time: (p50, p99) publish-to-visible latency, and CPU µs per batch (whole
+/// process, ingest threads).
+fn one_at_a_time(payloads: &[Vec<u8>]) -> (Duration, Duration, f64, f64) {
+    let capacity = u32::try_from(payloads.len() as u64 * BLOCKS_PER_BATCH * 2).unwrap();
+    let ledger = Ledger::new(LedgerConfig::default());
+    let ingest = Ingest::start(Arc::clone(&ledger), one_lane()).unwrap();
+    let mut engine = FakeEngine::new("", None);
+    let h = HolderId::new(WorkerId(5), DpRank(0));
+    ingest.add_holder(source(&engine, h, capacity)).unwrap();
+    engine.wait_subscribed();
+    let mut lat = Vec::with_capacity(payloads.len());
+    let (all0, ing0) = thread_cpu_ns("cortex-ingest");
+    for (i, p) in payloads.iter().enumerate() {
+        let t = Instant::now();
+        engine.send_live(i as u64, p);
+        assert!(ingest.wait_for(h, WAIT, |s| s.last_seq == i as u64), "{:?}", ingest.status(h));
+        lat.push(t.elapsed());
+    }
+    let (all1, ing1) = thread_cpu_ns("cortex-ingest");
+    engine.history.clear();
+    lat.sort();
+    let n = payloads.len() as f64;
+    (
+        lat[lat.len() / 2],
+        lat[lat.len() * 99 / 100],
+        (all1 - all0) as f64 / n / 1e3,
+        (ing1 - ing0) as f64 / n / 1e3,
+    )
+}
+
 fn cold_start_with_replay(payloads: &[Vec<u8>]) -> Duration {
     let n = payloads.len() as u64;
     let ledger = Ledger::new(LedgerConfig::default());
@@ -187,6 +236,14 @@ fn main() {
         median(|r| r.2),
         100.0 * median(|r| r.2) / median(|r| r.1)
     );
+    for round in 0..3 {
+        let (p50, p99, all, ing) = one_at_a_time(&payloads[..3_000]);
+        println!(
+            "one batch at a time, round {round}: publish to visible p50 {:.1} us, p99 {:.1} us | CPU per batch: ingest threads {ing:.1} us, process {all:.1} us",
+            p50.as_secs_f64() * 1e6,
+            p99.as_secs_f64() * 1e6,
+        );
+    }
     let cold = cold_start_with_replay(&payloads[..10_000]);
     println!(
         "time to READY, cold start replaying 10,000 batches (160,000 blocks): {:.1} ms",

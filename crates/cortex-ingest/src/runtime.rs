@@ -18,14 +18,21 @@
 //! - Hand-offs travel in groups, because a wake-up per batch costs as much as decoding it: the
 //!   socket thread sends everything one socket has ready (up to `BURST`) as one channel message,
 //!   and a lane drains its whole queue per wake-up and signals progress once per drain.
+//! - No hand-off at all when the lane is idle: a small group for a lane with nothing queued is
+//!   decoded and applied by the socket thread itself, under the lane's lock (the lane's state
+//!   lives behind a mutex that its thread takes per drain). An engine publishing a batch per
+//!   request, as at a gateway's ordinary load, then costs one thread wake-up per batch instead of
+//!   two. Order within a holder holds: the socket thread applies inline only when every group it
+//!   sent that lane before has been handled (`queued` counts sent and not yet handled), and busy
+//!   lanes keep their parallelism.
 //! - Every replay uses a fresh DEALER socket (a REQ socket receives only one reply), so a late
 //!   reply of an abandoned replay can never be mistaken for the current one.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender, TryRecvError};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SendError, Sender, TryRecvError};
+use std::sync::{Arc, Mutex, PoisonError, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -68,6 +75,10 @@ const BURST: usize = 512;
 /// Inputs a lane handles per wake-up before it signals progress and checks its timers.
 const DRAIN: usize = 1024;
 
+/// Largest group the socket thread applies itself when its lane is idle; a larger one (a burst,
+/// a replay) goes to the lane, so that the socket thread keeps reading the other holders.
+const INLINE_MAX: usize = 8;
+
 enum SockCmd {
     Add { holder: HolderId, lane: usize, publish: String, topic: String, replay: Option<String> },
     RemoveWorker { worker: WorkerId, done: Sender<()> },
@@ -100,7 +111,18 @@ struct Shared {
     incarnations: AtomicU64,
     progress: Progress,
     commands: Mutex<Commander>,
-    lanes: Vec<Sender<LaneMsg>>,
+    lanes: Vec<LaneShared>,
+}
+
+/// One writer lane as the other threads reach it.
+struct LaneShared {
+    tx: Sender<LaneMsg>,
+    /// Messages sent to the lane and not yet handled (incremented before the send, decremented
+    /// under `state`'s lock once handled).
+    queued: AtomicUsize,
+    /// The lane's holders: its thread takes the lock per drain, the socket thread when it
+    /// applies a group inline.
+    state: Mutex<LaneState>,
 }
 
 /// The sending side of the socket thread's command channel, with its wake-up socket.
@@ -117,6 +139,42 @@ impl Shared {
             .send(&[][..], zmq::DONTWAIT)
             .or_else(|e| if e == zmq::Error::EAGAIN { Ok(()) } else { Err(e) })?;
         Ok(())
+    }
+
+    /// Queues `msg` for lane `lane`'s thread.
+    fn send_lane(&self, lane: usize, msg: LaneMsg) -> Result<(), SendError<LaneMsg>> {
+        let l = &self.lanes[lane];
+        // AcqRel: pairs with the socket thread's Acquire load in `deliver`.
+        l.queued.fetch_add(1, Ordering::AcqRel);
+        l.tx.send(msg).inspect_err(|_| {
+            l.queued.fetch_sub(1, Ordering::AcqRel);
+        })
+    }
+
+    /// Hands a holder's inputs to its lane (the socket thread only): applied here and now when
+    /// the group is small and the lane has nothing queued and is not draining, else queued.
+    fn deliver(&self, lane: usize, holder: HolderId, inputs: Vec<Input<zmq::Message>>) {
+        let l = &self.lanes[lane];
+        // Acquire: a count of zero means every message sent before was handled, and its
+        // effects (the holder's state, under the lock) are visible.
+        if inputs.len() <= INLINE_MAX && l.queued.load(Ordering::Acquire) == 0 {
+            let state = match l.state.try_lock() {
+                Ok(state) => Some(state),
+                Err(TryLockError::WouldBlock) => None,
+                // A lane that panicked: its thread is gone, the queue says so below.
+                Err(TryLockError::Poisoned(_)) => None,
+            };
+            if let Some(mut state) = state
+                && l.queued.load(Ordering::Acquire) == 0
+            {
+                state.handle(self, LaneMsg::Inputs(holder, inputs));
+                drop(state);
+                self.progress.notify();
+                return;
+            }
+        }
+        // An error means the lane is gone (shutdown).
+        let _ = self.send_lane(lane, LaneMsg::Inputs(holder, inputs));
     }
 
     fn lane_of(&self, holder: HolderId) -> usize {
@@ -157,11 +215,15 @@ impl Ingest {
         wake_tx.connect(&wake_endpoint)?;
         let (cmd_tx, cmd_rx) = mpsc::channel();
         let lanes_n = cfg.lanes.max(1);
-        let mut lane_txs = Vec::with_capacity(lanes_n);
+        let mut lanes = Vec::with_capacity(lanes_n);
         let mut lane_rxs = Vec::with_capacity(lanes_n);
         for _ in 0..lanes_n {
             let (tx, rx) = mpsc::channel();
-            lane_txs.push(tx);
+            lanes.push(LaneShared {
+                tx,
+                queued: AtomicUsize::new(0),
+                state: Mutex::new(LaneState::default()),
+            });
             lane_rxs.push(rx);
         }
         let shared = Arc::new(Shared {
@@ -172,7 +234,7 @@ impl Ingest {
             incarnations: AtomicU64::new(0),
             progress: Progress::default(),
             commands: Mutex::new(Commander { tx: cmd_tx, wake: wake_tx }),
-            lanes: lane_txs,
+            lanes,
         });
         let mut threads = Vec::new();
         for (i, rx) in lane_rxs.into_iter().enumerate() {
@@ -180,7 +242,7 @@ impl Ingest {
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("cortex-ingest-lane-{i}"))
-                    .spawn(move || lane_loop(&s, &rx))
+                    .spawn(move || lane_loop(&s, i, &rx))
                     .map_err(IngestError::Thread)?,
             );
         }
@@ -245,7 +307,7 @@ impl Ingest {
             topic: source.topic,
             replay: source.replay,
         })?;
-        self.shared.lanes[lane].send(LaneMsg::Add(Box::new(holder))).map_err(|_| IngestError::ShutDown)
+        self.shared.send_lane(lane, LaneMsg::Add(Box::new(holder))).map_err(|_| IngestError::ShutDown)
     }
 
     /// Stops following every rank of `worker`: unsubscribes first (no late event can be
@@ -257,9 +319,11 @@ impl Ingest {
         let (done, wait) = mpsc::channel();
         self.shared.command(SockCmd::RemoveWorker { worker, done })?;
         wait.recv().map_err(|_| IngestError::ShutDown)?;
-        for lane in &self.shared.lanes {
+        for lane in 0..self.shared.lanes.len() {
             let (done, wait) = mpsc::channel();
-            lane.send(LaneMsg::RemoveWorker { worker, done }).map_err(|_| IngestError::ShutDown)?;
+            self.shared
+                .send_lane(lane, LaneMsg::RemoveWorker { worker, done })
+                .map_err(|_| IngestError::ShutDown)?;
             wait.recv().map_err(|_| IngestError::ShutDown)?;
         }
         self.shared.ledger.remove_worker(worker);
@@ -340,8 +404,8 @@ impl Ingest {
     fn stop(&mut self) {
         // Errors mean the threads are already gone.
         let _ = self.shared.command(SockCmd::Shutdown);
-        for lane in &self.shared.lanes {
-            let _ = lane.send(LaneMsg::Shutdown);
+        for lane in 0..self.shared.lanes.len() {
+            let _ = self.shared.send_lane(lane, LaneMsg::Shutdown);
         }
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -417,7 +481,7 @@ impl SocketThread {
                     // No more events will arrive: no holder's ledger may stay READY.
                     for h in &self.holders {
                         let _ =
-                            shared.lanes[h.lane].send(LaneMsg::Inputs(h.holder, vec![Input::Disconnected]));
+                            shared.send_lane(h.lane, LaneMsg::Inputs(h.holder, vec![Input::Disconnected]));
                     }
                     return;
                 }
@@ -530,8 +594,7 @@ impl SocketThread {
             group.push(Input::Live { seq, payload });
         }
         if !group.is_empty() {
-            // An error means the lane is gone (shutdown).
-            let _ = shared.lanes[h.lane].send(LaneMsg::Inputs(h.holder, group));
+            shared.deliver(h.lane, h.holder, group);
         }
     }
 
@@ -562,8 +625,7 @@ impl SocketThread {
             group.push(input);
         }
         if !group.is_empty() {
-            // An error means the lane is gone (shutdown).
-            let _ = shared.lanes[h.lane].send(LaneMsg::Inputs(h.holder, group));
+            shared.deliver(h.lane, h.holder, group);
         }
         if finished {
             h.dealer = None;
@@ -577,7 +639,7 @@ impl SocketThread {
             let event = parts.first().filter(|p| p.len() >= 2).map(|p| u16::from_le_bytes([p[0], p[1]]));
             if event == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
                 tracing::warn!(holder = %h.holder, "ingest: publisher disconnected");
-                let _ = shared.lanes[h.lane].send(LaneMsg::Inputs(h.holder, vec![Input::Disconnected]));
+                shared.deliver(h.lane, h.holder, vec![Input::Disconnected]);
             }
         }
     }
@@ -610,26 +672,30 @@ struct LaneHolder {
 }
 
 /// A lane's holders and its reusable buffers.
-struct Lane<'s> {
-    shared: &'s Shared,
+#[derive(Default)]
+struct LaneState {
     holders: HashMap<HolderId, LaneHolder>,
     effects: Vec<Effect<zmq::Message>>,
     pending: VecDeque<Effect<zmq::Message>>,
 }
 
-fn lane_loop(shared: &Shared, rx: &Receiver<LaneMsg>) {
-    let mut lane = Lane { shared, holders: HashMap::new(), effects: Vec::new(), pending: VecDeque::new() };
+fn lane_loop(shared: &Shared, lane: usize, rx: &Receiver<LaneMsg>) {
+    let l = &shared.lanes[lane];
     loop {
         let mut next = match rx.recv_timeout(TICK) {
             Ok(msg) => Some(msg),
             Err(RecvTimeoutError::Timeout) => None,
             Err(RecvTimeoutError::Disconnected) => return,
         };
+        let mut state = l.state.lock().unwrap_or_else(PoisonError::into_inner);
         if next.is_some() {
             // Drain what queued up meanwhile: one wake-up and one progress signal for all of it.
             let mut handled = 0;
             while let Some(msg) = next.take() {
-                match lane.handle(msg) {
+                let n = state.handle(shared, msg);
+                // AcqRel: the socket thread's Acquire load of zero sees this message handled.
+                l.queued.fetch_sub(1, Ordering::AcqRel);
+                match n {
                     Some(n) => handled += n,
                     None => return,
                 }
@@ -643,20 +709,20 @@ fn lane_loop(shared: &Shared, rx: &Receiver<LaneMsg>) {
             }
             shared.progress.notify();
         }
-        lane.check_timers();
+        state.check_timers(shared);
     }
 }
 
-impl Lane<'_> {
+impl LaneState {
     /// Handles one message; the number of inputs it carried, or `None` on shutdown.
-    fn handle(&mut self, msg: LaneMsg) -> Option<usize> {
+    fn handle(&mut self, shared: &Shared, msg: LaneMsg) -> Option<usize> {
         match msg {
             LaneMsg::Shutdown => return None,
             LaneMsg::Add(h) => {
                 let id = h.writer.holder();
                 let h = self.holders.entry(id).or_insert(*h);
                 h.seq.step(Input::Start, &mut self.effects);
-                if !h.execute(self.shared, &mut self.effects, &mut self.pending) {
+                if !h.execute(shared, &mut self.effects, &mut self.pending) {
                     self.holders.remove(&id);
                 }
             }
@@ -672,7 +738,7 @@ impl Lane<'_> {
                 }
                 for input in inputs {
                     h.seq.step(input, &mut self.effects);
-                    if !h.execute(self.shared, &mut self.effects, &mut self.pending) {
+                    if !h.execute(shared, &mut self.effects, &mut self.pending) {
                         self.holders.remove(&id);
                         break;
                     }
@@ -683,7 +749,7 @@ impl Lane<'_> {
         Some(1)
     }
 
-    fn check_timers(&mut self) {
+    fn check_timers(&mut self, shared: &Shared) {
         let now = Instant::now();
         let mut gone = Vec::new();
         let mut changed = false;
@@ -694,7 +760,7 @@ impl Lane<'_> {
             } else if h.seq.state() == HolderState::Ready
                 // Relaxed: a gauge written by the load poller.
                 && h.stats.running.load(Ordering::Relaxed) > 0
-                && now.duration_since(h.last_event) >= self.shared.cfg.silence_timeout
+                && now.duration_since(h.last_event) >= shared.cfg.silence_timeout
             {
                 h.last_event = now;
                 Some(Input::Silent)
@@ -703,7 +769,7 @@ impl Lane<'_> {
             };
             if let Some(input) = input {
                 h.seq.step(input, &mut self.effects);
-                if !h.execute(self.shared, &mut self.effects, &mut self.pending) {
+                if !h.execute(shared, &mut self.effects, &mut self.pending) {
                     gone.push(*id);
                 }
                 changed = true;
@@ -713,7 +779,7 @@ impl Lane<'_> {
             self.holders.remove(&id);
         }
         if changed {
-            self.shared.progress.notify();
+            shared.progress.notify();
         }
     }
 }
