@@ -230,6 +230,9 @@ pub fn decode(r: &Results) -> String {
 pub struct Ingest {
     /// Per round: (decode only, decode + apply, end to end), M block-stores/s.
     pub rounds: Vec<(f64, f64, f64)>,
+    /// Per round of one batch at a time: (p50 µs, p99 µs, ingest threads' CPU µs, process CPU
+    /// µs) per batch.
+    pub paced: Vec<(f64, f64, f64, f64)>,
     /// Time to READY, cold start with replay, ms.
     pub cold_ms: Option<f64>,
     /// Time to READY after a gap filled by replay, ms.
@@ -260,6 +263,12 @@ pub fn parse_ingest(output: &str) -> Ingest {
             let rest = rest.split_once(':').map_or(rest, |(_, r)| r);
             if let [d, a, e, ..] = numbers(rest)[..] {
                 out.rounds.push((d, a, e));
+            }
+        } else if let Some(rest) = l.strip_prefix("one batch at a time, round ") {
+            let rest = rest.split_once(':').map_or(rest, |(_, r)| r);
+            // p50, p99, then "ingest threads X us, process Y us".
+            if let [p50, p99, ing, all, ..] = numbers(&rest.replace("p50", "").replace("p99", ""))[..] {
+                out.paced.push((p50, p99, ing, all));
             }
         } else if l.starts_with("time to READY, cold start") {
             out.cold_ms = number_before(l.rsplit_once(':').map_or(l, |(_, r)| r), "ms");
@@ -302,6 +311,24 @@ pub fn ingest(r: &Results) -> String {
         spread(e),
         opt(share, |v| format!("{:.0} % ({:.0} – {:.0} %)", v.median, v.min, v.max))
     );
+    if !p.paced.is_empty() {
+        let col = |f: fn(&(f64, f64, f64, f64)) -> f64| Spread::of(&p.paced.iter().map(f).collect::<Vec<_>>());
+        let us = |v: Option<Spread>| opt(v, |v| format!("{:.1} ({:.1} – {:.1}) µs", v.median, v.min, v.max));
+        let _ = writeln!(
+            s,
+            "\nOne batch at a time (published once the previous one is visible, as at a gateway's ordinary load), median (min – max) of {} rounds of 3,000 batches:\n",
+            p.paced.len()
+        );
+        s.push_str("| publish to visible, p50 | p99 | CPU per batch, ingest threads | CPU per batch, whole process |\n|---:|---:|---:|---:|\n");
+        let _ = writeln!(
+            s,
+            "| {} | {} | **{}** | {} |",
+            us(col(|r| r.0)),
+            us(col(|r| r.1)),
+            us(col(|r| r.2)),
+            us(col(|r| r.3))
+        );
+    }
     let ms = |v: Option<f64>| opt(v, |v| format!("{v:.1} ms"));
     let _ = writeln!(
         s,
@@ -670,11 +697,13 @@ mod tests {
             round 0: decode only 10.27 M blocks/s | decode+apply 3.71 M blocks/s | end to end 2.98 M blocks/s\n\
             round 1: decode only 11.00 M blocks/s | decode+apply 3.50 M blocks/s | end to end 3.10 M blocks/s\n\
             median: decode only 10.27 | decode+apply 3.71 | end to end 2.98 M block-stores/s (80 % of decode+apply)\n\
+            one batch at a time, round 0: publish to visible p50 112.1 us, p99 214.6 us | CPU per batch: ingest threads 48.2 us, process 104.6 us\n\
             time to READY, cold start replaying 10,000 batches (160,000 blocks): 412.3 ms\n\
             time to READY, gap of 1,000 batches filled by replay: 45.0 ms\n\
             time to apply a restart (clear 64,000 blocks, apply seq 0): 12.5 ms\n";
         let p = parse_ingest(out);
         assert_eq!(p.rounds, vec![(10.27, 3.71, 2.98), (11.0, 3.5, 3.1)]);
+        assert_eq!(p.paced, vec![(112.1, 214.6, 48.2, 104.6)]);
         assert_eq!((p.cold_ms, p.gap_ms, p.restart_ms), (Some(412.3), Some(45.0), Some(12.5)));
     }
 
