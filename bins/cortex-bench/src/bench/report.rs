@@ -312,7 +312,8 @@ pub fn ingest(r: &Results) -> String {
         opt(share, |v| format!("{:.0} % ({:.0} – {:.0} %)", v.median, v.min, v.max))
     );
     if !p.paced.is_empty() {
-        let col = |f: fn(&(f64, f64, f64, f64)) -> f64| Spread::of(&p.paced.iter().map(f).collect::<Vec<_>>());
+        let col =
+            |f: fn(&(f64, f64, f64, f64)) -> f64| Spread::of(&p.paced.iter().map(f).collect::<Vec<_>>());
         let us = |v: Option<Spread>| opt(v, |v| format!("{:.1} ({:.1} – {:.1}) µs", v.median, v.min, v.max));
         let _ = writeln!(
             s,
