@@ -70,6 +70,17 @@ fn one_lane() -> IngestConfig {
     IngestConfig { lanes: 1, replay_timeout: Duration::from_secs(60), ..IngestConfig::default() }
 }
 
+/// A one-lane ingest following `worker`'s rank 0 on a fresh fake engine (no replay socket),
+/// subscribed and ready to receive.
+fn live_holder(worker: WorkerId, capacity: u32) -> (Ingest, FakeEngine, HolderId) {
+    let ingest = Ingest::start(Ledger::new(LedgerConfig::default()), one_lane()).unwrap();
+    let engine = FakeEngine::new("", None);
+    let h = HolderId::new(worker, DpRank(0));
+    ingest.add_holder(source(&engine, h, capacity)).unwrap();
+    engine.wait_subscribed();
+    (ingest, engine, h)
+}
+
 fn mblocks_per_s(blocks: u64, d: Duration) -> f64 {
     blocks as f64 / d.as_secs_f64() / 1e6
 }
@@ -100,12 +111,7 @@ fn throughput(payloads: &[Vec<u8>]) -> (f64, f64, f64) {
     }
     let direct = t.elapsed();
     // End to end over loopback.
-    let ledger = Ledger::new(LedgerConfig::default());
-    let ingest = Ingest::start(Arc::clone(&ledger), one_lane()).unwrap();
-    let mut engine = FakeEngine::new("", None);
-    let h = HolderId::new(WorkerId(2), DpRank(0));
-    ingest.add_holder(source(&engine, h, capacity)).unwrap();
-    engine.wait_subscribed();
+    let (ingest, mut engine, h) = live_holder(WorkerId(2), capacity);
     let last = payloads.len() as u64 - 1;
     let t = Instant::now();
     for (i, p) in payloads.iter().enumerate() {
@@ -136,12 +142,7 @@ fn thread_cpu_ns(prefix: &str) -> (u64, u64) {
 /// process, ingest threads).
 fn one_at_a_time(payloads: &[Vec<u8>]) -> (Duration, Duration, f64, f64) {
     let capacity = u32::try_from(payloads.len() as u64 * BLOCKS_PER_BATCH * 2).unwrap();
-    let ledger = Ledger::new(LedgerConfig::default());
-    let ingest = Ingest::start(Arc::clone(&ledger), one_lane()).unwrap();
-    let mut engine = FakeEngine::new("", None);
-    let h = HolderId::new(WorkerId(5), DpRank(0));
-    ingest.add_holder(source(&engine, h, capacity)).unwrap();
-    engine.wait_subscribed();
+    let (ingest, mut engine, h) = live_holder(WorkerId(5), capacity);
     let mut lat = Vec::with_capacity(payloads.len());
     let (all0, ing0) = thread_cpu_ns("cortex-ingest");
     for (i, p) in payloads.iter().enumerate() {

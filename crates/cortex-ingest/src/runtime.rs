@@ -32,7 +32,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SendError, Sender, TryRecvError};
-use std::sync::{Arc, Mutex, PoisonError, TryLockError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -158,13 +158,8 @@ impl Shared {
         // Acquire: a count of zero means every message sent before was handled, and its
         // effects (the holder's state, under the lock) are visible.
         if inputs.len() <= INLINE_MAX && l.queued.load(Ordering::Acquire) == 0 {
-            let state = match l.state.try_lock() {
-                Ok(state) => Some(state),
-                Err(TryLockError::WouldBlock) => None,
-                // A lane that panicked: its thread is gone, the queue says so below.
-                Err(TryLockError::Poisoned(_)) => None,
-            };
-            if let Some(mut state) = state
+            // Busy (the lane is draining) or poisoned (its thread is gone): queue instead.
+            if let Ok(mut state) = l.state.try_lock()
                 && l.queued.load(Ordering::Acquire) == 0
             {
                 state.handle(self, LaneMsg::Inputs(holder, inputs));
