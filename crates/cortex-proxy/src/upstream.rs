@@ -638,8 +638,17 @@ mod usage_scan {
         }
     }
 
-    /// Accepts any value: `on_map` reads an object's entries, anything else reads as `default`.
+    /// A lenient visitor's scalar visits (with `integers`, integers too): each reads as `$default`.
     macro_rules! lenient_visitor {
+        ($visitor:ident, $value:ty, $default:expr, integers) => {
+            lenient_visitor!($visitor, $value, $default);
+            fn visit_u64<E>(self, _: u64) -> Result<$value, E> {
+                Ok($default)
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<$value, E> {
+                Ok($default)
+            }
+        };
         ($visitor:ident, $value:ty, $default:expr) => {
             fn visit_bool<E>(self, _: bool) -> Result<$value, E> {
                 Ok($default)
@@ -702,13 +711,7 @@ mod usage_scan {
                 fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                     f.write_str("any value")
                 }
-                lenient_visitor!(V, Counts, Counts::default());
-                fn visit_u64<E>(self, _: u64) -> Result<Counts, E> {
-                    Ok(Counts::default())
-                }
-                fn visit_i64<E>(self, _: i64) -> Result<Counts, E> {
-                    Ok(Counts::default())
-                }
+                lenient_visitor!(V, Counts, Counts::default(), integers);
                 fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Counts, A::Error> {
                     while seq.next_element::<IgnoredAny>()?.is_some() {}
                     Ok(Counts::default())
@@ -755,13 +758,7 @@ mod usage_scan {
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             f.write_str("any value")
         }
-        lenient_visitor!(Top, Doc, Doc::default());
-        fn visit_u64<E>(self, _: u64) -> Result<Doc, E> {
-            Ok(Doc::default())
-        }
-        fn visit_i64<E>(self, _: i64) -> Result<Doc, E> {
-            Ok(Doc::default())
-        }
+        lenient_visitor!(Top, Doc, Doc::default(), integers);
         fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Doc, A::Error> {
             // Only the outermost array is a batch: an item that is itself an array
             // has no usage (as `Value::get` on an array finds none).

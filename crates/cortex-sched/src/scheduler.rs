@@ -500,7 +500,7 @@ impl<S: Scorer> Scheduler<S> {
     /// Scores every admissible candidate with `scorer` and keys it by score; ties are broken by a
     /// random rotation so that equal holders share a burst. With `counted`, the score counts each
     /// candidate's matched tokens (its `affinity_tokens`); otherwise none. With `time`, each
-    /// candidate's estimated TTFT is kept. Returns the index of the best candidate.
+    /// candidate's estimated TTFT is kept.
     fn score_all<T: Scorer + ?Sized>(
         &self,
         scorer: &T,
@@ -509,13 +509,14 @@ impl<S: Scorer> Scheduler<S> {
         counted: bool,
         time: bool,
         out: &mut Ranking,
-    ) -> Option<usize> {
+    ) {
         let n = out.candidates.len() as u64;
         let offset = self.random() % n.max(1);
-        Self::rescore(scorer, pool, req, (counted, time), offset, out)
+        Self::rescore(scorer, pool, req, (counted, time), offset, out);
     }
 
-    /// [`Scheduler::score_all`] with the tie-break rotation's `offset` drawn.
+    /// [`Scheduler::score_all`] with the tie-break rotation's `offset` given; returns the index of
+    /// the best candidate.
     fn rescore<T: Scorer + ?Sized>(
         scorer: &T,
         pool: &[HolderSlot],

@@ -293,10 +293,10 @@ pub fn ingest(r: &Results) -> String {
     if p.rounds.is_empty() {
         return s + "The bench's output had no round lines (its format changed?).\n";
     }
-    let col = |f: fn(&(f64, f64, f64)) -> f64| Spread::of(&p.rounds.iter().map(f).collect::<Vec<_>>());
     let spread = |v: Option<Spread>| opt(v, |v| format!("{:.2} ({:.2} – {:.2})", v.median, v.min, v.max));
-    let (d, a, e) = (col(|r| r.0), col(|r| r.1), col(|r| r.2));
-    let share = Spread::of(&p.rounds.iter().map(|r| 100.0 * r.2 / r.1).collect::<Vec<_>>());
+    let rows = &p.rounds;
+    let (d, a, e) = (Spread::over(rows, |r| r.0), Spread::over(rows, |r| r.1), Spread::over(rows, |r| r.2));
+    let share = Spread::over(rows, |r| 100.0 * r.2 / r.1);
     let _ = writeln!(
         s,
         "16-block `BlockStored` batches (vLLM 0.33), one writer lane; M block-stores/s, median (min – max) of {} rounds:\n",
@@ -312,8 +312,7 @@ pub fn ingest(r: &Results) -> String {
         opt(share, |v| format!("{:.0} % ({:.0} – {:.0} %)", v.median, v.min, v.max))
     );
     if !p.paced.is_empty() {
-        let col =
-            |f: fn(&(f64, f64, f64, f64)) -> f64| Spread::of(&p.paced.iter().map(f).collect::<Vec<_>>());
+        let col = |f: fn(&(f64, f64, f64, f64)) -> f64| Spread::over(&p.paced, f);
         let us = |v: Option<Spread>| opt(v, |v| format!("{:.1} ({:.1} – {:.1}) µs", v.median, v.min, v.max));
         let _ = writeln!(
             s,

@@ -458,19 +458,20 @@ mod tests {
         ids.iter().map(|id| String::from_utf8_lossy(&by_id[id]).into_owned()).collect()
     }
 
+    /// The next value of a xorshift64 generator.
+    fn xorshift(x: &mut u64) -> u64 {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        *x
+    }
+
     #[test]
     fn an_inline_key_holds_exactly_its_bytes() {
         let mut seed = 0x2545_F491_4F6C_DD1Du64;
         for n in 0..=INLINE {
             for _ in 0..200 {
-                let bytes: Vec<u8> = (0..n)
-                    .map(|_| {
-                        seed ^= seed << 13;
-                        seed ^= seed >> 7;
-                        seed ^= seed << 17;
-                        seed as u8
-                    })
-                    .collect();
+                let bytes: Vec<u8> = (0..n).map(|_| xorshift(&mut seed) as u8).collect();
                 assert_eq!(InlineKey::of(&bytes).bytes(), bytes);
             }
             // Trailing zero bytes are not padding: the length tells them apart.
@@ -517,14 +518,7 @@ mod tests {
         let mut x = 0x1234_5678_u64;
         for len in 0..=SMALL {
             for _ in 0..64 {
-                let piece: Vec<u8> = (0..len)
-                    .map(|_| {
-                        x ^= x << 13;
-                        x ^= x >> 7;
-                        x ^= x << 17;
-                        b"abc"[(x % 3) as usize]
-                    })
-                    .collect();
+                let piece: Vec<u8> = (0..len).map(|_| b"abc"[(xorshift(&mut x) % 3) as usize]).collect();
                 let (small, heap) = bpe.merge_both(&piece);
                 assert_eq!(small, heap, "{:?}", String::from_utf8_lossy(&piece));
             }

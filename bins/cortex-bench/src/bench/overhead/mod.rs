@@ -224,6 +224,12 @@ impl Spread {
         let median = if v.len() % 2 == 1 { v[mid] } else { f64::midpoint(v[mid - 1], v[mid]) };
         Some(Spread { median, min: v[0], max: v[v.len() - 1] })
     }
+
+    /// The spread of `f` over `rows` (none if empty).
+    #[must_use]
+    pub fn over<T>(rows: &[T], f: impl Fn(&T) -> f64) -> Option<Spread> {
+        Spread::of(&rows.iter().map(f).collect::<Vec<_>>())
+    }
 }
 
 /// One target's numbers at one concurrency, over rounds (latencies in µs).
