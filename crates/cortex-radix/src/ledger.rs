@@ -265,6 +265,9 @@ pub struct LedgerStats {
     pub grafts: u64,
     /// Applies refused because the holder's worker was removed.
     pub refused_applies: u64,
+    /// Holders taken out with [`Ledger::quarantine`]: what each held is leaked, still counted in
+    /// `live_bytes` and `blocks`.
+    pub quarantined_holders: u64,
     /// (holder, namespace, parent) waits of content-deterministic orphans on other holders.
     pub deterministic_waits: usize,
     /// Distinct (namespace, engine hash) countable blocks of content-deterministic holders.
@@ -291,6 +294,7 @@ struct Counters {
     conflicts: StdAtomicU64,
     grafts: StdAtomicU64,
     refused: StdAtomicU64,
+    quarantined: StdAtomicU64,
 }
 
 /// A registered holder, shared by the registry, its writer and (to leave grafts) the other
@@ -691,6 +695,33 @@ impl Ledger {
         }
     }
 
+    /// Takes `holder` out of the ledger without reading or changing what it holds: for a writer
+    /// that panicked part-way through an apply, whose private state may no longer keep the
+    /// invariants that dropping its blocks relies on (run references, cuts, orphan lists), so
+    /// that clearing it could free a run still in use. Queries stop counting it at once, its
+    /// writer is revoked, other holders' grafts no longer reach it, and its id may be registered
+    /// again with [`Ledger::add_holder`] (a rebuild from its engine). What it held is leaked on
+    /// purpose: its run references are never released and its slot is never reused (the runs
+    /// keep its cuts), and its blocks and bytes stay counted in [`LedgerStats`]. Returns false
+    /// if the holder is not registered.
+    pub fn quarantine(&self, holder: HolderId) -> bool {
+        let shared = &self.shared;
+        let h = {
+            let mut reg = shared.registry.lock();
+            let Some(h) = reg.by_id.remove(&holder) else { return false };
+            reg.by_slot[h.slot as usize] = None;
+            h
+        };
+        h.revoked.store(true, Ordering::SeqCst);
+        shared.slots.retract(h.slot);
+        shared.det.forget_waits_of(h.slot);
+        // Relaxed: statistics counters; nothing is published through them.
+        shared.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
+        // Relaxed: as above.
+        shared.counters.quarantined.fetch_add(1, StdOrdering::Relaxed);
+        true
+    }
+
     /// One block of a holder, by the engine's hash: its state and references, `None` if the
     /// holder does not have it. Locks the holder briefly (waits for an apply in progress): for
     /// verification off the request path, such as checking that a worker published the engine
@@ -776,6 +807,7 @@ impl Ledger {
             conflicts: c.conflicts.load(r),
             grafts: c.grafts.load(r),
             refused_applies: c.refused.load(r),
+            quarantined_holders: c.quarantined.load(r),
             deterministic_waits: i.det.waits(),
             deterministic_blocks: i.det.blocks(),
         }
