@@ -44,6 +44,10 @@ pub mod runtime;
 pub mod seq;
 pub mod stats;
 
+#[cfg(test)]
+#[path = "../tests/support/mod.rs"]
+mod test_support;
+
 pub use config::{HolderSource, IngestConfig, StaleRouting, Unlabeled, Wire};
 pub use runtime::{Ingest, IngestError};
 pub use seq::{HolderState, Reason};

@@ -25,11 +25,18 @@
 //!   two. Order within a holder holds: the socket thread applies inline only when every group it
 //!   sent that lane before has been handled (`queued` counts sent and not yet handled), and busy
 //!   lanes keep their parallelism.
+//! - A panic while applying a batch (a decoder's or the ledger's bug) stays with its holder: each
+//!   input runs under `catch_unwind`, and the holder's ledger state is quarantined — taken out of
+//!   queries, leaked rather than cleared, since clearing relies on invariants a panic part-way
+//!   through an apply may have broken — and the holder registered again and rebuilt from its
+//!   engine (`LaneState::guarded`, `LaneHolder::rebuild`). Without it, a panic on the socket
+//!   thread, which applies small groups inline, would stop every holder's events.
 //! - Every replay uses a fresh DEALER socket (a REQ socket receives only one reply), so a late
 //!   reply of an abandoned replay can never be mistaken for the current one.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SendError, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -40,7 +47,7 @@ use cortex_hash::kv::{HolderId, WorkerId};
 use cortex_radix::{HolderConfig, HolderWriter, Ledger, LedgerError, Readiness};
 
 use crate::config::{HolderSource, IngestConfig, StaleRouting, Unlabeled, Wire};
-use crate::seq::{Effect, HolderState, Input, Replay, Sequencer};
+use crate::seq::{Effect, HolderState, Input, Reason, Replay, Sequencer};
 use crate::stats::{DECODE_ERROR_KINDS, HolderStats, HolderStatus, Progress};
 
 /// Why the runtime could not do what was asked.
@@ -265,13 +272,11 @@ impl Ingest {
     /// # Errors
     /// [`IngestError::Ledger`] if the holder already has a writer; [`IngestError::ShutDown`].
     pub fn add_holder(&self, source: HolderSource) -> Result<(), IngestError> {
-        let writer = self.shared.ledger.add_holder(
-            source.holder,
-            HolderConfig {
-                capacity_blocks: source.capacity_blocks,
-                content_deterministic: source.content_deterministic,
-            },
-        )?;
+        let cfg = HolderConfig {
+            capacity_blocks: source.capacity_blocks,
+            content_deterministic: source.content_deterministic,
+        };
+        let writer = self.shared.ledger.add_holder(source.holder, cfg)?;
         // Relaxed: the counter only needs to be unique and increasing.
         let incarnation = self.shared.incarnations.fetch_add(1, Ordering::Relaxed);
         let stats = Arc::new(HolderStats::new(source.holder, incarnation));
@@ -291,6 +296,9 @@ impl Ingest {
             stats,
             replay_deadline: None,
             last_event: Instant::now(),
+            cfg,
+            replay,
+            rebuilds: 0,
         };
         holder.writer.set_readiness(Readiness::Syncing);
         // Sockets first: the lane's first act may be a replay request, which the socket thread
@@ -664,6 +672,12 @@ struct LaneHolder {
     stats: Arc<HolderStats>,
     replay_deadline: Option<Instant>,
     last_event: Instant,
+    /// What the holder was registered with, and whether its engine replays: a rebuild
+    /// registers it again the same way.
+    cfg: HolderConfig,
+    replay: Replay,
+    /// Rebuilds after a panic so far (at most [`MAX_REBUILDS`]).
+    rebuilds: u32,
 }
 
 /// A lane's holders and its reusable buffers.
@@ -715,11 +729,11 @@ impl LaneState {
             LaneMsg::Shutdown => return None,
             LaneMsg::Add(h) => {
                 let id = h.writer.holder();
-                let h = self.holders.entry(id).or_insert(*h);
-                h.seq.step(Input::Start, &mut self.effects);
-                if !h.execute(shared, &mut self.effects, &mut self.pending) {
-                    self.holders.remove(&id);
-                }
+                self.holders.entry(id).or_insert(*h);
+                self.guarded(shared, id, |h, effects, pending| {
+                    h.seq.step(Input::Start, effects);
+                    h.execute(shared, effects, pending)
+                });
             }
             LaneMsg::RemoveWorker { worker, done } => {
                 self.holders.retain(|id, _| id.worker != worker);
@@ -731,10 +745,14 @@ impl LaneState {
                 if inputs.iter().any(|i| matches!(i, Input::Live { .. } | Input::Replayed { .. })) {
                     h.last_event = Instant::now();
                 }
+                // One input at a time, so that after a rebuild the rest of the group reaches
+                // the rebuilt holder.
                 for input in inputs {
-                    h.seq.step(input, &mut self.effects);
-                    if !h.execute(shared, &mut self.effects, &mut self.pending) {
-                        self.holders.remove(&id);
+                    let ran = self.guarded(shared, id, |h, effects, pending| {
+                        h.seq.step(input, effects);
+                        h.execute(shared, effects, pending)
+                    });
+                    if !ran {
                         break;
                     }
                 }
@@ -744,10 +762,50 @@ impl LaneState {
         Some(1)
     }
 
+    /// Runs `f` on holder `id`, if the lane has it, and drops the holder if `f` returns false
+    /// (the ledger revoked it). A panic in `f` — a decoder's or the ledger's apply, on the lane's
+    /// thread or inline on the socket thread — is contained to this holder: its ledger state is
+    /// quarantined and the holder rebuilt from its engine (`LaneHolder::rebuild`), while the
+    /// lane's other holders go on. Returns whether `f` ran.
+    fn guarded(
+        &mut self,
+        shared: &Shared,
+        id: HolderId,
+        f: impl FnOnce(
+            &mut LaneHolder,
+            &mut Vec<Effect<zmq::Message>>,
+            &mut VecDeque<Effect<zmq::Message>>,
+        ) -> bool,
+    ) -> bool {
+        let Some(h) = self.holders.get_mut(&id) else { return false };
+        let (effects, pending) = (&mut self.effects, &mut self.pending);
+        // AssertUnwindSafe: on a panic, nothing `f` touched is used again — the buffers are
+        // emptied, the holder's sequencer and writer are replaced, and its ledger state is
+        // quarantined, never read.
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f(h, effects, pending))) {
+            Ok(true) => {}
+            Ok(false) => {
+                self.holders.remove(&id);
+            }
+            Err(panic) => {
+                self.effects.clear();
+                self.pending.clear();
+                let Some(h) = self.holders.remove(&id) else { return true };
+                if let Some(mut h) = h.rebuild(shared, panic_message(&*panic)) {
+                    h.seq.step(Input::Start, &mut self.effects);
+                    if h.execute(shared, &mut self.effects, &mut self.pending) {
+                        self.holders.insert(id, h);
+                    }
+                }
+                shared.progress.notify();
+            }
+        }
+        true
+    }
+
     fn check_timers(&mut self, shared: &Shared) {
         let now = Instant::now();
-        let mut gone = Vec::new();
-        let mut changed = false;
+        let mut due = Vec::new();
         for (id, h) in &mut self.holders {
             let input = if h.replay_deadline.is_some_and(|d| now >= d) && h.seq.replaying() {
                 h.replay_deadline = None;
@@ -763,15 +821,15 @@ impl LaneState {
                 None
             };
             if let Some(input) = input {
-                h.seq.step(input, &mut self.effects);
-                if !h.execute(shared, &mut self.effects, &mut self.pending) {
-                    gone.push(*id);
-                }
-                changed = true;
+                due.push((*id, input));
             }
         }
-        for id in gone {
-            self.holders.remove(&id);
+        let changed = !due.is_empty();
+        for (id, input) in due {
+            self.guarded(shared, id, |h, effects, pending| {
+                h.seq.step(input, effects);
+                h.execute(shared, effects, pending)
+            });
         }
         if changed {
             shared.progress.notify();
@@ -779,7 +837,53 @@ impl LaneState {
     }
 }
 
+/// Rebuilds of one holder after panics before the runtime gives up on it.
+const MAX_REBUILDS: u32 = 3;
+
+/// The message of a caught panic.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
+    panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("(not a string)")
+}
+
 impl LaneHolder {
+    /// After a panic while applying this holder's events: counts it, takes the holder's ledger
+    /// state out of the ledger without touching it (`Ledger::quarantine`: a panic part-way
+    /// through an apply may have broken the invariants that clearing relies on), and registers
+    /// the holder again, empty and SYNCING, to be rebuilt from its engine like a cold start (the
+    /// caller starts its new sequencer). After [`MAX_REBUILDS`] rebuilds the holder is left out:
+    /// STALE, out of exact routing, until its worker is removed and added again.
+    fn rebuild(self, shared: &Shared, panic: &str) -> Option<LaneHolder> {
+        let id = self.writer.holder();
+        self.stats.set_state(HolderState::Stale);
+        self.stats.count_transition(Reason::InternalError);
+        shared.ledger.quarantine(id);
+        if self.rebuilds >= MAX_REBUILDS {
+            tracing::error!(holder = %id, panic, rebuilds = self.rebuilds, "ingest: applying the holder's events panicked again; it stays STALE until its worker is removed and added again");
+            return None;
+        }
+        let writer = match shared.ledger.add_holder(id, self.cfg) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::error!(holder = %id, panic, error = %e, "ingest: applying the holder's events panicked, and it cannot be registered again; it stays STALE");
+                return None;
+            }
+        };
+        writer.mark_history_lost();
+        tracing::error!(holder = %id, panic, "ingest: applying the holder's events panicked; its ledger state is quarantined and the holder is rebuilt from its engine");
+        Some(LaneHolder {
+            writer,
+            seq: Sequencer::new(self.replay, shared.cfg.max_buffered),
+            replay_deadline: None,
+            last_event: Instant::now(),
+            rebuilds: self.rebuilds + 1,
+            ..self
+        })
+    }
+
     /// Executes `effects` in order (through `pending`, empty between calls); false if the ledger
     /// revoked this holder.
     fn execute(
@@ -899,6 +1003,8 @@ impl LaneHolder {
             HolderStats::add(&self.stats.rank_mismatches, 1);
         }
         let outcome = self.writer.apply_batch(&batch)?;
+        #[cfg(test)]
+        tests::injected_panic(holder);
         HolderStats::add(&self.stats.batches, 1);
         HolderStats::add(&self.stats.events, outcome.events);
         HolderStats::add(&self.stats.blocks_stored, outcome.stored);
@@ -938,5 +1044,138 @@ fn sglang_error_kind(e: &cortex_events_sglang::DecodeError) -> usize {
         | D::BatchShape { .. }
         | D::TrailingBytes { .. } => 2,
         _ => 3,
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // test setup: a failed step should panic
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use cortex_hash::kv::{DpRank, EngineHash, HolderId, WorkerId};
+    use cortex_radix::{Ledger, LedgerConfig, Readiness};
+
+    use crate::test_support::{FakeEngine, vllm_block_batch};
+    use crate::{HolderSource, HolderState, Ingest, IngestConfig, Reason, Unlabeled, Wire};
+
+    /// Holders whose applies panic (after the ledger applied the batch), with how many more
+    /// times: a fault no real input is known to cause, injected to exercise the containment.
+    static PANICS: Mutex<Vec<(HolderId, u32)>> = Mutex::new(Vec::new());
+
+    pub(super) fn injected_panic(holder: HolderId) {
+        let mut p = PANICS.lock().unwrap();
+        if let Some(e) = p.iter_mut().find(|(h, n)| *h == holder && *n > 0) {
+            e.1 -= 1;
+            drop(p);
+            panic!("injected panic for {holder}");
+        }
+    }
+
+    const WAIT: Duration = Duration::from_secs(10);
+
+    fn follow(ingest: &Ingest, engine: &FakeEngine, holder: HolderId) {
+        ingest
+            .add_holder(HolderSource {
+                holder,
+                wire: Wire::Vllm,
+                model: "test-model".into(),
+                unlabeled: Unlabeled::Plain,
+                publish: engine.pub_endpoint.clone(),
+                replay: None,
+                topic: String::from_utf8(engine.topic.clone()).unwrap(),
+                capacity_blocks: 10_000,
+                content_deterministic: true,
+            })
+            .unwrap();
+        engine.wait_subscribed();
+    }
+
+    fn wait(ingest: &Ingest, h: HolderId, what: &str, done: impl FnMut(&crate::HolderStatus) -> bool) {
+        assert!(ingest.wait_for(h, WAIT, done), "{h}: {what} never happened: {:?}", ingest.status(h));
+    }
+
+    fn holder(w: u32) -> HolderId {
+        HolderId::new(WorkerId(w), DpRank(0))
+    }
+
+    fn holds(ledger: &Ledger, h: HolderId, batch: u64) -> bool {
+        ledger.block(h, EngineHash::from_u64(1000 + batch)).is_some()
+    }
+
+    #[test]
+    fn a_panic_while_applying_is_contained_to_its_holder_and_rebuilt() {
+        let ledger = Ledger::new(LedgerConfig::default());
+        // One lane: both holders share it, and the socket thread applies small groups inline.
+        let ingest =
+            Ingest::start(ledger.clone(), IngestConfig { lanes: 1, ..IngestConfig::default() }).unwrap();
+        let (a, b) = (holder(901), holder(902));
+        let (mut ea, mut eb) = (FakeEngine::new("a", None), FakeEngine::new("b", None));
+        follow(&ingest, &ea, a);
+        follow(&ingest, &eb, b);
+        for i in 0..3 {
+            ea.publish(i, &vllm_block_batch(i));
+            eb.publish(i, &vllm_block_batch(i));
+        }
+        for h in [a, b] {
+            wait(&ingest, h, "seq 2", |s| s.last_seq == 2 && s.state == HolderState::Ready);
+        }
+        assert!(holds(&ledger, a, 2));
+
+        PANICS.lock().unwrap().push((a, 1));
+        ea.publish(3, &vllm_block_batch(3));
+        eb.publish(3, &vllm_block_batch(3));
+        wait(&ingest, a, "the rebuild", |s| {
+            s.transitions(Reason::InternalError) == 1 && s.state == HolderState::Ready
+        });
+        assert_eq!(ledger.stats().quarantined_holders, 1);
+        // The rebuilt holder starts empty (what it held is quarantined) and follows its engine.
+        assert!(!holds(&ledger, a, 2) && !holds(&ledger, a, 3));
+        ea.publish(4, &vllm_block_batch(4));
+        wait(&ingest, a, "seq 4 after the rebuild", |s| s.last_seq == 4);
+        assert!(holds(&ledger, a, 4));
+        assert_eq!(ledger.readiness(a), Some(Readiness::Ready));
+        let st = ingest.status(a).unwrap();
+        assert_eq!(st.transitions(Reason::ColdStart), 2, "registered, then rebuilt: {st:?}");
+
+        // The other holder on the same lane never noticed.
+        wait(&ingest, b, "seq 3", |s| s.last_seq == 3 && s.state == HolderState::Ready);
+        assert!((0..4).all(|i| holds(&ledger, b, i)));
+        assert_eq!(ingest.status(b).unwrap().transitions(Reason::InternalError), 0);
+        ingest.shutdown();
+    }
+
+    #[test]
+    fn a_holder_that_keeps_panicking_is_given_up_and_the_others_go_on() {
+        let ledger = Ledger::new(LedgerConfig::default());
+        let ingest =
+            Ingest::start(ledger.clone(), IngestConfig { lanes: 1, ..IngestConfig::default() }).unwrap();
+        let (c, d) = (holder(903), holder(904));
+        let (mut ec, mut ed) = (FakeEngine::new("c", None), FakeEngine::new("d", None));
+        follow(&ingest, &ec, c);
+        follow(&ingest, &ed, d);
+        PANICS.lock().unwrap().push((c, u32::MAX));
+        // A burst (more than the socket thread applies inline): the lane's thread panics.
+        for i in 0..20 {
+            ec.publish(i, &vllm_block_batch(i));
+        }
+        let rebuilds = u64::from(super::MAX_REBUILDS);
+        wait(&ingest, c, "giving up", |s| {
+            s.transitions(Reason::InternalError) == rebuilds + 1 && s.state == HolderState::Stale
+        });
+        assert_eq!(ledger.readiness(c), None, "left out of the ledger");
+        assert_eq!(ledger.stats().quarantined_holders, rebuilds + 1);
+        for i in 0..3 {
+            ed.publish(i, &vllm_block_batch(i));
+        }
+        wait(&ingest, d, "seq 2", |s| s.last_seq == 2 && s.state == HolderState::Ready);
+        assert!((0..3).all(|i| holds(&ledger, d, i)));
+        // Later batches of the given-up holder are dropped, not applied.
+        ec.publish(20, &vllm_block_batch(20));
+        ed.publish(3, &vllm_block_batch(3));
+        wait(&ingest, d, "seq 3", |s| s.last_seq == 3);
+        assert_eq!(ingest.status(c).unwrap().state, HolderState::Stale);
+        assert_eq!(ingest.status(c).unwrap().transitions(Reason::InternalError), rebuilds + 1);
+        ingest.shutdown();
     }
 }

@@ -74,11 +74,14 @@ pub enum Reason {
     Resumed,
     /// A payload did not decode: its events are lost.
     Undecodable,
+    /// Applying the holder's events panicked: its ledger state was quarantined and the holder is
+    /// rebuilt from its engine (counted by the runtime, not by the machine).
+    InternalError,
 }
 
 impl Reason {
     /// Every reason, for metrics initialisation.
-    pub const ALL: [Reason; 10] = [
+    pub const ALL: [Reason; 11] = [
         Reason::Gap,
         Reason::Restart,
         Reason::ReplayFailed,
@@ -89,6 +92,7 @@ impl Reason {
         Reason::Silent,
         Reason::Resumed,
         Reason::Undecodable,
+        Reason::InternalError,
     ];
 
     /// Snake-case name for logs and metrics labels.
@@ -105,6 +109,7 @@ impl Reason {
             Reason::Silent => "silent",
             Reason::Resumed => "resumed",
             Reason::Undecodable => "undecodable",
+            Reason::InternalError => "internal_error",
         }
     }
 
@@ -121,6 +126,7 @@ impl Reason {
                 | Reason::ReplayTimeout
                 | Reason::ColdStart
                 | Reason::Undecodable
+                | Reason::InternalError
         )
     }
 }

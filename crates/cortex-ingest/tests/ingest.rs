@@ -10,14 +10,13 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cortex_events_vllm::{Version, WireBatch, WireBlockStored, WireEvent, WireHash};
 use cortex_hash::kv::{DpRank, HolderId, WorkerId};
 use cortex_hash::{Engine, Namespace};
 use cortex_ingest::{HolderSource, HolderState, Ingest, IngestConfig, Reason, StaleRouting, Unlabeled, Wire};
 use cortex_radix::{Ledger, LedgerConfig, OverlapScores, QueryOptions, Readiness};
 
 mod support;
-use support::{FakeEngine, ReplayFraming};
+use support::{FakeEngine, ReplayFraming, vllm_block_batch};
 
 const WAIT: Duration = Duration::from_secs(10);
 const MODEL: &str = "test-model";
@@ -95,23 +94,6 @@ fn wait_stale(s: &Setup, h: HolderId, reason: Reason, count: u64, readiness: Rea
         s.ingest.status(h),
         s.ledger.readiness(h)
     );
-}
-
-/// A synthetic vLLM stream: batch `i` stores block `i` of the token sequence `0..`, chained on
-/// block `i - 1`; engine hash of block `i` is `1000 + i`.
-fn vllm_block_batch(i: u64) -> Vec<u8> {
-    let tokens: Vec<u32> = (i as u32 * 16..i as u32 * 16 + 16).collect();
-    let stored = WireBlockStored {
-        block_hashes: vec![WireHash::Uint(1000 + i)],
-        parent_block_hash: i.checked_sub(1).map(|p| WireHash::Uint(1000 + p)),
-        token_ids: tokens,
-        block_size: 16,
-        medium: Some("GPU"),
-        ..WireBlockStored::default()
-    };
-    let batch =
-        WireBatch { ts: 1.0, events: vec![WireEvent::BlockStored(stored)], data_parallel_rank: Some(0) };
-    cortex_events_vllm::encode(&batch, Version::LATEST).unwrap()
 }
 
 /// How many leading blocks of the synthetic stream `h` holds, as a query sees it.

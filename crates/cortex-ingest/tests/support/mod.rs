@@ -130,3 +130,21 @@ impl FakeEngine {
         router.recv_multipart(0).expect("no replay request arrived");
     }
 }
+
+/// A synthetic vLLM stream: batch `i` stores block `i` of the token sequence `0..`, chained on
+/// block `i - 1`; engine hash of block `i` is `1000 + i`.
+pub fn vllm_block_batch(i: u64) -> Vec<u8> {
+    use cortex_events_vllm::{Version, WireBatch, WireBlockStored, WireEvent, WireHash};
+    let tokens: Vec<u32> = (i as u32 * 16..i as u32 * 16 + 16).collect();
+    let stored = WireBlockStored {
+        block_hashes: vec![WireHash::Uint(1000 + i)],
+        parent_block_hash: i.checked_sub(1).map(|p| WireHash::Uint(1000 + p)),
+        token_ids: tokens,
+        block_size: 16,
+        medium: Some("GPU"),
+        ..WireBlockStored::default()
+    };
+    let batch =
+        WireBatch { ts: 1.0, events: vec![WireEvent::BlockStored(stored)], data_parallel_rank: Some(0) };
+    cortex_events_vllm::encode(&batch, Version::LATEST).unwrap()
+}
