@@ -1,20 +1,22 @@
 //! The running event plane: one socket thread that owns every ZeroMQ socket, and writer lanes
-//! that decode batches and apply them to the ledger.
+//! that apply batches to the ledger.
 //!
 //! ```text
 //!  engine PUB ──► SUB (one per holder) ─┐
-//!  engine ROUTER ◄─► DEALER (per replay)├─ socket thread ── frames + seq ──► lane k (holder % lanes)
-//!  socket monitor (disconnects) ────────┘        ▲                           │ Sequencer (seq.rs)
-//!                                                 └──── replay requests ──────┤ decode (event crates)
+//!  engine ROUTER ◄─► DEALER (per replay)├─ socket thread ── seq + batch ──► lane k (holder % lanes)
+//!  socket monitor (disconnects) ────────┘  (decodes a  ▲                     │ Sequencer (seq.rs)
+//!                                           queued group) └─ replay requests ┤
 //!                                                                             ▼ HolderWriter (ledger)
 //! ```
 //!
 //! Key decisions:
 //! - ZeroMQ sockets are not thread-safe, so exactly one thread owns them all and multiplexes them
-//!   with `zmq_poll`; it only splits frames and reads the sequence number, so it keeps up with
-//!   many holders. Commands reach it through a channel plus an `inproc` wake-up socket.
-//! - Decoding and applying — the real work — happen on the lanes, in parallel across holders and
-//!   strictly in order within one (a holder always maps to the same lane).
+//!   with `zmq_poll`; it splits frames and reads the sequence number. Commands reach it through a
+//!   channel plus an `inproc` wake-up socket.
+//! - Applying — the real work — happens on the lanes, in parallel across holders and strictly in
+//!   order within one (a holder always maps to the same lane). The socket thread decodes the
+//!   groups it queues (decoding is a fifth of decode + apply), so that a busy lane only applies
+//!   while the socket thread reads and decodes the next group: the two overlap.
 //! - Hand-offs travel in groups, because a wake-up per batch costs as much as decoding it: the
 //!   socket thread sends everything one socket has ready (up to `BURST`) as one channel message,
 //!   and a lane drains its whole queue per wake-up and signals progress once per drain.
@@ -43,7 +45,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use cortex_hash::kv::{HolderId, WorkerId};
+use cortex_hash::kv::{EventBatch, HolderId, WorkerId};
 use cortex_radix::{HolderConfig, HolderWriter, Ledger, LedgerError, Readiness};
 
 use crate::config::{HolderSource, IngestConfig, StaleRouting, Unlabeled, Wire};
@@ -87,10 +89,20 @@ const DRAIN: usize = 1024;
 const INLINE_MAX: usize = 8;
 
 enum SockCmd {
-    Add { holder: HolderId, lane: usize, publish: String, topic: String, replay: Option<String> },
+    Add(Subscription),
     RemoveWorker { worker: WorkerId, done: Sender<()> },
     Replay { holder: HolderId, from: u64 },
     Shutdown,
+}
+
+/// A holder for the socket thread to follow.
+struct Subscription {
+    holder: HolderId,
+    lane: usize,
+    publish: String,
+    topic: String,
+    replay: Option<String>,
+    decoder: Decoder,
 }
 
 enum LaneMsg {
@@ -100,7 +112,7 @@ enum LaneMsg {
         done: Sender<()>,
     },
     /// One holder's inputs in arrival order: everything its socket had ready.
-    Inputs(HolderId, Vec<Input<zmq::Message>>),
+    Inputs(HolderId, Vec<Input<Payload>>),
     Shutdown,
 }
 
@@ -160,7 +172,7 @@ impl Shared {
 
     /// Hands a holder's inputs to its lane (the socket thread only): applied here and now when
     /// the group is small and the lane has nothing queued and is not draining, else queued.
-    fn deliver(&self, lane: usize, holder: HolderId, inputs: Vec<Input<zmq::Message>>) {
+    fn deliver(&self, lane: usize, holder: HolderId, mut inputs: Vec<Input<Payload>>, decoder: &Decoder) {
         let l = &self.lanes[lane];
         // Acquire: a count of zero means every message sent before was handled, and its
         // effects (the holder's state, under the lock) are visible.
@@ -173,6 +185,15 @@ impl Shared {
                 drop(state);
                 self.progress.notify();
                 return;
+            }
+        }
+        // Queued: decode here, so that the lane only applies while this thread reads on. A
+        // decoder's panic leaves the payload undecoded: the lane decodes it again, under its
+        // holder's containment (`LaneState::guarded`).
+        for input in &mut inputs {
+            if let Input::Live { payload, .. } | Input::Replayed { payload, .. } = input {
+                let msg = &payload.msg;
+                payload.decoded = std::panic::catch_unwind(AssertUnwindSafe(|| decoder.decode(msg))).ok();
             }
         }
         // An error means the lane is gone (shutdown).
@@ -290,9 +311,7 @@ impl Ingest {
         let mut holder = LaneHolder {
             writer,
             seq: Sequencer::new(replay, self.shared.cfg.max_buffered),
-            wire: source.wire,
-            model: source.model,
-            unlabeled: source.unlabeled,
+            decoder: Decoder { wire: source.wire, model: source.model, unlabeled: source.unlabeled },
             stats,
             replay_deadline: None,
             last_event: Instant::now(),
@@ -303,13 +322,14 @@ impl Ingest {
         holder.writer.set_readiness(Readiness::Syncing);
         // Sockets first: the lane's first act may be a replay request, which the socket thread
         // must find the holder for.
-        self.shared.command(SockCmd::Add {
+        self.shared.command(SockCmd::Add(Subscription {
             holder: source.holder,
             lane,
             publish: source.publish,
             topic: source.topic,
             replay: source.replay,
-        })?;
+            decoder: holder.decoder.clone(),
+        }))?;
         self.shared.send_lane(lane, LaneMsg::Add(Box::new(holder))).map_err(|_| IngestError::ShutDown)
     }
 
@@ -430,6 +450,7 @@ struct SockHolder {
     monitor: zmq::Socket,
     replay_endpoint: Option<String>,
     dealer: Option<zmq::Socket>,
+    decoder: Decoder,
 }
 
 struct SocketThread {
@@ -518,8 +539,9 @@ impl SocketThread {
         while let Ok(cmd) = self.commands.try_recv() {
             match cmd {
                 SockCmd::Shutdown => return false,
-                SockCmd::Add { holder, lane, publish, topic, replay } => {
-                    match self.subscribe(shared, holder, lane, &publish, &topic, replay) {
+                SockCmd::Add(add) => {
+                    let (holder, publish) = (add.holder, add.publish.clone());
+                    match self.subscribe(shared, add) {
                         Ok(h) => self.holders.push(h),
                         Err(e) => {
                             tracing::error!(%holder, endpoint = %publish, error = %e, "ingest: cannot subscribe")
@@ -537,15 +559,9 @@ impl SocketThread {
         true
     }
 
-    fn subscribe(
-        &mut self,
-        shared: &Shared,
-        holder: HolderId,
-        lane: usize,
-        publish: &str,
-        topic: &str,
-        replay: Option<String>,
-    ) -> Result<SockHolder, zmq::Error> {
+    fn subscribe(&mut self, shared: &Shared, add: Subscription) -> Result<SockHolder, zmq::Error> {
+        let Subscription { holder, lane, publish, topic, replay, decoder } = add;
+        let (publish, topic) = (publish.as_str(), topic.as_str());
         let sub = self.ctx.socket(zmq::SUB)?;
         sub.set_rcvhwm(shared.cfg.receive_hwm)?;
         sub.set_linger(0)?;
@@ -557,7 +573,7 @@ impl SocketThread {
         sub.set_subscribe(topic.as_bytes())?;
         sub.connect(publish)?;
         tracing::info!(%holder, endpoint = publish, topic, "ingest: subscribed");
-        Ok(SockHolder { holder, lane, sub, monitor, replay_endpoint: replay, dealer: None })
+        Ok(SockHolder { holder, lane, sub, monitor, replay_endpoint: replay, dealer: None, decoder })
     }
 
     fn start_replay(&mut self, holder: HolderId, from: u64) {
@@ -593,11 +609,11 @@ impl SocketThread {
                 continue;
             }
             let Some(seq) = seq_of(&parts[1]) else { continue };
-            let payload = parts.pop().unwrap_or_else(zmq::Message::new);
+            let payload = Payload::new(parts.pop().unwrap_or_else(zmq::Message::new));
             group.push(Input::Live { seq, payload });
         }
         if !group.is_empty() {
-            shared.deliver(h.lane, h.holder, group);
+            shared.deliver(h.lane, h.holder, group, &h.decoder);
         }
     }
 
@@ -619,7 +635,10 @@ impl SocketThread {
                     finished = true;
                     Input::ReplayEnd
                 }
-                Some(seq) => Input::Replayed { seq, payload: parts.pop().unwrap_or_else(zmq::Message::new) },
+                Some(seq) => Input::Replayed {
+                    seq,
+                    payload: Payload::new(parts.pop().unwrap_or_else(zmq::Message::new)),
+                },
                 None => {
                     tracing::warn!(holder = %h.holder, "ingest: ignoring a malformed replay reply");
                     continue;
@@ -628,7 +647,7 @@ impl SocketThread {
             group.push(input);
         }
         if !group.is_empty() {
-            shared.deliver(h.lane, h.holder, group);
+            shared.deliver(h.lane, h.holder, group, &h.decoder);
         }
         if finished {
             h.dealer = None;
@@ -642,7 +661,7 @@ impl SocketThread {
             let event = parts.first().filter(|p| p.len() >= 2).map(|p| u16::from_le_bytes([p[0], p[1]]));
             if event == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
                 tracing::warn!(holder = %h.holder, "ingest: publisher disconnected");
-                shared.deliver(h.lane, h.holder, vec![Input::Disconnected]);
+                shared.deliver(h.lane, h.holder, vec![Input::Disconnected], &h.decoder);
             }
         }
     }
@@ -662,13 +681,65 @@ fn seq_of(frame: &[u8]) -> Option<u64> {
     <[u8; 8]>::try_from(frame).ok().map(u64::from_be_bytes)
 }
 
-/// A holder as its lane sees it.
-struct LaneHolder {
-    writer: HolderWriter,
-    seq: Sequencer<zmq::Message>,
+/// How a holder's payloads decode: its engine's wire format, the served model, and how to read
+/// stores without extra keys. The socket thread and the holder's lane each have a copy.
+#[derive(Clone, Debug)]
+struct Decoder {
     wire: Wire,
     model: String,
     unlabeled: Unlabeled,
+}
+
+/// A decoded batch, or the decode error's kind (an index of [`DECODE_ERROR_KINDS`]) and message.
+type Decoded = Result<EventBatch, (usize, String)>;
+
+impl Decoder {
+    fn decode(&self, payload: &[u8]) -> Decoded {
+        match self.wire {
+            Wire::Vllm => {
+                let unlabeled = match self.unlabeled {
+                    Unlabeled::Plain => cortex_events_vllm::Unlabeled::Plain,
+                    Unlabeled::Unknown => cortex_events_vllm::Unlabeled::Unknown,
+                };
+                cortex_events_vllm::decode(
+                    payload,
+                    &cortex_events_vllm::DecodeContext::new(&self.model, unlabeled),
+                )
+                .map_err(|e| (vllm_error_kind(&e), e.to_string()))
+            }
+            Wire::Sglang => {
+                let unlabeled = match self.unlabeled {
+                    Unlabeled::Plain => cortex_events_sglang::Unlabeled::Plain,
+                    Unlabeled::Unknown => cortex_events_sglang::Unlabeled::Unknown,
+                };
+                cortex_events_sglang::decode(
+                    payload,
+                    &cortex_events_sglang::DecodeContext::new(&self.model, unlabeled),
+                )
+                .map_err(|e| (sglang_error_kind(&e), e.to_string()))
+            }
+        }
+    }
+}
+
+/// A batch as the sequencer carries it: the message, and its decoding once made (by the socket
+/// thread for a group it queues to a lane; else by whoever applies it).
+struct Payload {
+    msg: zmq::Message,
+    decoded: Option<Decoded>,
+}
+
+impl Payload {
+    fn new(msg: zmq::Message) -> Payload {
+        Payload { msg, decoded: None }
+    }
+}
+
+/// A holder as its lane sees it.
+struct LaneHolder {
+    writer: HolderWriter,
+    seq: Sequencer<Payload>,
+    decoder: Decoder,
     stats: Arc<HolderStats>,
     replay_deadline: Option<Instant>,
     last_event: Instant,
@@ -684,8 +755,8 @@ struct LaneHolder {
 #[derive(Default)]
 struct LaneState {
     holders: HashMap<HolderId, LaneHolder>,
-    effects: Vec<Effect<zmq::Message>>,
-    pending: VecDeque<Effect<zmq::Message>>,
+    effects: Vec<Effect<Payload>>,
+    pending: VecDeque<Effect<Payload>>,
 }
 
 fn lane_loop(shared: &Shared, lane: usize, rx: &Receiver<LaneMsg>) {
@@ -771,11 +842,7 @@ impl LaneState {
         &mut self,
         shared: &Shared,
         id: HolderId,
-        f: impl FnOnce(
-            &mut LaneHolder,
-            &mut Vec<Effect<zmq::Message>>,
-            &mut VecDeque<Effect<zmq::Message>>,
-        ) -> bool,
+        f: impl FnOnce(&mut LaneHolder, &mut Vec<Effect<Payload>>, &mut VecDeque<Effect<Payload>>) -> bool,
     ) -> bool {
         let Some(h) = self.holders.get_mut(&id) else { return false };
         let (effects, pending) = (&mut self.effects, &mut self.pending);
@@ -889,8 +956,8 @@ impl LaneHolder {
     fn execute(
         &mut self,
         shared: &Shared,
-        effects: &mut Vec<Effect<zmq::Message>>,
-        pending: &mut VecDeque<Effect<zmq::Message>>,
+        effects: &mut Vec<Effect<Payload>>,
+        pending: &mut VecDeque<Effect<Payload>>,
     ) -> bool {
         pending.extend(effects.drain(..));
         let alive = self.run_effects(shared, effects, pending);
@@ -902,12 +969,12 @@ impl LaneHolder {
     fn run_effects(
         &mut self,
         shared: &Shared,
-        more: &mut Vec<Effect<zmq::Message>>,
-        pending: &mut VecDeque<Effect<zmq::Message>>,
+        more: &mut Vec<Effect<Payload>>,
+        pending: &mut VecDeque<Effect<Payload>>,
     ) -> bool {
         while let Some(effect) = pending.pop_front() {
             match effect {
-                Effect::Apply { seq, payload } => match self.apply(seq, &payload) {
+                Effect::Apply { seq, payload } => match self.apply(seq, payload) {
                     Ok(true) => {}
                     Ok(false) => {
                         // Undecodable: its events are lost; the machine says what to do, first.
@@ -964,32 +1031,10 @@ impl LaneHolder {
         true
     }
 
-    /// Decodes and applies one batch: Ok(false) if it does not decode.
-    fn apply(&mut self, seq: u64, payload: &[u8]) -> Result<bool, LedgerError> {
-        let decoded = match self.wire {
-            Wire::Vllm => {
-                let unlabeled = match self.unlabeled {
-                    Unlabeled::Plain => cortex_events_vllm::Unlabeled::Plain,
-                    Unlabeled::Unknown => cortex_events_vllm::Unlabeled::Unknown,
-                };
-                cortex_events_vllm::decode(
-                    payload,
-                    &cortex_events_vllm::DecodeContext::new(&self.model, unlabeled),
-                )
-                .map_err(|e| (vllm_error_kind(&e), e.to_string()))
-            }
-            Wire::Sglang => {
-                let unlabeled = match self.unlabeled {
-                    Unlabeled::Plain => cortex_events_sglang::Unlabeled::Plain,
-                    Unlabeled::Unknown => cortex_events_sglang::Unlabeled::Unknown,
-                };
-                cortex_events_sglang::decode(
-                    payload,
-                    &cortex_events_sglang::DecodeContext::new(&self.model, unlabeled),
-                )
-                .map_err(|e| (sglang_error_kind(&e), e.to_string()))
-            }
-        };
+    /// Applies one batch (decoding it if the socket thread did not): Ok(false) if it does not
+    /// decode.
+    fn apply(&mut self, seq: u64, payload: Payload) -> Result<bool, LedgerError> {
+        let decoded = payload.decoded.unwrap_or_else(|| self.decoder.decode(&payload.msg));
         let holder = self.writer.holder();
         let batch = match decoded {
             Ok(b) => b,

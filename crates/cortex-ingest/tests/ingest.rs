@@ -327,6 +327,19 @@ fn malformed_payload_is_counted_and_the_stream_continues() {
     assert_eq!(st.decode_errors_total(), 1);
     assert_eq!(st.transitions(Reason::Undecodable), 1);
     assert_eq!(st.clears, 1, "the lost batch may have held removes");
+    // The same in a burst, which the socket thread decodes before queueing it to the lane.
+    for i in 3..40 {
+        if i == 20 {
+            engine.publish(i, b"\x93\xcb not msgpack");
+        } else {
+            engine.publish(i, &vllm_block_batch(i));
+        }
+    }
+    wait_seq(&s, h, 39);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.decode_errors_total(), 2);
+    assert_eq!(st.transitions(Reason::Undecodable), 2);
+    assert_eq!(st.batches, 2 + 36);
 }
 
 #[test]

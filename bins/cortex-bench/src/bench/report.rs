@@ -311,6 +311,16 @@ pub fn ingest(r: &Results) -> String {
         spread(e),
         opt(share, |v| format!("{:.0} % ({:.0} – {:.0} %)", v.median, v.min, v.max))
     );
+    if let (Some(e), Some(share)) = (e, share) {
+        let _ = writeln!(
+            s,
+            "\nGoals (issue 20), medians of the rounds: end to end ≥ 2 M block-stores/s — **{}** ({:.2} M/s); ≥ 85 % of decode + apply — **{}** ({:.0} %).",
+            met(e.median >= 2.0),
+            e.median,
+            met(share.median >= 85.0),
+            share.median
+        );
+    }
     if !p.paced.is_empty() {
         let col = |f: fn(&(f64, f64, f64, f64)) -> f64| Spread::over(&p.paced, f);
         let us = |v: Option<Spread>| opt(v, |v| format!("{:.1} ({:.1} – {:.1}) µs", v.median, v.min, v.max));
