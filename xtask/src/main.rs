@@ -53,6 +53,11 @@ enum Cmd {
         /// Byte budget in MiB.
         #[arg(long, default_value_t = 64)]
         budget_mib: u64,
+        /// Instead, the head-only retention soak (`crates/cortex-radix/examples/retention.rs`):
+        /// one request stream applied with insertion-order and with last-use eviction, bytes per
+        /// (holder, block) compared (it has no budget to set).
+        #[arg(long, conflicts_with = "budget_mib")]
+        head_retention: bool,
     },
     /// The ledger against dynamo-kv-router 1.6.1 (separate workspace peers/radix-bench).
     BenchPeers {
@@ -113,7 +118,10 @@ fn main() -> Result<ExitCode> {
             ci::fresh(&root, &dir.unwrap_or_else(|| root.join("target").join("fresh-ci")))
         }
         Cmd::Loom { cap_secs } => radix::loom(&root, std::time::Duration::from_secs(cap_secs)),
-        Cmd::Soak { ops, budget_mib } => {
+        Cmd::Soak { ops, head_retention: true, .. } => {
+            radix::retention_soak(&root, ops, std::time::Duration::from_secs(3600))
+        }
+        Cmd::Soak { ops, budget_mib, head_retention: false } => {
             radix::soak(&root, ops, budget_mib, std::time::Duration::from_secs(3600))
         }
         Cmd::BenchPeers { rounds, configs } => {

@@ -100,6 +100,19 @@ pub fn soak(root: &Path, ops: u64, budget_mib: u64, cap: Duration) -> Result<Exi
     Ok(if run_capped(cmd, cap, "ledger soak")? { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
+/// `cargo xtask soak --head-retention`: the head-only retention soak in release
+/// (`crates/cortex-radix/examples/retention.rs`), `ops` events per phase.
+///
+/// # Errors
+/// If cargo cannot be started or the run exceeds `cap`.
+pub fn retention_soak(root: &Path, ops: u64, cap: Duration) -> Result<ExitCode> {
+    let mut cmd = Command::new(cargo());
+    cmd.current_dir(root)
+        .args(["run", "--release", "-p", "cortex-radix", "--example", "retention", "--"])
+        .args(["--ops".to_owned(), ops.to_string()]);
+    Ok(if run_capped(cmd, cap, "head-only retention soak")? { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
 /// `cargo xtask bench-peers`: builds the separate `peers/radix-bench` workspace in release (its
 /// own lockfile and target directory) and runs the interleaved comparison with Dynamo.
 ///
