@@ -23,8 +23,8 @@ pub enum StaleRouting {
 /// The runtime's knobs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct IngestConfig {
-    /// Writer lanes (threads that decode and apply); holders are sharded across them and a
-    /// holder's batches stay in order.
+    /// Writer lanes (threads that apply batches, which the socket thread decoded); holders are
+    /// sharded across them and a holder's batches stay in order.
     pub lanes: usize,
     /// How long a replay may take before the holder is rebuilt cold.
     pub replay_timeout: Duration,

@@ -27,12 +27,14 @@
 //!   two. Order within a holder holds: the socket thread applies inline only when every group it
 //!   sent that lane before has been handled (`queued` counts sent and not yet handled), and busy
 //!   lanes keep their parallelism.
-//! - A panic while applying a batch (a decoder's or the ledger's bug) stays with its holder: each
-//!   input runs under `catch_unwind`, and the holder's ledger state is quarantined — taken out of
-//!   queries, leaked rather than cleared, since clearing relies on invariants a panic part-way
-//!   through an apply may have broken — and the holder registered again and rebuilt from its
-//!   engine (`LaneState::guarded`, `LaneHolder::rebuild`). Without it, a panic on the socket
-//!   thread, which applies small groups inline, would stop every holder's events.
+//! - A panic stays with the holder whose state it concerns: a decoder's makes the batch
+//!   undecodable; one while the ledger held the holder's state poisons that holder there
+//!   (`LedgerError::Poisoned`). Each input runs under `catch_unwind`, and the holder's ledger state
+//!   is quarantined — leaked rather than cleared, since clearing relies on invariants a panic
+//!   part-way through a write may have broken — and the holder registered again and started cold
+//!   (`LaneState::guarded`, `LaneHolder::rebuild`), up to [`MAX_REBUILDS`] times. Without it, a
+//!   panic on the socket thread, which applies small groups inline, would stop every holder's
+//!   events.
 //! - Every replay uses a fresh DEALER socket (a REQ socket receives only one reply), so a late
 //!   reply of an abandoned replay can never be mistaken for the current one.
 
@@ -187,13 +189,10 @@ impl Shared {
                 return;
             }
         }
-        // Queued: decode here, so that the lane only applies while this thread reads on. A
-        // decoder's panic leaves the payload undecoded: the lane decodes it again, under its
-        // holder's containment (`LaneState::guarded`).
+        // Queued: decode here, so that the lane only applies while this thread reads on.
         for input in &mut inputs {
             if let Input::Live { payload, .. } | Input::Replayed { payload, .. } = input {
-                let msg = &payload.msg;
-                payload.decoded = std::panic::catch_unwind(AssertUnwindSafe(|| decoder.decode(msg))).ok();
+                payload.decoded = Some(decoder.decode(&payload.msg));
             }
         }
         // An error means the lane is gone (shutdown).
@@ -318,6 +317,7 @@ impl Ingest {
             cfg,
             replay,
             rebuilds: 0,
+            given_up: false,
         };
         holder.writer.set_readiness(Readiness::Syncing);
         // Sockets first: the lane's first act may be a replay request, which the socket thread
@@ -690,11 +690,24 @@ struct Decoder {
     unlabeled: Unlabeled,
 }
 
+/// The index of `other` in [`DECODE_ERROR_KINDS`].
+const DECODE_OTHER: usize = 3;
+const _: () = assert!(DECODE_ERROR_KINDS.len() == DECODE_OTHER + 1);
+
 /// A decoded batch, or the decode error's kind (an index of [`DECODE_ERROR_KINDS`]) and message.
 type Decoded = Result<EventBatch, (usize, String)>;
 
 impl Decoder {
+    /// Decodes `payload`. A decoder's panic (a bug the fuzzing has not found) makes the batch
+    /// undecodable, kind `other`: the decoders only read the payload, so nothing is left
+    /// half-changed, and the holder goes through the undecodable path (cleared, READY cold).
     fn decode(&self, payload: &[u8]) -> Decoded {
+        std::panic::catch_unwind(AssertUnwindSafe(|| self.decode_unguarded(payload))).unwrap_or_else(
+            |panic| Err((DECODE_OTHER, format!("the decoder panicked: {}", panic_message(&*panic)))),
+        )
+    }
+
+    fn decode_unguarded(&self, payload: &[u8]) -> Decoded {
         match self.wire {
             Wire::Vllm => {
                 let unlabeled = match self.unlabeled {
@@ -749,6 +762,8 @@ struct LaneHolder {
     replay: Replay,
     /// Rebuilds after a panic so far (at most [`MAX_REBUILDS`]).
     rebuilds: u32,
+    /// Given up after too many panics: registered, empty and STALE, its inputs dropped.
+    given_up: bool,
 }
 
 /// A lane's holders and its reusable buffers.
@@ -820,6 +835,9 @@ impl LaneState {
                 // the rebuilt holder.
                 for input in inputs {
                     let ran = self.guarded(shared, id, |h, effects, pending| {
+                        if h.given_up {
+                            return Fate::Alive;
+                        }
                         h.seq.step(input, effects);
                         h.execute(shared, effects, pending)
                     });
@@ -833,47 +851,53 @@ impl LaneState {
         Some(1)
     }
 
-    /// Runs `f` on holder `id`, if the lane has it, and drops the holder if `f` returns false
-    /// (the ledger revoked it). A panic in `f` — a decoder's or the ledger's apply, on the lane's
-    /// thread or inline on the socket thread — is contained to this holder: its ledger state is
-    /// quarantined and the holder rebuilt from its engine (`LaneHolder::rebuild`), while the
-    /// lane's other holders go on. Returns whether `f` ran.
+    /// Runs `f` on holder `id`, if the lane has it, and drops the holder if the ledger revoked it
+    /// (its worker was removed). A panic in `f` — in the ledger's apply, on the lane's thread or
+    /// inline on the socket thread — or a holder whose ledger state a panic on another thread
+    /// left half-changed ([`Fate::Poisoned`]) is contained to this holder: its ledger state is
+    /// quarantined and the holder registered again (`LaneHolder::rebuild`), while the lane's
+    /// other holders go on. Returns whether `f` ran.
     fn guarded(
         &mut self,
         shared: &Shared,
         id: HolderId,
-        f: impl FnOnce(&mut LaneHolder, &mut Vec<Effect<Payload>>, &mut VecDeque<Effect<Payload>>) -> bool,
+        f: impl FnOnce(&mut LaneHolder, &mut Vec<Effect<Payload>>, &mut VecDeque<Effect<Payload>>) -> Fate,
     ) -> bool {
         let Some(h) = self.holders.get_mut(&id) else { return false };
         let (effects, pending) = (&mut self.effects, &mut self.pending);
-        // AssertUnwindSafe: on a panic, nothing `f` touched is used again — the buffers are
-        // emptied, the holder's sequencer and writer are replaced, and its ledger state is
-        // quarantined, never read.
-        match std::panic::catch_unwind(AssertUnwindSafe(|| f(h, effects, pending))) {
-            Ok(true) => {}
-            Ok(false) => {
+        // AssertUnwindSafe: after a panic the buffers are emptied, the holder's sequencer and
+        // writer are replaced and its ledger state is quarantined, never read again; what the new
+        // holder keeps of the old one (its counters, decoder and settings) is atomics and plain
+        // data that a panic cannot leave half-changed.
+        let why = match std::panic::catch_unwind(AssertUnwindSafe(|| f(h, effects, pending))) {
+            Ok(Fate::Alive) => return true,
+            Ok(Fate::Removed) => {
                 self.holders.remove(&id);
+                return true;
             }
-            Err(panic) => {
-                self.effects.clear();
-                self.pending.clear();
-                let Some(h) = self.holders.remove(&id) else { return true };
-                if let Some(mut h) = h.rebuild(shared, panic_message(&*panic)) {
-                    h.seq.step(Input::Start, &mut self.effects);
-                    if h.execute(shared, &mut self.effects, &mut self.pending) {
-                        self.holders.insert(id, h);
-                    }
-                }
-                shared.progress.notify();
+            Ok(Fate::Poisoned) => "a panic on another thread left its ledger state half-changed".to_owned(),
+            Err(panic) => panic_message(&*panic).to_owned(),
+        };
+        self.effects.clear();
+        self.pending.clear();
+        if let Some(h) = self.holders.remove(&id)
+            && let Some(mut h) = h.rebuild(shared, &why)
+        {
+            if !h.given_up {
+                h.seq.start_cold(&mut self.effects);
+            }
+            if h.execute(shared, &mut self.effects, &mut self.pending) == Fate::Alive {
+                self.holders.insert(id, h);
             }
         }
+        shared.progress.notify();
         true
     }
 
     fn check_timers(&mut self, shared: &Shared) {
         let now = Instant::now();
         let mut due = Vec::new();
-        for (id, h) in &mut self.holders {
+        for (id, h) in self.holders.iter_mut().filter(|(_, h)| !h.given_up) {
             let input = if h.replay_deadline.is_some_and(|d| now >= d) && h.seq.replaying() {
                 h.replay_deadline = None;
                 Some(Input::ReplayTimeout)
@@ -907,6 +931,21 @@ impl LaneState {
 /// Rebuilds of one holder after panics before the runtime gives up on it.
 const MAX_REBUILDS: u32 = 3;
 
+/// Holders the ledger may have quarantined (each leaks what it held) before the runtime stops
+/// rebuilding any: a bound on the memory and slots leaked.
+const MAX_QUARANTINED: u64 = 64;
+
+/// What became of a holder after an input was handled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fate {
+    Alive,
+    /// The ledger revoked it: its worker was removed.
+    Removed,
+    /// A panic on another thread (another holder's writer leaving it a graft) left its ledger
+    /// state half-changed.
+    Poisoned,
+}
+
 /// The message of a caught panic.
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> &str {
     panic
@@ -920,50 +959,56 @@ impl LaneHolder {
     /// After a panic while applying this holder's events: counts it, takes the holder's ledger
     /// state out of the ledger without touching it (`Ledger::quarantine`: a panic part-way
     /// through an apply may have broken the invariants that clearing relies on), and registers
-    /// the holder again, empty and SYNCING, to be rebuilt from its engine like a cold start (the
-    /// caller starts its new sequencer). After [`MAX_REBUILDS`] rebuilds the holder is left out:
-    /// STALE, out of exact routing, until its worker is removed and added again.
-    fn rebuild(self, shared: &Shared, panic: &str) -> Option<LaneHolder> {
+    /// the holder again, empty, its count of lost history carried on. The caller starts the new
+    /// sequencer cold (no replay: the replies of a replay in progress at the panic may still be
+    /// queued). After [`MAX_REBUILDS`] rebuilds, or once the ledger has quarantined
+    /// [`MAX_QUARANTINED`] holders, the new registration is given up instead: STALE, empty, its
+    /// events dropped, until its worker is removed and added again. `None` if the holder was
+    /// removed meanwhile.
+    fn rebuild(self, shared: &Shared, why: &str) -> Option<LaneHolder> {
         let id = self.writer.holder();
         self.stats.set_state(HolderState::Stale);
         self.stats.count_transition(Reason::InternalError);
-        shared.ledger.quarantine(id);
-        if self.rebuilds >= MAX_REBUILDS {
-            tracing::error!(holder = %id, panic, rebuilds = self.rebuilds, "ingest: applying the holder's events panicked again; it stays STALE until its worker is removed and added again");
-            return None;
-        }
-        let writer = match shared.ledger.add_holder(id, self.cfg) {
+        let lost = shared.ledger.quarantine(id)?;
+        let give_up = self.rebuilds >= MAX_REBUILDS || shared.ledger.quarantined() >= MAX_QUARANTINED;
+        let mut writer = match shared.ledger.add_holder(id, self.cfg) {
             Ok(w) => w,
             Err(e) => {
-                tracing::error!(holder = %id, panic, error = %e, "ingest: applying the holder's events panicked, and it cannot be registered again; it stays STALE");
+                tracing::error!(holder = %id, why, error = %e, "ingest: applying the holder's events panicked, and it cannot be registered again; its events are dropped");
                 return None;
             }
         };
-        writer.mark_history_lost();
-        tracing::error!(holder = %id, panic, "ingest: applying the holder's events panicked; its ledger state is quarantined and the holder is rebuilt from its engine");
+        writer.carry_history_lost(lost + 1);
+        if give_up {
+            writer.set_readiness(Readiness::Stale);
+            tracing::error!(holder = %id, why, rebuilds = self.rebuilds, quarantined = shared.ledger.quarantined(), "ingest: applying the holder's events panicked again; it stays STALE, its events dropped, until its worker is removed and added again");
+        } else {
+            tracing::error!(holder = %id, why, "ingest: applying the holder's events panicked; its ledger state is quarantined and the holder rebuilt cold from its engine's next events");
+        }
         Some(LaneHolder {
             writer,
             seq: Sequencer::new(self.replay, shared.cfg.max_buffered),
             replay_deadline: None,
             last_event: Instant::now(),
             rebuilds: self.rebuilds + 1,
+            given_up: give_up,
             ..self
         })
     }
 
-    /// Executes `effects` in order (through `pending`, empty between calls); false if the ledger
-    /// revoked this holder.
+    /// Executes `effects` in order (through `pending`, empty between calls); stops early if
+    /// the ledger revoked this holder or a panic poisoned its state.
     fn execute(
         &mut self,
         shared: &Shared,
         effects: &mut Vec<Effect<Payload>>,
         pending: &mut VecDeque<Effect<Payload>>,
-    ) -> bool {
+    ) -> Fate {
         pending.extend(effects.drain(..));
-        let alive = self.run_effects(shared, effects, pending);
+        let fate = self.run_effects(shared, effects, pending);
         pending.clear();
         effects.clear();
-        alive
+        fate
     }
 
     fn run_effects(
@@ -971,7 +1016,7 @@ impl LaneHolder {
         shared: &Shared,
         more: &mut Vec<Effect<Payload>>,
         pending: &mut VecDeque<Effect<Payload>>,
-    ) -> bool {
+    ) -> Fate {
         while let Some(effect) = pending.pop_front() {
             match effect {
                 Effect::Apply { seq, payload } => match self.apply(seq, payload) {
@@ -983,7 +1028,8 @@ impl LaneHolder {
                             pending.push_front(e);
                         }
                     }
-                    Err(LedgerError::Revoked(_)) => return false,
+                    Err(LedgerError::Revoked(_)) => return Fate::Removed,
+                    Err(LedgerError::Poisoned(_)) => return Fate::Poisoned,
                     Err(e) => {
                         tracing::error!(holder = %self.writer.holder(), error = %e, "ingest: apply failed")
                     }
@@ -998,7 +1044,7 @@ impl LaneHolder {
                     HolderStats::add(&self.stats.replays_requested, 1);
                     self.replay_deadline = Some(Instant::now() + shared.cfg.replay_timeout);
                     if shared.command(SockCmd::Replay { holder: self.writer.holder(), from }).is_err() {
-                        return false;
+                        return Fate::Removed;
                     }
                 }
                 Effect::Duplicate { .. } => HolderStats::add(&self.stats.duplicates, 1),
@@ -1028,7 +1074,7 @@ impl LaneHolder {
                 }
             }
         }
-        true
+        Fate::Alive
     }
 
     /// Applies one batch (decoding it if the socket thread did not): Ok(false) if it does not
@@ -1208,7 +1254,9 @@ mod tests {
         wait(&ingest, c, "giving up", |s| {
             s.transitions(Reason::InternalError) == rebuilds + 1 && s.state == HolderState::Stale
         });
-        assert_eq!(ledger.readiness(c), None, "left out of the ledger");
+        // Given up: registered again, empty and STALE, its later batches dropped.
+        assert_eq!(ledger.readiness(c), Some(Readiness::Stale));
+        assert_eq!(ledger.held_blocks(c), Some(0));
         assert_eq!(ledger.stats().quarantined_holders, rebuilds + 1);
         for i in 0..3 {
             ed.publish(i, &vllm_block_batch(i));
@@ -1221,6 +1269,10 @@ mod tests {
         wait(&ingest, d, "seq 3", |s| s.last_seq == 3);
         assert_eq!(ingest.status(c).unwrap().state, HolderState::Stale);
         assert_eq!(ingest.status(c).unwrap().transitions(Reason::InternalError), rebuilds + 1);
+        assert_eq!(ledger.held_blocks(c), Some(0));
+        // Removing its worker removes it.
+        ingest.remove_worker(c.worker).unwrap();
+        assert_eq!(ledger.readiness(c), None);
         ingest.shutdown();
     }
 }

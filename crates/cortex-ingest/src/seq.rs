@@ -263,6 +263,14 @@ impl<P> Sequencer<P> {
         self.buffered.len()
     }
 
+    /// Starts cold whatever the engine offers: READY from an empty ledger, the next live batch
+    /// the baseline, no replay asked for. For a holder rebuilt after a panic, whose earlier
+    /// replay's replies may still be on their way and must not be taken for a new replay's.
+    pub fn start_cold(&mut self, out: &mut Vec<Effect<P>>) {
+        self.cold = true;
+        self.set_state(HolderState::Ready, Reason::ColdStart, out);
+    }
+
     /// Feeds one input; the effects to execute are appended to `out` in order.
     pub fn step(&mut self, input: Input<P>, out: &mut Vec<Effect<P>>) {
         match input {

@@ -45,6 +45,7 @@ impl Scrape {
         metrics::gauge!(t::LEDGER_BYTES).set(stats.live_bytes as f64);
         metrics::gauge!(t::LEDGER_BLOCKS).set(stats.blocks as f64);
         metrics::gauge!(t::LEDGER_ORPHANS).set(stats.orphans as f64);
+        metrics::gauge!(t::LEDGER_QUARANTINED).set(stats.quarantined_holders as f64);
         metrics::counter!(t::LEDGER_EVICTIONS, "reason" => "capacity").absolute(stats.evictions_capacity);
         metrics::counter!(t::LEDGER_EVICTIONS, "reason" => "budget").absolute(stats.evictions_budget);
         metrics::gauge!(t::INFLIGHT).set(in_flight as f64);

@@ -58,6 +58,8 @@ pub const LEDGER_BYTES: &str = "cortex_ledger_live_bytes";
 pub const LEDGER_BLOCKS: &str = "cortex_ledger_blocks";
 /// Gauge: ledger orphan blocks.
 pub const LEDGER_ORPHANS: &str = "cortex_ledger_orphans";
+/// Holder states quarantined after a panic (each leaked, still counted in the ledger's bytes).
+pub const LEDGER_QUARANTINED: &str = "cortex_ledger_quarantined_holders";
 /// Counter: ledger evictions (capacity or budget).
 pub const LEDGER_EVICTIONS: &str = "cortex_ledger_evictions_total";
 /// Gauge: requests in flight booked by this gateway, by `worker` and `rank`.
@@ -287,6 +289,13 @@ pub const METRICS: &[Metric] = &[
         unit: "blocks",
         labels: &[],
         help: "Ledger orphan blocks waiting for their parent",
+    },
+    Metric {
+        name: LEDGER_QUARANTINED,
+        kind: Kind::Gauge,
+        unit: "holders",
+        labels: &[],
+        help: "Holder states quarantined after a panic, leaked and still counted in the ledger's bytes",
     },
     Metric {
         name: LEDGER_EVICTIONS,

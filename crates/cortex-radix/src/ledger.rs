@@ -161,6 +161,11 @@ pub enum LedgerError {
     /// The holder's worker was removed: its writer may no longer write.
     #[error("holder {0} was removed; its writer is revoked")]
     Revoked(HolderId),
+    /// A thread panicked part-way through a write of this holder (its own writer's, or another
+    /// holder's writer leaving it a graft): its state is no longer used. Quarantine it
+    /// ([`Ledger::quarantine`]) and register it again to rebuild it.
+    #[error("holder {0}'s state was left half-changed by a panic; quarantine it and register it again")]
+    Poisoned(HolderId),
 }
 
 /// What an apply did (summed over a batch).
@@ -265,7 +270,8 @@ pub struct LedgerStats {
     pub grafts: u64,
     /// Applies refused because the holder's worker was removed.
     pub refused_applies: u64,
-    /// Holders taken out with [`Ledger::quarantine`]: what each held is leaked, still counted in
+    /// Holders taken out without being cleared ([`Ledger::quarantine`], or removed while a panic
+    /// had left their state half-changed): what each held is leaked, still counted in
     /// `live_bytes` and `blocks`.
     pub quarantined_holders: u64,
     /// (holder, namespace, parent) waits of content-deterministic orphans on other holders.
@@ -310,6 +316,10 @@ struct HolderShared {
     private: Mutex<Private>,
     /// Set by `remove_worker`: the writer may no longer write.
     revoked: AtomicBool,
+    /// Set (with `revoked`, the slot retracted) when a thread panicked while it held `private`:
+    /// the state may be half-changed, so nothing reads or changes it again (see
+    /// [`Ledger::quarantine`]).
+    poisoned: AtomicBool,
     readiness: AtomicU8,
     /// Grafts other holders' writers left for it.
     mailbox: Mutex<Vec<Graft>>,
@@ -363,6 +373,24 @@ fn decode_id(v: u64) -> HolderId {
     HolderId::new(WorkerId((v >> 16) as u32), cortex_hash::kv::DpRank(v as u16))
 }
 
+impl HolderShared {
+    fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::SeqCst)
+    }
+}
+
+impl LedgerShared {
+    /// The rest of taking a holder out without clearing it (quarantined or poisoned): its
+    /// grafts' waits dropped, its capacity no longer counted, its slot leaked.
+    fn forget(&self, h: &HolderShared) {
+        self.det.forget_waits_of(h.slot);
+        // Relaxed: statistics counters; nothing is published through them.
+        self.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
+        // Relaxed: as above.
+        self.counters.quarantined.fetch_add(1, StdOrdering::Relaxed);
+    }
+}
+
 impl Ledger {
     /// An empty ledger.
     #[must_use]
@@ -414,6 +442,7 @@ impl Ledger {
                 ..Private::default()
             }),
             revoked: AtomicBool::new(false),
+            poisoned: AtomicBool::new(false),
             readiness: AtomicU8::new(Readiness::Syncing.to_u8()),
             mailbox: Mutex::new(Vec::new()),
             mail: AtomicBool::new(false),
@@ -658,7 +687,8 @@ impl Ledger {
     #[must_use]
     pub fn lost_lately(&self, holder: HolderId, seq: SeqHash) -> bool {
         let Some(h) = self.shared.registry.lock().by_id.get(&holder).cloned() else { return false };
-        h.private.lock().gone.contains(seq.to_bits())
+        let p = h.private.lock();
+        !h.is_poisoned() && p.gone.contains(seq.to_bits())
     }
 
     /// Removes every rank of `worker`: queries stop counting them at once, their blocks are
@@ -682,6 +712,12 @@ impl Ledger {
             h.revoked.store(true, Ordering::SeqCst);
             shared.slots.retract(h.slot);
             let p = h.private.lock();
+            if h.is_poisoned() {
+                // Half-changed by a panic: quarantined, never cleared (see `quarantine`).
+                drop(p);
+                shared.forget(&h);
+                continue;
+            }
             let guard = epoch::pin();
             writer::empty_removed(shared, &h, &guard, p);
             // Relaxed: a statistics counter; nothing is published through it.
@@ -695,31 +731,36 @@ impl Ledger {
         }
     }
 
-    /// Takes `holder` out of the ledger without reading or changing what it holds: for a writer
-    /// that panicked part-way through an apply, whose private state may no longer keep the
-    /// invariants that dropping its blocks relies on (run references, cuts, orphan lists), so
-    /// that clearing it could free a run still in use. Queries stop counting it at once, its
-    /// writer is revoked, other holders' grafts no longer reach it, and its id may be registered
-    /// again with [`Ledger::add_holder`] (a rebuild from its engine). What it held is leaked on
-    /// purpose: its run references are never released and its slot is never reused (the runs
-    /// keep its cuts), and its blocks and bytes stay counted in [`LedgerStats`]. Returns false
-    /// if the holder is not registered.
-    pub fn quarantine(&self, holder: HolderId) -> bool {
+    /// Takes `holder` out of the ledger without reading or changing what it holds: for a holder
+    /// whose state a panic left half-changed ([`LedgerError::Poisoned`]), where clearing could
+    /// free a run still in use. Queries stop counting it at once, its writer is revoked, other
+    /// holders' grafts no longer reach it, and its id may be registered again with
+    /// [`Ledger::add_holder`] (a rebuild from its engine). What it held is leaked on purpose: its
+    /// run references are never released and its slot is never reused (the runs keep its cuts),
+    /// and its blocks and bytes stay counted in [`LedgerStats`]. A holder poisoned by a panic is
+    /// already out of queries and refuses writes; this only frees its id. Returns how many times
+    /// it had lost history ([`Ledger::history_lost`]), for the new registration to carry on
+    /// from, or `None` if the holder is not registered.
+    pub fn quarantine(&self, holder: HolderId) -> Option<u64> {
         let shared = &self.shared;
         let h = {
             let mut reg = shared.registry.lock();
-            let Some(h) = reg.by_id.remove(&holder) else { return false };
+            let h = reg.by_id.remove(&holder)?;
             reg.by_slot[h.slot as usize] = None;
             h
         };
         h.revoked.store(true, Ordering::SeqCst);
         shared.slots.retract(h.slot);
-        shared.det.forget_waits_of(h.slot);
-        // Relaxed: statistics counters; nothing is published through them.
-        shared.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
-        // Relaxed: as above.
-        shared.counters.quarantined.fetch_add(1, StdOrdering::Relaxed);
-        true
+        shared.forget(&h);
+        // Relaxed: a monotone counter read as a status.
+        Some(h.history_lost.load(StdOrdering::Relaxed))
+    }
+
+    /// Holders quarantined so far ([`LedgerStats::quarantined_holders`], without the rest).
+    #[must_use]
+    pub fn quarantined(&self) -> u64 {
+        // Relaxed: a statistics counter.
+        self.shared.counters.quarantined.load(StdOrdering::Relaxed)
     }
 
     /// One block of a holder, by the engine's hash: its state and references, `None` if the
@@ -730,6 +771,9 @@ impl Ledger {
     pub fn block(&self, holder: HolderId, engine: cortex_hash::kv::EngineHash) -> Option<DumpBlock> {
         let h = self.shared.registry.lock().by_id.get(&holder).cloned()?;
         let p = h.private.lock();
+        if h.is_poisoned() {
+            return None;
+        }
         let e = p.entry(engine.to_u64())?;
         Some(DumpBlock {
             engine,
@@ -753,6 +797,9 @@ impl Ledger {
     pub fn dump(&self, holder: HolderId) -> Option<HolderDump> {
         let h = self.shared.registry.lock().by_id.get(&holder).cloned()?;
         let p = h.private.lock();
+        if h.is_poisoned() {
+            return None;
+        }
         let mut blocks: Vec<DumpBlock> = p
             .iter_entries()
             .map(|(engine, e)| DumpBlock {
@@ -906,7 +953,7 @@ impl Drop for LedgerShared {
             return;
         }
         let mut runs = std::collections::HashSet::new();
-        for h in self.registry.lock().by_id.values() {
+        for h in self.registry.lock().by_id.values().filter(|h| !h.is_poisoned()) {
             runs.extend(h.private.lock().runs.iter().map(|(r, _)| r));
             runs.extend(h.mailbox.lock().iter().map(|g| unpack(g.loc).0.bits()));
         }

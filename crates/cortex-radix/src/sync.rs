@@ -16,8 +16,9 @@ pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, 
 pub(crate) use crossbeam_epoch as epoch;
 
 /// A mutual-exclusion lock for the writer side (readers never take one). `parking_lot` in normal
-/// builds; loom's mutex under loom. Locks are never poisoned here: a panicking writer leaves the
-/// ledger's invariants to the next writer, which only ever under-counts.
+/// builds; loom's mutex under loom. The lock itself is never poisoned; a thread that panics while
+/// it holds a holder's state marks that holder poisoned instead (`writer::PoisonOnPanic`), and
+/// nothing reads or changes the state again.
 #[derive(Debug, Default)]
 pub(crate) struct Mutex<T> {
     #[cfg(not(loom))]

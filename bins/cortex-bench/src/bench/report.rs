@@ -314,7 +314,7 @@ pub fn ingest(r: &Results) -> String {
     if let (Some(e), Some(share)) = (e, share) {
         let _ = writeln!(
             s,
-            "\nGoals (issue 20), medians of the rounds: end to end ≥ 2 M block-stores/s — {} ({:.2} M/s); ≥ 85 % of decode + apply — {} ({:.0} %).",
+            "\nGoals (issue 20), medians of the rounds: end to end ≥ 2 M block-stores/s — {} ({:.2} M/s); ≥ 85 % of decode + apply — {} ({:.1} %).",
             met(e.median >= 2.0),
             e.median,
             met(share.median >= 85.0),

@@ -54,6 +54,10 @@ impl HolderWriter {
 
     fn run(&mut self, f: impl FnOnce(&mut Apply<'_>, &mut Private)) -> Result<ApplyOutcome, LedgerError> {
         let p = self.me.private.lock();
+        let _poison = PoisonOnPanic { shared: &self.shared, me: &self.me };
+        if self.me.is_poisoned() {
+            return Err(LedgerError::Poisoned(self.me.id));
+        }
         if self.me.revoked.load(Ordering::SeqCst) {
             // Relaxed: a statistics counter; nothing is published through it.
             self.shared.counters.refused.fetch_add(1, StdOrdering::Relaxed);
@@ -113,6 +117,14 @@ impl HolderWriter {
         });
     }
 
+    /// Starts this holder's count of lost history at `n` more: for a holder registered again
+    /// after [`Ledger::quarantine`], which returns the count of the registration it replaces, so
+    /// that whoever compares counts sees the count move on, never repeat.
+    pub fn carry_history_lost(&self, n: u64) {
+        // Relaxed: a monotone counter read as a status.
+        self.me.history_lost.fetch_add(n, StdOrdering::Relaxed);
+    }
+
     /// Records that the ledger lost part of the engine's history for this holder: it was
     /// cleared or started without the engine's earlier events (a gap without replay, a replay
     /// that failed or timed out, a restart, an undecodable batch, a cold start). An engine's own
@@ -152,6 +164,7 @@ pub(super) fn empty_removed(
     guard: &Guard,
     mut p: MutexGuard<'_, Private>,
 ) {
+    let _poison = PoisonOnPanic { shared, me };
     let mut out = ApplyOutcome::default();
     let mut apply = Apply { shared, me, guard, out: &mut out };
     let before = gauges(&p);
@@ -164,6 +177,27 @@ pub(super) fn empty_removed(
     }
 }
 
+/// Poisons holder `me` if the thread panics while this guard lives — declared right after its
+/// state's lock is taken, it is dropped first, so the marks are made before the lock is
+/// released: a panic part-way through a write may leave the state half-changed (a run released
+/// but still listed, an entry half-moved), and reading or clearing it again could free a run
+/// still in use. The holder is revoked and retracted from queries at once; the ingest runtime
+/// then quarantines and rebuilds it ([`LedgerError::Poisoned`]).
+struct PoisonOnPanic<'a> {
+    shared: &'a LedgerShared,
+    me: &'a HolderShared,
+}
+
+impl Drop for PoisonOnPanic<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.me.poisoned.store(true, Ordering::SeqCst);
+            self.me.revoked.store(true, Ordering::SeqCst);
+            self.shared.slots.retract(self.me.slot);
+        }
+    }
+}
+
 /// Releases a holder's state, then applies grafts other holders left in its mailbox meanwhile.
 /// Returns the orphans grafted from the mailbox.
 fn unlock<'a>(
@@ -172,6 +206,7 @@ fn unlock<'a>(
     guard: &Guard,
     mut p: MutexGuard<'a, Private>,
 ) -> u64 {
+    let _poison = PoisonOnPanic { shared, me };
     let mut grafted = 0;
     loop {
         if me.mail.load(Ordering::SeqCst) && !me.revoked.load(Ordering::SeqCst) {
@@ -462,7 +497,7 @@ impl Apply<'_> {
     /// free, or by whoever holds it when they unlock (see [`unlock`]).
     fn deliver(&self, slot: u32, graft: Graft) {
         let target = self.shared.registry.lock().by_slot.get(slot as usize).cloned().flatten();
-        let Some(target) = target else {
+        let Some(target) = target.filter(|t| !t.revoked.load(Ordering::SeqCst)) else {
             release(self.shared, unpack(graft.loc).0, self.guard);
             return;
         };
@@ -671,6 +706,8 @@ impl Apply<'_> {
                     e.ns = ns;
                     // The run's record first: the entry names it.
                     self.attach(p, loc, fresh);
+                    #[cfg(test)]
+                    fault::point();
                     p.insert_entry(engine, &e);
                     self.sync(p, (false, false), &e);
                     p.countable += 1;
@@ -959,5 +996,151 @@ fn bump(e: &mut Entry, gpu: bool) {
         e.gpu = e.gpu.saturating_add(1);
     } else {
         e.low = e.low.saturating_add(1);
+    }
+}
+
+/// A panic injected part-way through a store (after the run's record was attached, before the
+/// entry naming it exists), for the tests of what a panic leaves behind.
+#[cfg(test)]
+pub(super) mod fault {
+    use std::cell::Cell;
+
+    thread_local! {
+        /// Stores this thread may still make before the next one panics (none armed: `None`).
+        static LEFT: Cell<Option<u32>> = const { Cell::new(None) };
+    }
+
+    /// Arms a panic in this thread's `n + 1`-th store from now.
+    pub(crate) fn panic_after(n: u32) {
+        LEFT.with(|l| l.set(Some(n)));
+    }
+
+    pub(super) fn point() {
+        let fire = LEFT.with(|l| match l.get() {
+            Some(0) => {
+                l.set(None);
+                true
+            }
+            Some(n) => {
+                l.set(Some(n - 1));
+                false
+            }
+            None => false,
+        });
+        assert!(!fire, "injected panic part-way through a store");
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // test setup: a failed step should panic
+mod tests {
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+
+    use cortex_hash::kv::{
+        BlockStored, DpRank, EngineHash, HolderId, KvEvent, Lineage, Medium, StoredBlock, WorkerId,
+    };
+    use cortex_hash::{BlockHash, Engine, Namespace, chain};
+
+    use super::fault;
+    use crate::{
+        HolderConfig, HolderWriter, Ledger, LedgerConfig, LedgerError, OverlapScores, QueryOptions, Readiness,
+    };
+
+    fn holder(w: u32) -> HolderId {
+        HolderId::new(WorkerId(w), DpRank(0))
+    }
+
+    fn lineage() -> Lineage {
+        Lineage::new(Namespace::new(Engine::Sglang, 16, "m", None), None)
+    }
+
+    fn add(ledger: &Ledger, h: HolderId) -> HolderWriter {
+        let cfg = HolderConfig { capacity_blocks: 1000, content_deterministic: true };
+        let mut w = ledger.add_holder(h, cfg).unwrap();
+        w.set_readiness(Readiness::Ready);
+        w
+    }
+
+    /// Blocks `from..to` of the test chain (engine hash = 1 + position), parent the one before.
+    fn stored(from: u64, to: u64) -> KvEvent {
+        let blocks = (from..to)
+            .map(|i| StoredBlock {
+                engine: EngineHash::from_u64(1 + i),
+                content: BlockHash::from_bits(100 + i),
+            })
+            .collect();
+        let parent = from.checked_sub(1).map(|p| EngineHash::from_u64(1 + p));
+        KvEvent::Stored(BlockStored { parent, blocks, lineage: Some(lineage()), medium: Medium::Gpu })
+    }
+
+    fn counted(ledger: &Ledger, blocks: u64) -> Vec<(HolderId, u32)> {
+        let mut at = lineage().root;
+        let seq: Vec<_> = (0..blocks)
+            .map(|i| {
+                at = chain(at, BlockHash::from_bits(100 + i));
+                at
+            })
+            .collect();
+        let mut out = OverlapScores::default();
+        ledger.query(&seq, QueryOptions::default(), &mut out);
+        let mut v: Vec<_> = out.iter().map(|o| (o.holder, o.gpu_blocks)).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn a_panic_part_way_through_a_write_poisons_the_holder_and_nothing_touches_its_state_again() {
+        let ledger = Ledger::new(LedgerConfig::default());
+        let (a, b) = (holder(1), holder(2));
+        let mut wa = add(&ledger, a);
+        let mut wb = add(&ledger, b);
+        wa.apply(&stored(0, 8)).unwrap();
+        wb.apply(&stored(0, 4)).unwrap();
+        assert_eq!(counted(&ledger, 8), vec![(a, 8), (b, 4)]);
+
+        // A's next store panics after attaching a run record, before the entry naming it exists.
+        fault::panic_after(2);
+        let caught = catch_unwind(AssertUnwindSafe(|| wa.apply(&stored(8, 16))));
+        assert!(caught.is_err());
+        // Out of queries at once, and every later write refused as poisoned.
+        assert_eq!(counted(&ledger, 8), vec![(b, 4)]);
+        assert!(matches!(wa.apply(&stored(16, 17)), Err(LedgerError::Poisoned(h)) if h == a));
+        // Readers of its state get nothing rather than the half-changed state.
+        assert!(ledger.dump(a).is_none());
+        assert!(ledger.block(a, EngineHash::from_u64(1)).is_none());
+        assert!(!ledger.lost_lately(a, chain(lineage().root, BlockHash::from_bits(100))));
+        // B goes on writing the blocks A was storing.
+        wb.apply(&stored(4, 16)).unwrap();
+        assert_eq!(counted(&ledger, 16), vec![(b, 16)]);
+
+        // Quarantined and registered again, A is rebuilt; its count of lost history moves on.
+        let lost = ledger.history_lost(a).unwrap();
+        assert_eq!(ledger.quarantine(a), Some(lost));
+        assert_eq!(ledger.quarantine(a), None);
+        let mut wa2 = add(&ledger, a);
+        wa2.carry_history_lost(lost + 1);
+        assert_eq!(ledger.history_lost(a), Some(lost + 1));
+        wa2.apply(&stored(0, 16)).unwrap();
+        assert_eq!(counted(&ledger, 16), vec![(a, 16), (b, 16)]);
+        assert_eq!(ledger.stats().quarantined_holders, 1);
+        // Removing the workers clears the live registrations; the leaked state is never read.
+        ledger.remove_worker(WorkerId(1));
+        ledger.remove_worker(WorkerId(2));
+        assert_eq!(counted(&ledger, 16), vec![]);
+    }
+
+    #[test]
+    fn a_poisoned_holder_removed_with_its_worker_is_forgotten_not_cleared() {
+        let ledger = Ledger::new(LedgerConfig::default());
+        let a = holder(3);
+        let mut wa = add(&ledger, a);
+        wa.apply(&stored(0, 8)).unwrap();
+        fault::panic_after(0);
+        assert!(catch_unwind(AssertUnwindSafe(|| wa.apply(&stored(8, 16)))).is_err());
+        let blocks = ledger.stats().blocks;
+        ledger.remove_worker(WorkerId(3));
+        let s = ledger.stats();
+        assert_eq!((s.holders, s.quarantined_holders, s.blocks), (0, 1, blocks), "leaked, not cleared");
+        // The ledger's drop (end of the test) skips the poisoned state too.
     }
 }
