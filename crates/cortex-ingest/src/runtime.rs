@@ -176,19 +176,26 @@ impl Shared {
     /// the group is small and the lane has nothing queued and is not draining, else queued.
     fn deliver(&self, lane: usize, holder: HolderId, mut inputs: Vec<Input<Payload>>, decoder: &Decoder) {
         let l = &self.lanes[lane];
+        let small = inputs.len() <= INLINE_MAX;
+        #[cfg(test)]
+        let small = tests::forced_path(holder).unwrap_or(small);
         // Acquire: a count of zero means every message sent before was handled, and its
         // effects (the holder's state, under the lock) are visible.
-        if inputs.len() <= INLINE_MAX && l.queued.load(Ordering::Acquire) == 0 {
+        if small && l.queued.load(Ordering::Acquire) == 0 {
             // Busy (the lane is draining) or poisoned (its thread is gone): queue instead.
             if let Ok(mut state) = l.state.try_lock()
                 && l.queued.load(Ordering::Acquire) == 0
             {
+                #[cfg(test)]
+                tests::count_path(holder, true);
                 state.handle(self, LaneMsg::Inputs(holder, inputs));
                 drop(state);
                 self.progress.notify();
                 return;
             }
         }
+        #[cfg(test)]
+        tests::count_path(holder, false);
         // Queued: decode here, so that the lane only applies while this thread reads on.
         for input in &mut inputs {
             if let Input::Live { payload, .. } | Input::Replayed { payload, .. } = input {
@@ -708,6 +715,8 @@ impl Decoder {
     }
 
     fn decode_unguarded(&self, payload: &[u8]) -> Decoded {
+        #[cfg(test)]
+        assert!(self.model != tests::PANICKING_MODEL, "injected decoder panic");
         match self.wire {
             Wire::Vllm => {
                 let unlabeled = match self.unlabeled {
@@ -1154,6 +1163,34 @@ mod tests {
     /// times: a fault no real input is known to cause, injected to exercise the containment.
     static PANICS: Mutex<Vec<(HolderId, u32)>> = Mutex::new(Vec::new());
 
+    /// Holders whose groups take one path whatever their size: inline (`true`) or queued.
+    static FORCED: Mutex<Vec<(HolderId, bool)>> = Mutex::new(Vec::new());
+    /// Groups delivered per holder: (inline, queued).
+    static PATHS: Mutex<Vec<(HolderId, u64, u64)>> = Mutex::new(Vec::new());
+    /// A model whose decoder panics on every batch.
+    pub(super) const PANICKING_MODEL: &str = "panicking-decoder";
+
+    pub(super) fn forced_path(holder: HolderId) -> Option<bool> {
+        FORCED.lock().unwrap().iter().find(|(h, _)| *h == holder).map(|(_, inline)| *inline)
+    }
+
+    pub(super) fn count_path(holder: HolderId, inline: bool) {
+        let mut p = PATHS.lock().unwrap();
+        let i = p.iter().position(|(h, ..)| *h == holder).unwrap_or_else(|| {
+            p.push((holder, 0, 0));
+            p.len() - 1
+        });
+        if inline {
+            p[i].1 += 1;
+        } else {
+            p[i].2 += 1;
+        }
+    }
+
+    fn paths(holder: HolderId) -> (u64, u64) {
+        PATHS.lock().unwrap().iter().find(|(h, ..)| *h == holder).map_or((0, 0), |&(_, i, q)| (i, q))
+    }
+
     pub(super) fn injected_panic(holder: HolderId) {
         let mut p = PANICS.lock().unwrap();
         if let Some(e) = p.iter_mut().find(|(h, n)| *h == holder && *n > 0) {
@@ -1166,11 +1203,15 @@ mod tests {
     const WAIT: Duration = Duration::from_secs(10);
 
     fn follow(ingest: &Ingest, engine: &FakeEngine, holder: HolderId) {
+        follow_model(ingest, engine, holder, "test-model");
+    }
+
+    fn follow_model(ingest: &Ingest, engine: &FakeEngine, holder: HolderId, model: &str) {
         ingest
             .add_holder(HolderSource {
                 holder,
                 wire: Wire::Vllm,
-                model: "test-model".into(),
+                model: model.into(),
                 unlabeled: Unlabeled::Plain,
                 publish: engine.pub_endpoint.clone(),
                 replay: None,
@@ -1195,15 +1236,30 @@ mod tests {
     }
 
     #[test]
-    fn a_panic_while_applying_is_contained_to_its_holder_and_rebuilt() {
+    fn a_panic_while_applying_inline_is_contained_to_its_holder_and_rebuilt() {
+        contained_and_rebuilt(true, 901);
+    }
+
+    #[test]
+    fn a_panic_while_applying_on_the_lane_is_contained_to_its_holder_and_rebuilt() {
+        contained_and_rebuilt(false, 911);
+    }
+
+    /// The holders' groups all applied inline by the socket thread, or all queued to the lane.
+    fn contained_and_rebuilt(inline: bool, first: u32) {
         let ledger = Ledger::new(LedgerConfig::default());
-        // One lane: both holders share it, and the socket thread applies small groups inline.
+        // One lane: both holders share it.
         let ingest =
             Ingest::start(ledger.clone(), IngestConfig { lanes: 1, ..IngestConfig::default() }).unwrap();
-        let (a, b) = (holder(901), holder(902));
+        let (a, b) = (holder(first), holder(first + 1));
+        FORCED.lock().unwrap().extend([(a, inline), (b, inline)]);
         let (mut ea, mut eb) = (FakeEngine::new("a", None), FakeEngine::new("b", None));
         follow(&ingest, &ea, a);
         follow(&ingest, &eb, b);
+        // Started on the lane (a group that found the lane's `Add` queued would be queued too).
+        for h in [a, b] {
+            wait(&ingest, h, "the start", |s| s.state == HolderState::Ready);
+        }
         for i in 0..3 {
             ea.publish(i, &vllm_block_batch(i));
             eb.publish(i, &vllm_block_batch(i));
@@ -1233,6 +1289,41 @@ mod tests {
         wait(&ingest, b, "seq 3", |s| s.last_seq == 3 && s.state == HolderState::Ready);
         assert!((0..4).all(|i| holds(&ledger, b, i)));
         assert_eq!(ingest.status(b).unwrap().transitions(Reason::InternalError), 0);
+        // The groups took the path asked for (queued always; inline whenever the lane was idle).
+        for h in [a, b] {
+            let (inlined, queued) = paths(h);
+            assert!(if inline { inlined > 0 } else { inlined == 0 && queued > 0 }, "{inlined} {queued}");
+        }
+        ingest.shutdown();
+    }
+
+    #[test]
+    fn a_decoder_s_panic_is_an_undecodable_batch_on_both_paths() {
+        let ledger = Ledger::new(LedgerConfig::default());
+        let ingest =
+            Ingest::start(ledger.clone(), IngestConfig { lanes: 1, ..IngestConfig::default() }).unwrap();
+        let (d, e) = (holder(921), holder(922));
+        // d's groups are queued (the socket thread decodes them), e's applied inline.
+        FORCED.lock().unwrap().extend([(d, false), (e, true)]);
+        let (mut ed, mut ee) = (FakeEngine::new("d", None), FakeEngine::new("e", None));
+        follow_model(&ingest, &ed, d, PANICKING_MODEL);
+        follow_model(&ingest, &ee, e, PANICKING_MODEL);
+        // One holder after the other: a lane busy with d's groups would make e's queue too.
+        for (h, engine) in [(d, &mut ed), (e, &mut ee)] {
+            for i in 0..3 {
+                engine.publish(i, &vllm_block_batch(i));
+            }
+            wait(&ingest, h, "three undecodable batches", |s| {
+                s.decode_errors[3] == 3
+                    && s.transitions(Reason::Undecodable) == 3
+                    && s.state == HolderState::Ready
+            });
+            let st = ingest.status(h).unwrap();
+            assert_eq!((st.clears, st.transitions(Reason::InternalError)), (3, 0), "{st:?}");
+            assert_eq!(ledger.readiness(h), Some(Readiness::Ready));
+        }
+        assert_eq!(ledger.stats().quarantined_holders, 0, "nothing was left half-changed");
+        assert!(paths(d).1 > 0 && paths(e).0 > 0);
         ingest.shutdown();
     }
 
