@@ -92,8 +92,18 @@ const INLINE_MAX: usize = 8;
 
 enum SockCmd {
     Add(Subscription),
-    RemoveWorker { worker: WorkerId, done: Sender<()> },
-    Replay { holder: HolderId, from: u64 },
+    RemoveWorker {
+        worker: WorkerId,
+        done: Sender<()>,
+    },
+    Replay {
+        holder: HolderId,
+        from: u64,
+    },
+    /// Stop following one holder (given up after panics): its sockets are closed.
+    Unsubscribe {
+        holder: HolderId,
+    },
     Shutdown,
 }
 
@@ -561,6 +571,10 @@ impl SocketThread {
                     let _ = done.send(());
                 }
                 SockCmd::Replay { holder, from } => self.start_replay(holder, from),
+                SockCmd::Unsubscribe { holder } => {
+                    self.holders.retain(|h| h.holder != holder);
+                    tracing::info!(%holder, "ingest: unsubscribed");
+                }
             }
         }
         true
@@ -771,7 +785,8 @@ struct LaneHolder {
     replay: Replay,
     /// Rebuilds after a panic so far (at most [`MAX_REBUILDS`]).
     rebuilds: u32,
-    /// Given up after too many panics: registered, empty and STALE, its inputs dropped.
+    /// Given up after too many panics: registered, empty and STALE, unsubscribed, any input
+    /// still on its way dropped.
     given_up: bool,
 }
 
@@ -971,8 +986,8 @@ impl LaneHolder {
     /// the holder again, empty, its count of lost history carried on. The caller starts the new
     /// sequencer cold (no replay: the replies of a replay in progress at the panic may still be
     /// queued). After [`MAX_REBUILDS`] rebuilds, or once the ledger has quarantined
-    /// [`MAX_QUARANTINED`] holders, the new registration is given up instead: STALE, empty, its
-    /// events dropped, until its worker is removed and added again. `None` if the holder was
+    /// [`MAX_QUARANTINED`] holders, the new registration is given up instead: STALE, empty and
+    /// unsubscribed, until its worker is removed and added again. `None` if the holder was
     /// removed meanwhile.
     fn rebuild(self, shared: &Shared, why: &str) -> Option<LaneHolder> {
         let id = self.writer.holder();
@@ -990,7 +1005,10 @@ impl LaneHolder {
         writer.carry_history_lost(lost + 1);
         if give_up {
             writer.set_readiness(Readiness::Stale);
-            tracing::error!(holder = %id, why, rebuilds = self.rebuilds, quarantined = shared.ledger.quarantined(), "ingest: applying the holder's events panicked again; it stays STALE, its events dropped, until its worker is removed and added again");
+            // Nothing it publishes is applied any more: stop receiving (and decoding) it. An
+            // error means the runtime is shutting down.
+            let _ = shared.command(SockCmd::Unsubscribe { holder: id });
+            tracing::error!(holder = %id, why, rebuilds = self.rebuilds, quarantined = shared.ledger.quarantined(), "ingest: applying the holder's events panicked again; it stays STALE and unsubscribed until its worker is removed and added again");
         } else {
             tracing::error!(holder = %id, why, "ingest: applying the holder's events panicked; its ledger state is quarantined and the holder rebuilt cold from its engine's next events");
         }
@@ -1345,7 +1363,8 @@ mod tests {
         wait(&ingest, c, "giving up", |s| {
             s.transitions(Reason::InternalError) == rebuilds + 1 && s.state == HolderState::Stale
         });
-        // Given up: registered again, empty and STALE, its later batches dropped.
+        // Given up: registered again, empty and STALE, and unsubscribed.
+        ec.wait_unsubscribed();
         assert_eq!(ledger.readiness(c), Some(Readiness::Stale));
         assert_eq!(ledger.held_blocks(c), Some(0));
         assert_eq!(ledger.stats().quarantined_holders, rebuilds + 1);
@@ -1354,7 +1373,7 @@ mod tests {
         }
         wait(&ingest, d, "seq 2", |s| s.last_seq == 2 && s.state == HolderState::Ready);
         assert!((0..3).all(|i| holds(&ledger, d, i)));
-        // Later batches of the given-up holder are dropped, not applied.
+        // Nothing it publishes later is applied.
         ec.publish(20, &vllm_block_batch(20));
         ed.publish(3, &vllm_block_batch(3));
         wait(&ingest, d, "seq 3", |s| s.last_seq == 3);

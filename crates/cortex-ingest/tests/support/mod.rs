@@ -78,6 +78,18 @@ impl FakeEngine {
         assert_eq!(msg[0], 1, "expected a subscribe message");
     }
 
+    /// Blocks until the subscriber's unsubscription (its socket closed) reaches the XPUB,
+    /// skipping any other message.
+    pub fn wait_unsubscribed(&self) {
+        self.publish.set_rcvtimeo(WAIT.as_millis() as i32).unwrap();
+        loop {
+            let msg = self.publish.recv_bytes(0).expect("no unsubscription arrived");
+            if msg.first() == Some(&0) {
+                return;
+            }
+        }
+    }
+
     /// Publishes a batch with sequence number `seq` (recorded for replay).
     pub fn publish(&mut self, seq: u64, payload: &[u8]) {
         self.history.push((seq, payload.to_vec()));
