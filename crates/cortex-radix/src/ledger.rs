@@ -380,13 +380,25 @@ impl HolderShared {
 }
 
 impl LedgerShared {
-    /// The rest of taking a holder out without clearing it (quarantined or poisoned): its
-    /// grafts' waits dropped, its capacity no longer counted, its slot leaked.
-    fn forget(&self, h: &HolderShared) {
+    /// Stops `h` at once: its writer revoked, its slot no longer counted by queries.
+    fn retract(&self, h: &HolderShared) {
+        h.revoked.store(true, Ordering::SeqCst);
+        self.slots.retract(h.slot);
+    }
+
+    /// The rest of taking a holder out: its grafts' waits dropped, its capacity no longer
+    /// counted.
+    fn unregister(&self, h: &HolderShared) {
         self.det.forget_waits_of(h.slot);
-        // Relaxed: statistics counters; nothing is published through them.
+        // Relaxed: a statistics counter; nothing is published through it.
         self.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
-        // Relaxed: as above.
+    }
+
+    /// Takes a holder out without clearing it (quarantined or poisoned): unregistered, counted
+    /// as quarantined, its slot leaked.
+    fn forget(&self, h: &HolderShared) {
+        self.unregister(h);
+        // Relaxed: a statistics counter; nothing is published through it.
         self.counters.quarantined.fetch_add(1, StdOrdering::Relaxed);
     }
 }
@@ -709,8 +721,7 @@ impl Ledger {
             v
         };
         for h in victims {
-            h.revoked.store(true, Ordering::SeqCst);
-            shared.slots.retract(h.slot);
+            shared.retract(&h);
             let p = h.private.lock();
             if h.is_poisoned() {
                 // Half-changed by a panic: quarantined, never cleared (see `quarantine`).
@@ -720,9 +731,7 @@ impl Ledger {
             }
             let guard = epoch::pin();
             writer::empty_removed(shared, &h, &guard, p);
-            // Relaxed: a statistics counter; nothing is published through it.
-            shared.counters.capacity.fetch_sub(u64::from(h.cfg.capacity_blocks), StdOrdering::Relaxed);
-            shared.det.forget_waits_of(h.slot);
+            shared.unregister(&h);
             // The slot is reused only after every query that may still read it has ended.
             let free = shared.free_slots.clone();
             let slot = h.slot;
@@ -749,8 +758,7 @@ impl Ledger {
             reg.by_slot[h.slot as usize] = None;
             h
         };
-        h.revoked.store(true, Ordering::SeqCst);
-        shared.slots.retract(h.slot);
+        shared.retract(&h);
         shared.forget(&h);
         // Relaxed: a monotone counter read as a status.
         Some(h.history_lost.load(StdOrdering::Relaxed))

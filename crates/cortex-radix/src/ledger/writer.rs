@@ -192,8 +192,7 @@ impl Drop for PoisonOnPanic<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.me.poisoned.store(true, Ordering::SeqCst);
-            self.me.revoked.store(true, Ordering::SeqCst);
-            self.shared.slots.retract(self.me.slot);
+            self.shared.retract(self.me);
         }
     }
 }
