@@ -130,6 +130,25 @@ const fn health(h: Health) -> &'static str {
     }
 }
 
+/// A holder's errors of estimated time to first token (see
+/// [`cortex_sched::WorkerState::estimate_errors`]): quantiles, the mean signed error, and each
+/// histogram's non-empty buckets as `[index, count]` (bucket `i ≥ 1` ends at
+/// `first·2^(i/4)`), so that holders and replicas can be merged.
+fn estimate_error(e: &cortex_sched::EstimateErrors) -> Value {
+    let ms = |q: f64| e.abs_s.quantile(q).map(|s| s * 1e3);
+    let buckets = |h: &cortex_sched::LogHistogram| h.sparse().map(|(i, c)| json!([i, c])).collect::<Vec<_>>();
+    json!({
+        "samples": e.count(),
+        "abs_p50_ms": ms(0.5),
+        "abs_p90_ms": ms(0.9),
+        "relative_p50": e.relative.quantile(0.5),
+        "relative_p90": e.relative.quantile(0.9),
+        "mean_signed_ms": e.sum_signed_s * 1e3 / e.count().max(1) as f64,
+        "abs_buckets": {"first_ms": e.abs_s.upper(0) * 1e3, "counts": buckets(&e.abs_s)},
+        "relative_buckets": {"first": e.relative.upper(0), "counts": buckets(&e.relative)},
+    })
+}
+
 /// `GET /debug/workers` (and `GET /admin/workers`).
 pub(crate) fn workers(c: &Control) -> Value {
     let snap = c.cluster().load();
@@ -163,6 +182,7 @@ pub(crate) fn workers(c: &Control) -> Value {
                             "prefill_tokens_per_sec": l.estimate.rate(),
                             "overhead_ms": l.estimate.overhead_s * 1e3,
                             "samples": entry.map_or(0, |e| e.state().learned_samples(rank)),
+                            "estimate_error": entry.and_then(|e| e.state().estimate_errors(rank)).filter(|e| e.count() > 0).map(|e| estimate_error(&e)),
                         })),
                         "engine": load.and_then(|l| l.engine).map(|(e, age)| json!({"running": e.running, "waiting": e.waiting, "waiting_prefill_tokens": e.waiting_prefill_tokens, "kv_usage": e.kv_usage, "age_ms": age.as_millis()})),
                     })

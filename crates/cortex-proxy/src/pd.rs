@@ -635,9 +635,9 @@ impl Driver<'_> {
                     // sample of the worker's prefill speed. SGLang's ends when the decode
                     // worker took the KV: it includes the other worker's time.
                     if self.protocol == Protocol::Vllm {
-                        b.first_output(now)
+                        t::estimate_error(b.first_output(now));
                     } else {
-                        b.first_token(now)
+                        b.first_token(now);
                     }
                     b.succeed(now);
                 }

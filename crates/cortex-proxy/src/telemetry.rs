@@ -29,6 +29,10 @@ pub const REQUEST_SECONDS: &str = "cortex_request_duration_seconds";
 /// Histogram: seconds from sending one request to a worker (an attempt or a PD leg) to its
 /// response head (or the failure to get one).
 pub const UPSTREAM_HEAD_SECONDS: &str = "cortex_upstream_head_seconds";
+/// Histogram: seconds between the time to first token the decision estimated for a request on
+/// its worker (`cache_aware`) and the time from dispatch to its streaming answer's first chunk
+/// (the absolute difference).
+pub const TTFT_ESTIMATE_ERROR_SECONDS: &str = "cortex_ttft_estimate_error_seconds";
 /// Counter: prompt tokens workers reported for served requests, by `worker`.
 pub const PROMPT_TOKENS: &str = "cortex_prompt_tokens_total";
 /// Gauge: 1 when a worker could take a request now (live, not cooling down, circuit closed), by
@@ -232,6 +236,13 @@ pub const METRICS: &[Metric] = &[
         unit: "seconds",
         labels: &[],
         help: "One request to a worker (an attempt or a PD leg) sent to its response head",
+    },
+    Metric {
+        name: TTFT_ESTIMATE_ERROR_SECONDS,
+        kind: Kind::Histogram(FIRST_BYTE_BUCKETS),
+        unit: "seconds",
+        labels: &[],
+        help: "Absolute difference between a request's estimated time to first token and the time from dispatch to its streaming answer's first chunk (cache_aware)",
     },
     Metric {
         name: PREDICTED_HIT_TOKENS,
@@ -498,6 +509,14 @@ impl Outcome {
 
 /// The `mode` label of a request that ended before any decision.
 pub const NO_MODE: &str = "none";
+
+/// Records a request's error of estimated time to first token, seconds taken less seconds
+/// estimated (what [`cortex_sched::Booking::first_output`] returns), when there was an estimate.
+pub fn estimate_error(error: Option<f64>) {
+    if let Some(e) = error {
+        metrics::histogram!(TTFT_ESTIMATE_ERROR_SECONDS).record(e.abs());
+    }
+}
 
 /// The Prometheus recorder's builder with every histogram's buckets.
 #[must_use]

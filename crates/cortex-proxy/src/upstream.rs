@@ -333,7 +333,11 @@ impl RelayBody {
     /// (a sample of the holder's prefill speed, when `learn`); a non-streaming answer's first
     /// byte comes after generation.
     fn first(learn: bool, sse: bool, b: &mut Booking, clock: MonotonicClock) {
-        if learn && sse { b.first_output(clock.now()) } else { b.first_token(clock.now()) }
+        if learn && sse {
+            crate::telemetry::estimate_error(b.first_output(clock.now()));
+        } else {
+            b.first_token(clock.now());
+        }
     }
 
     /// Relays `prefix` (bytes already read from the worker), then `rest` if the body goes on.

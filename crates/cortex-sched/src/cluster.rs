@@ -348,7 +348,9 @@ impl Snapshot {
         let rate = w.spec.capacity.prefill_tokens_per_sec;
         let (prefill, queue) = (u64::from(candidate.prefill_tokens), u64::from(candidate.queue_tokens));
         let kv = w.spec.capacity.kv_held(candidate.kv_blocks);
-        Booking::new(Arc::clone(&w.state), candidate.holder, (prefill, kv), queue, rate, now)
+        let mut b = Booking::new(Arc::clone(&w.state), candidate.holder, (prefill, kv), queue, rate, now)?;
+        b.set_estimated_ttft(candidate.est_ttft_ms / 1e3);
+        Some(b)
     }
 
     /// Books one request, `prefill_tokens` and `kv_blocks` (see [`crate::Request::kv_blocks`])

@@ -173,6 +173,140 @@ impl RateFit {
     }
 }
 
+/// Buckets of a [`LogHistogram`]: four per doubling, 20 doublings above the first bucket.
+pub const LOG_BUCKETS: usize = 82;
+
+/// Buckets per doubling of a [`LogHistogram`] (each bucket spans a factor of 2^¼, about 19 %).
+pub const PER_DOUBLING: f64 = 4.0;
+
+/// A histogram of positive values on a log scale: bucket 0 holds `[0, lo]`, bucket `i ≥ 1`
+/// holds `(lo·2^((i−1)/4), lo·2^(i/4)]`, the last bucket everything above. Fixed size, no
+/// allocation; quantiles are read by interpolating inside a bucket (off by at most one bucket's
+/// width, 19 %).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogHistogram {
+    lo: f64,
+    counts: [u32; LOG_BUCKETS],
+}
+
+impl LogHistogram {
+    /// An empty histogram whose first bucket ends at `lo` (> 0).
+    #[must_use]
+    pub const fn new(lo: f64) -> Self {
+        LogHistogram { lo, counts: [0; LOG_BUCKETS] }
+    }
+
+    /// The upper edge of bucket `i` (infinite for the last).
+    #[must_use]
+    pub fn upper(&self, i: usize) -> f64 {
+        if i + 1 >= LOG_BUCKETS { f64::INFINITY } else { self.lo * (i as f64 / PER_DOUBLING).exp2() }
+    }
+
+    /// The lower edge of bucket `i` (0 for the first).
+    #[must_use]
+    pub fn lower(&self, i: usize) -> f64 {
+        if i == 0 { 0.0 } else { self.lo * ((i - 1) as f64 / PER_DOUBLING).exp2() }
+    }
+
+    /// Counts `v` (a negative or non-finite value is not counted).
+    pub fn record(&mut self, v: f64) {
+        if !(v.is_finite() && v >= 0.0) {
+            return;
+        }
+        let i = if v <= self.lo {
+            0
+        } else {
+            // The first i with v ≤ lo·2^(i/4); the `min` keeps a rounding at an edge in range.
+            (((v / self.lo).log2() * PER_DOUBLING).ceil() as usize).min(LOG_BUCKETS - 1)
+        };
+        self.counts[i] = self.counts[i].saturating_add(1);
+    }
+
+    /// Adds bucket `i`'s `count` (a histogram read back from its sparse form).
+    pub fn add(&mut self, i: usize, count: u32) {
+        if let Some(c) = self.counts.get_mut(i) {
+            *c = c.saturating_add(count);
+        }
+    }
+
+    /// Values counted.
+    #[must_use]
+    pub fn count(&self) -> u64 {
+        self.counts.iter().map(|&c| u64::from(c)).sum()
+    }
+
+    /// The non-empty buckets: `(index, count)`.
+    pub fn sparse(&self) -> impl Iterator<Item = (usize, u32)> + '_ {
+        self.counts.iter().enumerate().filter(|(_, c)| **c > 0).map(|(i, c)| (i, *c))
+    }
+
+    /// The `q`-quantile (`q` in [0, 1]), interpolated linearly inside its bucket; `None` when
+    /// empty. A quantile in the last, open bucket is its lower edge.
+    #[must_use]
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        let n = self.count();
+        if n == 0 {
+            return None;
+        }
+        let rank = q.clamp(0.0, 1.0) * n as f64;
+        let mut below = 0.0;
+        for (i, &c) in self.counts.iter().enumerate() {
+            let c = f64::from(c);
+            if c > 0.0 && below + c >= rank {
+                let (lo, hi) = (self.lower(i), self.upper(i));
+                if !hi.is_finite() {
+                    return Some(lo);
+                }
+                return Some(lo + (hi - lo) * ((rank - below) / c).clamp(0.0, 1.0));
+            }
+            below += c;
+        }
+        Some(self.lower(LOG_BUCKETS - 1))
+    }
+}
+
+/// How far a holder's estimated times to first token were from what it did: the estimate the
+/// decision ranked the holder by, against the time from dispatch to a streaming answer's first
+/// chunk (the samples the learner takes).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EstimateErrors {
+    /// |actual − estimated|, seconds (first bucket up to 0.1 ms).
+    pub abs_s: LogHistogram,
+    /// |actual − estimated| ÷ actual (first bucket up to 0.001).
+    pub relative: LogHistogram,
+    /// Σ (actual − estimated), seconds: positive when the estimates are too short on the whole.
+    pub sum_signed_s: f64,
+}
+
+impl Default for EstimateErrors {
+    fn default() -> Self {
+        EstimateErrors {
+            abs_s: LogHistogram::new(1e-4),
+            relative: LogHistogram::new(1e-3),
+            sum_signed_s: 0.0,
+        }
+    }
+}
+
+impl EstimateErrors {
+    /// Counts one request estimated at `estimated_s` that took `actual_s`.
+    pub fn record(&mut self, estimated_s: f64, actual_s: f64) {
+        if !(estimated_s.is_finite() && actual_s.is_finite() && actual_s > 0.0) {
+            return;
+        }
+        let e = actual_s - estimated_s;
+        self.abs_s.record(e.abs());
+        self.relative.record(e.abs() / actual_s);
+        self.sum_signed_s += e;
+    }
+
+    /// Requests counted.
+    #[must_use]
+    pub fn count(&self) -> u64 {
+        self.abs_s.count()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,5 +409,49 @@ mod tests {
             f.observe(work, work / rate);
         }
         assert!((f.estimate().rate() / 400.0 - 1.0).abs() < 0.05, "{:?}", f.estimate());
+    }
+
+    #[test]
+    fn a_log_histogram_puts_values_in_their_bucket_and_reads_quantiles() {
+        let mut h = LogHistogram::new(1.0);
+        assert_eq!(h.quantile(0.5), None);
+        for v in [0.0, 0.5, 1.0] {
+            h.record(v);
+        }
+        assert_eq!(h.sparse().collect::<Vec<_>>(), vec![(0, 3)]);
+        // 2 = 1·2^(4/4): the upper edge of bucket 4; a hair above it is in bucket 5.
+        h.record(2.0);
+        h.record(2.0001);
+        assert_eq!(h.sparse().collect::<Vec<_>>(), vec![(0, 3), (4, 1), (5, 1)]);
+        for v in [f64::NAN, -1.0, f64::INFINITY] {
+            h.record(v);
+        }
+        assert_eq!(h.count(), 5);
+        h.record(1e12);
+        assert_eq!(h.sparse().last(), Some((LOG_BUCKETS - 1, 1)));
+        // Uniform values: every quantile within one bucket's width of the exact one.
+        let mut h = LogHistogram::new(1e-3);
+        for k in 1..=10_000 {
+            h.record(f64::from(k) * 1e-3);
+        }
+        for (q, exact) in [(0.5, 5.0), (0.9, 9.0), (0.1, 1.0)] {
+            let got = h.quantile(q).expect("values");
+            assert!((got / exact - 1.0).abs() < 0.19, "q{q}: {got} against {exact}");
+        }
+    }
+
+    #[test]
+    fn estimate_errors_count_absolute_relative_and_signed() {
+        let mut e = EstimateErrors::default();
+        e.record(0.100, 0.150);
+        e.record(0.300, 0.250);
+        e.record(0.1, 0.0);
+        e.record(f64::NAN, 1.0);
+        assert_eq!(e.count(), 2);
+        assert!((e.sum_signed_s - 0.0).abs() < 1e-12, "{}", e.sum_signed_s);
+        let p = e.abs_s.quantile(1.0).expect("two");
+        assert!((0.05 / 1.19..=0.05 * 1.19).contains(&p), "{p}");
+        let r = e.relative.quantile(1.0).expect("two");
+        assert!((0.33 / 1.19..=0.34 * 1.19).contains(&r), "{r}");
     }
 }

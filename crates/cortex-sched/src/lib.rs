@@ -115,7 +115,7 @@ pub use decision::{
     CacheView, Candidate, Exclusion, FallbackReason, MatchMode, Ranking, Request, Score, Untrusted,
 };
 pub use failure::{BreakerConfig, BreakerState, Cooldowns, FailureClass};
-pub use learn::{Estimate, RateFit};
+pub use learn::{Estimate, EstimateErrors, LogHistogram, RateFit};
 pub use pending::PendingPrefixes;
 pub use scheduler::{MAX_POOL_HOLDERS, RANKED, SchedError, Scheduler};
 pub use scorer::{ScoreInput, Scorer, TimeScorer, WeightedScorer};

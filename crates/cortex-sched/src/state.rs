@@ -22,7 +22,7 @@ use cortex_hash::kv::{DpRank, HolderId};
 
 use crate::config::HealthPolicy;
 use crate::failure::{BreakerState, FailureClass};
-use crate::learn::{Estimate, RateFit};
+use crate::learn::{Estimate, EstimateErrors, RateFit};
 use crate::pending::{PendingKey, PendingPrefixes};
 use crate::time::{Timestamp, duration_nanos};
 
@@ -195,6 +195,8 @@ pub(crate) struct Hot {
 struct Learner {
     fit: RateFit,
     last_totals: Option<PrefillTotals>,
+    /// How far the decisions' estimates were from the first chunks that came.
+    errors: EstimateErrors,
 }
 
 impl RankState {
@@ -211,7 +213,7 @@ impl RankState {
             unanswered: AtomicU32::new(0),
             unanswered_due_sum_ns: AtomicU64::new(0),
             cached_blocks: AtomicU32::new(0),
-            learn: Mutex::new(Learner { fit, last_totals: None }),
+            learn: Mutex::new(Learner { fit, last_totals: None, errors: EstimateErrors::default() }),
             booked_requests: AtomicU32::new(0),
             booked_prefill_tokens: AtomicU64::new(0),
             booked_kv_blocks: AtomicU64::new(0),
@@ -504,6 +506,13 @@ impl WorkerState {
             .map_or(0, |r| r.learn.lock().unwrap_or_else(PoisonError::into_inner).fit.samples())
     }
 
+    /// How far the estimated times to first token of holder `rank`'s requests were from their
+    /// streaming answers' first chunks (see [`Booking::first_output`]).
+    #[must_use]
+    pub fn estimate_errors(&self, rank: DpRank) -> Option<EstimateErrors> {
+        self.rank_state(rank).map(|r| r.learn.lock().unwrap_or_else(PoisonError::into_inner).errors.clone())
+    }
+
     /// The cooldown in force at `now`: the class that started it and when it ends.
     #[must_use]
     #[inline]
@@ -662,6 +671,9 @@ pub struct Booking {
     /// When its first token was due by the estimate at dispatch (ns), while it is counted among
     /// the holder's bookings without one.
     due_ns: Option<u64>,
+    /// The time to first token the decision estimated for it there, seconds (0: none, as for
+    /// policies that do not estimate time).
+    est_ttft_s: f32,
 }
 
 impl Booking {
@@ -710,6 +722,7 @@ impl Booking {
             pending: None,
             due_ns: Some(due_ns),
             kv_blocks,
+            est_ttft_s: 0.0,
         })
     }
 
@@ -728,6 +741,12 @@ impl Booking {
         if let Some(key) = pending.insert(self.holder, Arc::from(seq), now) {
             self.pending = Some((Arc::clone(pending), key));
         }
+    }
+
+    /// Records the time to first token the decision estimated for this request on its holder
+    /// (see [`Booking::first_output`]).
+    pub fn set_estimated_ttft(&mut self, seconds: f32) {
+        self.est_ttft_s = seconds;
     }
 
     /// The holder it is booked on.
@@ -800,18 +819,27 @@ impl Booking {
     /// since dispatch is a sample of the holder's prefill speed for the work that was ahead of
     /// it (see [`crate::learn`]). A non-streaming answer's first byte comes after generation:
     /// call [`Booking::first_token`] for it.
-    pub fn first_output(&mut self, now: Timestamp) {
+    ///
+    /// With an estimate ([`Booking::set_estimated_ttft`]), the holder also counts how far it
+    /// was from the time taken (see [`WorkerState::estimate_errors`]), and this returns that
+    /// error: seconds taken less seconds estimated. `None` without an estimate or on a later call.
+    pub fn first_output(&mut self, now: Timestamp) -> Option<f64> {
         if self.first_token_seen {
-            return;
+            return None;
         }
         let ttft = now.saturating_since(self.dispatched_at).as_secs_f64();
+        let estimated = (self.est_ttft_s > 0.0).then_some(f64::from(self.est_ttft_s));
         if let Some(r) = self.state.rank_state(self.holder.rank) {
             let work = self.work_tokens as f64;
             r.learn(|l| {
                 l.fit.observe(work, ttft);
+                if let Some(e) = estimated {
+                    l.errors.record(e, ttft);
+                }
             });
         }
         self.first_token(now);
+        estimated.map(|e| ttft - e)
     }
 
     /// The request finished well: records a success and releases the booking.
@@ -871,6 +899,30 @@ mod tests {
 
     fn holder(rank: u16) -> HolderId {
         HolderId::new(cortex_hash::kv::WorkerId(1), DpRank(rank))
+    }
+
+    /// A streaming first chunk counts how far the decision's estimate was from it; a booking
+    /// without an estimate, a non-streaming first token and a second call count nothing.
+    #[test]
+    fn first_output_counts_the_estimate_s_error() {
+        let s = state(HealthPolicy::default());
+        let errors = |s: &WorkerState| s.estimate_errors(DpRank(0)).expect("rank 0");
+        let mut a = Booking::new(s.clone(), holder(0), (500, 0), 0, 10_000, ms(0)).expect("rank");
+        a.set_estimated_ttft(0.040);
+        let e = a.first_output(ms(100)).expect("an estimate");
+        assert!((e - 0.060).abs() < 1e-6, "{e}");
+        assert_eq!(a.first_output(ms(200)), None, "counted once");
+        let mut b = Booking::new(s.clone(), holder(0), (500, 0), 0, 10_000, ms(0)).expect("rank");
+        assert_eq!(b.first_output(ms(50)), None, "no estimate");
+        let mut c = Booking::new(s.clone(), holder(0), (500, 0), 0, 10_000, ms(0)).expect("rank");
+        c.set_estimated_ttft(0.040);
+        c.first_token(ms(500));
+        let e = errors(&s);
+        assert_eq!(e.count(), 1);
+        assert!((e.sum_signed_s - 0.060).abs() < 1e-6, "{e:?}");
+        let p = e.abs_s.quantile(0.5).expect("one");
+        assert!((0.060 / 1.19..=0.060 * 1.19).contains(&p), "{p}");
+        assert_eq!(s.estimate_errors(DpRank(1)).expect("rank 1").count(), 0);
     }
 
     #[test]

@@ -61,6 +61,10 @@ pub struct Outcome {
     pub pd_mode: Option<String>,
     /// How late the dispatcher sent it.
     pub late: Duration,
+    /// When it was sent, wall clock from the run's start.
+    pub sent_at: Duration,
+    /// Wall clock from sending to the end of the answer's body (zero when none came).
+    pub wall_end: Duration,
 }
 
 impl Outcome {
@@ -157,7 +161,9 @@ pub async fn run(sends: &[Send], opts: &DriverOptions, seen: Option<Seen>) -> Ve
     for (i, s) in sends.iter().enumerate() {
         let due = start + s.at;
         tokio::time::sleep_until(due).await;
-        let late = Instant::now().saturating_duration_since(due);
+        let now = Instant::now();
+        let late = now.saturating_duration_since(due);
+        let sent_at = now.saturating_duration_since(start);
         let (client, s, seen) = (client.clone(), s.clone(), seen.clone());
         let (done, failed) = (Arc::clone(&done), Arc::clone(&failed));
         let target = if opts.targets.is_empty() { opts.target } else { opts.targets[i % opts.targets.len()] };
@@ -170,6 +176,7 @@ pub async fn run(sends: &[Send], opts: &DriverOptions, seen: Option<Seen>) -> Ve
                 }
             };
             o.late = late;
+            o.sent_at = sent_at;
             if o.worker.is_none()
                 && let Some(seen) = &seen
                 && let Ok(m) = seen.lock()
@@ -273,7 +280,10 @@ async fn send(
     let mut scanned = 0;
     loop {
         match body.frame().await {
-            None => break,
+            None => {
+                o.wall_end = sent.elapsed();
+                break;
+            }
             Some(Err(e)) => {
                 o.error = Some(format!("body: {e}"));
                 return o;

@@ -96,9 +96,11 @@ pub struct PolicyResult {
     pub clock_ratio: Option<f64>,
     /// A few distinct errors.
     pub errors: Vec<String>,
-    /// Cortex in process: each worker's learned prefill rate ÷ the simulators' true rate, for
-    /// the workers with samples.
+    /// Cortex: each worker's learned prefill rate ÷ the simulators' true rate, for the workers
+    /// with samples, and how far the estimated times to first token were from the real ones.
     pub learned_rate: Option<Learned>,
+    /// Cortex `cache_aware`: the load bound checked at every dispatch, from the client's side.
+    pub cap: Option<CapCheck>,
 }
 
 /// The learned prefill rates at the end of a run against the simulators' true one.
@@ -106,46 +108,139 @@ pub struct PolicyResult {
 pub struct Learned {
     /// The simulators' prefill rate, tokens per wall-clock second (`1 / (per token × speed)`).
     pub true_rate: f64,
-    /// Learned ÷ true, per worker with samples, sorted.
+    /// Learned ÷ true, per worker with samples, sorted (each replica's workers, for replicas).
     pub ratios: Vec<f64>,
     /// Samples behind the estimates, summed over workers.
     pub samples: u64,
+    /// How far the gateway's estimated times to first token were from the times the requests
+    /// took (dispatch to the streaming answer's first chunk), over every worker and replica.
+    pub errors: Option<EstimateError>,
+}
+
+/// The estimate errors of `/debug/workers` (`ranks[].learned.estimate_error`), merged.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EstimateError {
+    /// |taken − estimated|, wall-clock seconds.
+    pub abs_s: cortex_sched::LogHistogram,
+    /// |taken − estimated| ÷ taken.
+    pub relative: cortex_sched::LogHistogram,
+    /// Σ (taken − estimated), wall-clock seconds.
+    pub sum_signed_s: f64,
+    /// Trace time per wall-clock time (the replay's compression).
+    pub compression: f64,
+}
+
+impl EstimateError {
+    fn new(compression: f64) -> Self {
+        let e = cortex_sched::EstimateErrors::default();
+        EstimateError { abs_s: e.abs_s, relative: e.relative, sum_signed_s: 0.0, compression }
+    }
+
+    /// Adds one holder's `estimate_error` object.
+    fn add(&mut self, v: &Value) {
+        for (key, h) in [("abs_buckets", &mut self.abs_s), ("relative_buckets", &mut self.relative)] {
+            for pair in v[key]["counts"].as_array().into_iter().flatten() {
+                if let (Some(i), Some(c)) = (pair[0].as_u64(), pair[1].as_u64()) {
+                    h.add(i as usize, u32::try_from(c).unwrap_or(u32::MAX));
+                }
+            }
+        }
+        let n = v["samples"].as_f64().unwrap_or(0.0);
+        self.sum_signed_s += v["mean_signed_ms"].as_f64().unwrap_or(0.0) * n / 1e3;
+    }
+
+    /// Requests counted.
+    #[must_use]
+    pub fn samples(&self) -> u64 {
+        self.abs_s.count()
+    }
+
+    /// The `q`-quantile of the absolute error, milliseconds of trace time.
+    #[must_use]
+    pub fn abs_ms(&self, q: f64) -> f64 {
+        self.abs_s.quantile(q).unwrap_or(0.0) * 1e3 * self.compression
+    }
+
+    /// The mean signed error (taken − estimated), milliseconds of trace time.
+    #[must_use]
+    pub fn mean_signed_ms(&self) -> f64 {
+        self.sum_signed_s * 1e3 * self.compression / self.samples().max(1) as f64
+    }
+
+    /// The JSON form.
+    #[must_use]
+    pub fn to_json(&self) -> Value {
+        json!({
+            "samples": self.samples(),
+            "abs_trace_ms": {"p50": self.abs_ms(0.5), "p90": self.abs_ms(0.9)},
+            "relative": {"p50": self.relative.quantile(0.5), "p90": self.relative.quantile(0.9)},
+            "mean_signed_trace_ms": self.mean_signed_ms(),
+        })
+    }
+}
+
+impl std::fmt::Display for EstimateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "|taken − estimated| p50 {:.0} ms, p90 {:.0} ms (relative {:.2}, {:.2}; mean signed {:+.0} ms) over {} requests",
+            self.abs_ms(0.5),
+            self.abs_ms(0.9),
+            self.relative.quantile(0.5).unwrap_or(0.0),
+            self.relative.quantile(0.9).unwrap_or(0.0),
+            self.mean_signed_ms(),
+            self.samples()
+        )
+    }
 }
 
 impl Learned {
-    /// From `/debug/workers`' body ([`cortex_proxy::Control::workers_view`]) of a gateway in
-    /// front of simulators with `timing`: the first rank of every worker that is not a decode
-    /// worker and learned from at least one sample.
+    /// From `/debug/workers`' bodies ([`cortex_proxy::Control::workers_view`]) of one gateway
+    /// or of each replica, in front of simulators with `timing` and the replay's `compression`:
+    /// the first rank of every worker that is not a decode worker and learned from at least one
+    /// sample.
     #[must_use]
-    pub fn from_view(view: &Value, timing: &cortex_sim::Timing) -> Learned {
+    pub fn from_views(views: &[Value], timing: &cortex_sim::Timing, compression: f64) -> Learned {
         let true_rate = 1.0 / (timing.prefill_per_token.as_secs_f64() * timing.speed);
         let mut out = Learned { true_rate, ..Learned::default() };
-        for w in view["workers"].as_array().into_iter().flatten().filter(|w| w["role"] != "decode") {
-            let l = &w["ranks"][0]["learned"];
-            let samples = l["samples"].as_u64().unwrap_or(0);
-            if let (true, Some(rate)) = (samples > 0, l["prefill_tokens_per_sec"].as_f64()) {
-                out.ratios.push(rate / true_rate);
-                out.samples += samples;
+        let mut errors = EstimateError::new(compression);
+        for view in views {
+            for w in view["workers"].as_array().into_iter().flatten().filter(|w| w["role"] != "decode") {
+                let l = &w["ranks"][0]["learned"];
+                let samples = l["samples"].as_u64().unwrap_or(0);
+                if let (true, Some(rate)) = (samples > 0, l["prefill_tokens_per_sec"].as_f64()) {
+                    out.ratios.push(rate / true_rate);
+                    out.samples += samples;
+                }
+                errors.add(&l["estimate_error"]);
             }
         }
         out.ratios.sort_by(f64::total_cmp);
+        out.errors = (errors.samples() > 0).then_some(errors);
         out
     }
 
     /// The JSON form.
     #[must_use]
     pub fn to_json(&self) -> Value {
-        json!({"true_tokens_per_s": self.true_rate, "learned_over_true": self.ratios, "samples": self.samples})
+        json!({
+            "true_tokens_per_s": self.true_rate,
+            "learned_over_true": self.ratios,
+            "samples": self.samples,
+            "estimate_error": self.errors.as_ref().map(EstimateError::to_json),
+        })
     }
 
-    /// The report's diagnostic: `; learned prefill rate ÷ true …`, empty without `learned` or
-    /// a worker that learned.
+    /// The report's diagnostic: `; learned prefill rate ÷ true …` and the estimate's error,
+    /// empty without `learned` or a worker that learned.
     #[must_use]
     pub fn diagnostic(learned: Option<&Learned>) -> String {
-        learned
-            .and_then(Learned::summary)
-            .map(|l| format!("; learned prefill rate ÷ true {l}"))
-            .unwrap_or_default()
+        let Some(l) = learned else { return String::new() };
+        let mut s = l.summary().map(|r| format!("; learned prefill rate ÷ true {r}")).unwrap_or_default();
+        if let Some(e) = &l.errors {
+            s.push_str(&format!("; estimated TTFT {e}"));
+        }
+        s
     }
 
     /// `median (min – max) over N workers`, or `None` without a worker that learned.
@@ -160,6 +255,112 @@ impl Learned {
             self.ratios.len(),
             self.samples
         ))
+    }
+}
+
+/// The load bound (`scheduler.bounded_load_epsilon`, [deployment.md]) checked at every
+/// dispatch of a run, from the client's side: the requests in flight are those sent and not yet
+/// ended as the replay saw them (a request the gateway has released but whose end has not
+/// reached the client yet still counts, so the check errs toward finding an excess).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CapCheck {
+    /// Gateway replicas (request `i` went to replica `i mod N`).
+    pub replicas: usize,
+    /// The bound's ε.
+    pub epsilon: f64,
+    /// Dispatches checked (answered requests with a known worker).
+    pub dispatches: usize,
+    /// Dispatches after which the replica's own requests on the worker exceeded
+    /// ⌈(1 + ε)(Bᵣ + 1)/n⌉, Bᵣ the replica's requests in flight before it (what each replica
+    /// guarantees on its own).
+    pub own_over: usize,
+    /// The most a replica's own requests on a worker exceeded that bound by, requests.
+    pub own_worst_excess: u32,
+    /// Dispatches after which all requests on the worker exceeded (1 + ε)(B + N)/n + N, B all
+    /// requests in flight before it (the cross-replica bound deployment.md states).
+    pub all_over: usize,
+    /// The most any worker held at a dispatch to it, over the cross-replica bound at that moment.
+    pub worst_over_bound: f64,
+    /// The most requests in flight on one worker at a dispatch to it.
+    pub max_in_flight: u32,
+}
+
+impl CapCheck {
+    /// Checks `outcomes` (sent round robin to `replicas` replicas in front of `workers`
+    /// workers) against the bound at `epsilon`.
+    #[must_use]
+    pub fn measure(outcomes: &[Outcome], replicas: usize, workers: usize, epsilon: f64) -> CapCheck {
+        let replicas = replicas.max(1);
+        // (time, 0 = end / 1 = start, request): ends before starts at the same instant.
+        let mut events: Vec<(Duration, u8, usize)> = Vec::new();
+        for (i, o) in outcomes.iter().enumerate() {
+            if o.worker.is_some_and(|w| w < workers) && o.wall_end > Duration::ZERO {
+                events.push((o.sent_at, 1, i));
+                events.push((o.sent_at + o.wall_end, 0, i));
+            }
+        }
+        events.sort_unstable();
+        let mut on = vec![vec![0u32; workers]; replicas];
+        let mut on_worker = vec![0u32; workers];
+        let mut of_replica = vec![0u32; replicas];
+        let mut total = 0u32;
+        let n = workers as f64;
+        let mut c = CapCheck { replicas, epsilon, ..CapCheck::default() };
+        for (_, start, i) in events {
+            let (w, r) = (outcomes[i].worker.unwrap_or(0), i % replicas);
+            if start == 0 {
+                on[r][w] -= 1;
+                on_worker[w] -= 1;
+                of_replica[r] -= 1;
+                total -= 1;
+                continue;
+            }
+            let own = ((1.0 + epsilon) * (f64::from(of_replica[r]) + 1.0) / n).ceil();
+            let all = (1.0 + epsilon) * (f64::from(total) + replicas as f64) / n + replicas as f64;
+            on[r][w] += 1;
+            on_worker[w] += 1;
+            of_replica[r] += 1;
+            total += 1;
+            c.dispatches += 1;
+            c.own_over += usize::from(f64::from(on[r][w]) > own);
+            c.own_worst_excess = c.own_worst_excess.max((f64::from(on[r][w]) - own).max(0.0) as u32);
+            c.all_over += usize::from(f64::from(on_worker[w]) > all);
+            c.worst_over_bound = c.worst_over_bound.max(f64::from(on_worker[w]) / all);
+            c.max_in_flight = c.max_in_flight.max(on_worker[w]);
+        }
+        c
+    }
+
+    /// The JSON form.
+    #[must_use]
+    pub fn to_json(&self) -> Value {
+        json!({
+            "replicas": self.replicas,
+            "epsilon": self.epsilon,
+            "dispatches": self.dispatches,
+            "own_bound_exceeded": self.own_over,
+            "own_bound_worst_excess": self.own_worst_excess,
+            "cross_replica_bound_exceeded": self.all_over,
+            "worst_in_flight_over_cross_replica_bound": self.worst_over_bound,
+            "max_in_flight_on_one_worker": self.max_in_flight,
+        })
+    }
+}
+
+impl std::fmt::Display for CapCheck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "load bound (ε {}, client's view) over {} dispatches: a replica's own bound exceeded {} times, by at most {}; \
+             (1 + ε)(B + N)/n + N exceeded {} times, worst {:.2}× it; at most {} in flight on one worker",
+            self.epsilon,
+            self.dispatches,
+            self.own_over,
+            self.own_worst_excess,
+            self.all_over,
+            self.worst_over_bound,
+            self.max_in_flight
+        )
     }
 }
 
@@ -355,6 +556,7 @@ impl PolicyResult {
             "dispatch_late_p99_ms": self.late_p99_ms,
             "clock_ratio": self.clock_ratio,
             "learned_prefill_rate": self.learned_rate.as_ref().map(Learned::to_json),
+            "load_bound": self.cap.as_ref().map(CapCheck::to_json),
             "errors": self.errors,
         })
     }
@@ -363,6 +565,65 @@ impl PolicyResult {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn outcome(worker: usize, sent_ms: u64, took_ms: u64) -> Outcome {
+        Outcome {
+            worker: Some(worker),
+            sent_at: Duration::from_millis(sent_ms),
+            wall_end: Duration::from_millis(took_ms),
+            ..Outcome::default()
+        }
+    }
+
+    /// Two workers, ε 0: one replica may put at most ⌈(B + 1)/2⌉ on a worker. Three requests
+    /// overlapping on worker 0 exceed it at the second (⌈2/2⌉ = 1) and the third (⌈3/2⌉ = 2);
+    /// a request that ended before the next was sent no longer counts.
+    #[test]
+    fn the_cap_check_counts_dispatches_over_the_bound() {
+        let spread = [outcome(0, 0, 100), outcome(1, 10, 100), outcome(0, 200, 50), outcome(1, 300, 10)];
+        let c = CapCheck::measure(&spread, 1, 2, 0.0);
+        assert_eq!((c.dispatches, c.own_over, c.all_over, c.max_in_flight), (4, 0, 0, 1), "{c:?}");
+        let piled = [outcome(0, 0, 100), outcome(0, 10, 100), outcome(0, 20, 100), outcome(1, 500, 1)];
+        let c = CapCheck::measure(&piled, 1, 2, 0.0);
+        assert_eq!((c.own_over, c.own_worst_excess, c.max_in_flight), (2, 1, 3), "{c:?}");
+        // Cross-replica bound with one replica: (B + 1)/2 + 1 = 2 at the third (B = 2): 3 > 2.5.
+        assert_eq!(c.all_over, 1, "{c:?}");
+        // Two replicas: requests alternate; each replica's own count on worker 0 is at most 2.
+        let c = CapCheck::measure(&piled, 2, 2, 0.0);
+        assert_eq!(c.own_over, 1, "{c:?}");
+        // A request with no answer (no end) or no worker is not counted.
+        let mut partial = piled.to_vec();
+        partial[1].wall_end = Duration::ZERO;
+        partial[2].worker = None;
+        assert_eq!(CapCheck::measure(&partial, 1, 2, 0.0).dispatches, 2);
+    }
+
+    /// Two replicas' views, each with one worker's errors: merged, and read in trace time.
+    #[test]
+    fn estimate_errors_merge_across_views() {
+        let view = |bucket: u64, signed_ms: f64| {
+            json!({"workers": [{"role": "regular", "ranks": [{"learned": {
+                "samples": 2, "prefill_tokens_per_sec": 100.0,
+                "estimate_error": {"samples": 2, "mean_signed_ms": signed_ms,
+                    "abs_buckets": {"counts": [[bucket, 2]]}, "relative_buckets": {"counts": [[1, 2]]}}}}]}]})
+        };
+        let timing = cortex_sim::Timing::default();
+        let l = Learned::from_views(&[view(40, 10.0), view(40, -30.0)], &timing, 4.0);
+        let e = l.errors.expect("errors");
+        assert_eq!(e.samples(), 4);
+        // Bucket 40 ends at 0.1 ms · 2^10 = 102.4 ms of wall time, 409.6 ms of trace time.
+        let p50 = e.abs_ms(0.5);
+        assert!(p50 > 409.6 / 1.19 && p50 <= 409.6, "{p50}");
+        assert!((e.mean_signed_ms() - (-10.0 * 4.0)).abs() < 1e-9, "{}", e.mean_signed_ms());
+        assert_eq!(l.ratios.len(), 2);
+    }
+
+    #[test]
+    fn the_bound_s_epsilon_follows_the_scheduler_settings() {
+        assert_eq!(super::super::bound_epsilon(""), Some(1.0));
+        assert_eq!(super::super::bound_epsilon("gamma: 2, bounded_load_epsilon: 0.5"), Some(0.5));
+        assert_eq!(super::super::bound_epsilon("bounded_load_epsilon: null, gamma: 1"), None);
+    }
 
     #[test]
     fn percentiles_and_cov() {

@@ -556,6 +556,8 @@ async fn run_policy(
             let t = Instant::now();
             let outcomes = driver::run(sends, &opts, None).await;
             let wall = t.elapsed();
+            let views = replicas.workers_views().await;
+            learned = Some(metrics::Learned::from_views(&views, &args.timing(), args.compression));
             replicas.stop().await;
             (outcomes, wall)
         }
@@ -587,7 +589,8 @@ async fn run_policy(
             let t = Instant::now();
             let outcomes = driver::run(sends, &opts, None).await;
             let wall = t.elapsed();
-            learned = Some(metrics::Learned::from_view(&gw.gateway.control().workers_view(), &args.timing()));
+            let view = gw.gateway.control().workers_view();
+            learned = Some(metrics::Learned::from_views(&[view], &args.timing(), args.compression));
             gw.shutdown().await;
             (outcomes, wall)
         }
@@ -595,7 +598,21 @@ async fn run_policy(
     tokio::task::spawn_blocking(move || sims.shutdown()).await?;
     let mut r = metrics::summarize(&label, w, analysis, &outcomes, args.workers, args.compression, wall);
     r.learned_rate = learned;
+    if launcher.is_none() && replicas_of(policy).0 == "cache_aware" {
+        r.cap = bound_epsilon(&args.scheduler)
+            .map(|e| metrics::CapCheck::measure(&outcomes, replicas_of(policy).1, args.workers, e));
+    }
     Ok(r)
+}
+
+/// The load bound's ε in force for `cache_aware` under the `--scheduler` settings: the
+/// default's (1), or what `bounded_load_epsilon` sets; `None` when it is `null` (no bound).
+fn bound_epsilon(scheduler: &str) -> Option<f64> {
+    let Some((_, rest)) = scheduler.split_once("bounded_load_epsilon") else {
+        return cortex_sched::SchedConfig::default().bounded_load.map(|b| b.epsilon);
+    };
+    let value = rest.trim_start().strip_prefix(':')?.split([',', '}']).next()?.trim();
+    value.parse().ok()
 }
 
 /// `cargo xtask replay`: runs, prints the report on stdout, writes the files.

@@ -446,7 +446,7 @@ pub async fn run_policy(
             let view = gw.gateway.control().workers_view();
             // The gateway's whole view at the end, beside its log, for a closer look.
             let _ = std::fs::write(run.log.with_extension("workers.json"), view.to_string());
-            Some(super::metrics::Learned::from_view(&view, &run.spec.timing))
+            Some(super::metrics::Learned::from_views(&[view], &run.spec.timing, run.compression))
         }
         FrontEnd::Process { .. } => None,
     };

@@ -112,6 +112,17 @@ impl Replicas {
         Ok(r)
     }
 
+    /// Every replica's `GET /debug/workers`, in order (`Null` for one that does not answer).
+    pub async fn workers_views(&self) -> Vec<serde_json::Value> {
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let mut out = Vec::with_capacity(self.admins.len());
+        for &admin in &self.admins {
+            out.push(workers_view(&client, admin, &self.token).await);
+        }
+        out
+    }
+
     /// Kills every replica.
     pub async fn stop(mut self) {
         for mut c in self.children.drain(..) {
@@ -119,6 +130,28 @@ impl Replicas {
             let _ = tokio::task::spawn_blocking(move || c.wait()).await;
         }
     }
+}
+
+/// `GET /debug/workers` of the replica whose admin listener is `admin` (`Null` when it does not
+/// answer within 2 s).
+async fn workers_view(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    admin: SocketAddr,
+    token: &str,
+) -> serde_json::Value {
+    let Ok(req) = http::Request::get(format!("http://{admin}/debug/workers"))
+        .header("authorization", format!("Bearer {token}"))
+        .body(Full::new(Bytes::new()))
+    else {
+        return serde_json::Value::Null;
+    };
+    let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), client.request(req)).await else {
+        return serde_json::Value::Null;
+    };
+    let Ok(body) = resp.into_body().collect().await.map(|b| b.to_bytes()) else {
+        return serde_json::Value::Null;
+    };
+    serde_json::from_slice(&body).unwrap_or_default()
 }
 
 /// Whether the replica whose admin listener is `admin` sees `workers` workers healthy,
@@ -129,17 +162,7 @@ async fn ready(
     token: &str,
     workers: usize,
 ) -> bool {
-    let Ok(req) = http::Request::get(format!("http://{admin}/debug/workers"))
-        .header("authorization", format!("Bearer {token}"))
-        .body(Full::new(Bytes::new()))
-    else {
-        return false;
-    };
-    let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(2), client.request(req)).await else {
-        return false;
-    };
-    let Ok(body) = resp.into_body().collect().await.map(|b| b.to_bytes()) else { return false };
-    let v: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    let v = workers_view(client, admin, token).await;
     let Some(ws) = v["workers"].as_array() else { return false };
     ws.len() == workers
         && ws.iter().all(|w| {

@@ -383,13 +383,14 @@ pub fn table(replay: &Replay, goals: &[Goal]) -> String {
             let modes: Vec<String> = r.match_modes.iter().map(|(k, v)| format!("{k} {v}")).collect();
             let _ = writeln!(
                 s,
-                "- {}: wall {:.0} s; dispatch late p99 {:.1} ms; simulated/wall clock ratio {}; whole-run CoV {:.3}{}{}{}{}{}{}",
+                "- {}: wall {:.0} s; dispatch late p99 {:.1} ms; simulated/wall clock ratio {}; whole-run CoV {:.3}{}{}{}{}{}{}{}",
                 r.label,
                 r.wall_secs,
                 r.late_p99_ms,
                 r.clock_ratio.map_or("n/a".to_owned(), |c| format!("{c:.2}")),
                 r.load.cov_total,
                 super::metrics::Learned::diagnostic(r.learned_rate.as_ref()),
+                r.cap.as_ref().map(|c| format!("; {c}")).unwrap_or_default(),
                 if r.load.idle_workers > 0 {
                     format!("; {} worker(s) routed nothing", r.load.idle_workers)
                 } else {

@@ -184,6 +184,18 @@ async fn histograms_and_per_worker_hits() {
         assert!(text.contains(bucket), "{bucket} missing:\n{text}");
     }
     assert!(!text.contains("quantile="), "a summary is rendered:\n{text}");
+    // A streaming answer's first chunk counts how far the decision's estimated time to first
+    // token was from it, in the histogram and on the worker's rank in /debug/workers.
+    let r = h.post("/v1/chat/completions", &chat(&long_prompt("estimate"), true)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let worker = r.header("x-cortex-assigned-worker").to_owned();
+    let text = scrape(&h).await;
+    assert!(text.contains("cortex_ttft_estimate_error_seconds_bucket{le=\"0.005\"}"), "{text}");
+    let view = h.debug_workers().await;
+    let w = view["workers"].as_array().into_iter().flatten().find(|w| w["name"] == worker.as_str());
+    let e = &w.expect("the assigned worker")["ranks"][0]["learned"]["estimate_error"];
+    assert!(e["samples"].as_u64().is_some_and(|n| n >= 1), "{view}");
+    assert!(e["abs_p50_ms"].as_f64().is_some_and(|ms| ms >= 0.0), "{view}");
     h.shutdown().await;
 }
 
