@@ -65,6 +65,11 @@ pub struct Outcome {
     pub sent_at: Duration,
     /// Wall clock from sending to the end of the answer's body (zero when none came).
     pub wall_end: Duration,
+    /// When the worker received it, wall clock from the run's start (`x-sim-arrived-unix-us`,
+    /// passed on by the front end), if it said.
+    pub arrived_at: Option<Duration>,
+    /// `x-sim-arrived-unix-us` as received (what `arrived_at` is computed from).
+    pub arrived_unix_us: Option<u128>,
 }
 
 impl Outcome {
@@ -118,6 +123,10 @@ pub async fn run(sends: &[Send], opts: &DriverOptions, seen: Option<Seen>) -> Ve
     let done = Arc::new(AtomicUsize::new(0));
     let failed = Arc::new(AtomicUsize::new(0));
     let start = Instant::now() + Duration::from_millis(100);
+    // The same instant on the system clock, which the workers' arrival headers use.
+    let start_unix_us = (std::time::SystemTime::now() + Duration::from_millis(100))
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros());
     let progress = opts.progress.clone().map(|label| {
         let (done, failed, total) = (Arc::clone(&done), Arc::clone(&failed), sends.len());
         let end = sends.last().map_or(Duration::ZERO, |s| s.at);
@@ -177,6 +186,9 @@ pub async fn run(sends: &[Send], opts: &DriverOptions, seen: Option<Seen>) -> Ve
             };
             o.late = late;
             o.sent_at = sent_at;
+            o.arrived_at = o.arrived_unix_us.map(|us| {
+                Duration::from_micros(u64::try_from(us.saturating_sub(start_unix_us)).unwrap_or(u64::MAX))
+            });
             if o.worker.is_none()
                 && let Some(seen) = &seen
                 && let Ok(m) = seen.lock()
@@ -272,6 +284,7 @@ async fn send(
         match_mode: header(h, "x-cortex-match-mode").map(str::to_owned),
         predicted_hit: header(h, "x-cortex-cache-hit-tokens").and_then(|v| v.parse().ok()),
         pd_mode: header(h, "x-cortex-pd").map(str::to_owned),
+        arrived_unix_us: header(h, "x-sim-arrived-unix-us").and_then(|v| v.parse().ok()),
         wall_head,
         ..Outcome::default()
     };

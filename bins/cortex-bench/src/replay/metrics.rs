@@ -259,29 +259,33 @@ impl Learned {
 }
 
 /// The load bound (`scheduler.bounded_load_epsilon`, [deployment.md]) checked at every
-/// dispatch of a run, from the client's side: the requests in flight are those sent and not yet
-/// ended as the replay saw them (a request the gateway has released but whose end has not
-/// reached the client yet still counts, so the check errs toward finding an excess).
+/// request's arrival at its worker. A worker's requests are counted from when it received them
+/// (`x-sim-arrived-unix-us`; the client's send when absent) to when the client saw the answer
+/// end: the worker's real load. The in-flight total B the bound scales with is counted from each
+/// request's send, as the clients see it: the gateway has booked a request somewhere between
+/// its send and its arrival, and under a burst it plans requests a while after they were sent
+/// and in another order, so counting B from the arrivals would leave out requests the gateway
+/// had already counted.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct CapCheck {
     /// Gateway replicas (request `i` went to replica `i mod N`).
     pub replicas: usize,
     /// The bound's ε.
     pub epsilon: f64,
-    /// Dispatches checked (answered requests with a known worker).
+    /// Arrivals checked (answered requests with a known worker).
     pub dispatches: usize,
-    /// Dispatches after which the replica's own requests on the worker exceeded
-    /// ⌈(1 + ε)(Bᵣ + 1)/n⌉, Bᵣ the replica's requests in flight before it (what each replica
+    /// Arrivals after which the replica's own requests on the worker exceeded
+    /// ⌈(1 + ε)(Bᵣ + 1)/n⌉, Bᵣ the replica's other requests in flight (what each replica
     /// guarantees on its own).
     pub own_over: usize,
     /// The most a replica's own requests on a worker exceeded that bound by, requests.
     pub own_worst_excess: u32,
-    /// Dispatches after which all requests on the worker exceeded (1 + ε)(B + N)/n + N, B all
-    /// requests in flight before it (the cross-replica bound deployment.md states).
+    /// Arrivals after which all requests on the worker exceeded (1 + ε)(B + N)/n + N, B all
+    /// other requests in flight (the cross-replica bound deployment.md states).
     pub all_over: usize,
-    /// The most any worker held at a dispatch to it, over the cross-replica bound at that moment.
+    /// The most any worker held at an arrival, over the cross-replica bound at that moment.
     pub worst_over_bound: f64,
-    /// The most requests in flight on one worker at a dispatch to it.
+    /// The most requests in flight on one worker.
     pub max_in_flight: u32,
 }
 
@@ -290,13 +294,18 @@ impl CapCheck {
     /// workers) against the bound at `epsilon`.
     #[must_use]
     pub fn measure(outcomes: &[Outcome], replicas: usize, workers: usize, epsilon: f64) -> CapCheck {
+        const END: u8 = 0;
+        const SENT: u8 = 1;
+        const ARRIVED: u8 = 2;
         let replicas = replicas.max(1);
-        // (time, 0 = end / 1 = start, request): ends before starts at the same instant.
+        // (time, kind, request): at one instant, ends first, then sends, then arrivals.
         let mut events: Vec<(Duration, u8, usize)> = Vec::new();
         for (i, o) in outcomes.iter().enumerate() {
             if o.worker.is_some_and(|w| w < workers) && o.wall_end > Duration::ZERO {
-                events.push((o.sent_at, 1, i));
-                events.push((o.sent_at + o.wall_end, 0, i));
+                let end = o.sent_at + o.wall_end;
+                events.push((o.sent_at, SENT, i));
+                events.push((o.arrived_at.unwrap_or(o.sent_at).clamp(o.sent_at, end), ARRIVED, i));
+                events.push((end, END, i));
             }
         }
         events.sort_unstable();
@@ -306,27 +315,34 @@ impl CapCheck {
         let mut total = 0u32;
         let n = workers as f64;
         let mut c = CapCheck { replicas, epsilon, ..CapCheck::default() };
-        for (_, start, i) in events {
+        for (_, kind, i) in events {
             let (w, r) = (outcomes[i].worker.unwrap_or(0), i % replicas);
-            if start == 0 {
-                on[r][w] -= 1;
-                on_worker[w] -= 1;
-                of_replica[r] -= 1;
-                total -= 1;
-                continue;
+            match kind {
+                END => {
+                    on[r][w] -= 1;
+                    on_worker[w] -= 1;
+                    of_replica[r] -= 1;
+                    total -= 1;
+                }
+                SENT => {
+                    of_replica[r] += 1;
+                    total += 1;
+                }
+                _ => {
+                    // B and Bᵣ: the others in flight (this one was counted at its send).
+                    let own = ((1.0 + epsilon) * f64::from(of_replica[r]) / n).ceil();
+                    let all =
+                        (1.0 + epsilon) * (f64::from(total) - 1.0 + replicas as f64) / n + replicas as f64;
+                    on[r][w] += 1;
+                    on_worker[w] += 1;
+                    c.dispatches += 1;
+                    c.own_over += usize::from(f64::from(on[r][w]) > own);
+                    c.own_worst_excess = c.own_worst_excess.max((f64::from(on[r][w]) - own).max(0.0) as u32);
+                    c.all_over += usize::from(f64::from(on_worker[w]) > all);
+                    c.worst_over_bound = c.worst_over_bound.max(f64::from(on_worker[w]) / all);
+                    c.max_in_flight = c.max_in_flight.max(on_worker[w]);
+                }
             }
-            let own = ((1.0 + epsilon) * (f64::from(of_replica[r]) + 1.0) / n).ceil();
-            let all = (1.0 + epsilon) * (f64::from(total) + replicas as f64) / n + replicas as f64;
-            on[r][w] += 1;
-            on_worker[w] += 1;
-            of_replica[r] += 1;
-            total += 1;
-            c.dispatches += 1;
-            c.own_over += usize::from(f64::from(on[r][w]) > own);
-            c.own_worst_excess = c.own_worst_excess.max((f64::from(on[r][w]) - own).max(0.0) as u32);
-            c.all_over += usize::from(f64::from(on_worker[w]) > all);
-            c.worst_over_bound = c.worst_over_bound.max(f64::from(on_worker[w]) / all);
-            c.max_in_flight = c.max_in_flight.max(on_worker[w]);
         }
         c
     }
@@ -351,7 +367,7 @@ impl std::fmt::Display for CapCheck {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "load bound (ε {}, client's view) over {} dispatches: a replica's own bound exceeded {} times, by at most {}; \
+            "load bound (ε {}, at each arrival; B counted from the sends) over {} requests: a replica's own bound exceeded {} times, by at most {}; \
              (1 + ε)(B + N)/n + N exceeded {} times, worst {:.2}× it; at most {} in flight on one worker",
             self.epsilon,
             self.dispatches,
@@ -591,6 +607,21 @@ mod tests {
         // Two replicas: requests alternate; each replica's own count on worker 0 is at most 2.
         let c = CapCheck::measure(&piled, 2, 2, 0.0);
         assert_eq!(c.own_over, 1, "{c:?}");
+        // On its worker from its arrival: the second request, sent at 10 ms, reached its worker
+        // only after the first ended (a gateway busy planning a burst).
+        let mut late = piled[..2].to_vec();
+        late[1].arrived_at = Some(Duration::from_millis(105));
+        let c = CapCheck::measure(&late, 1, 2, 0.0);
+        assert_eq!((c.own_over, c.max_in_flight), (0, 1), "{c:?}");
+        // In B from its send: a request sent (and not yet arrived) when another arrives raises
+        // the bound: ⌈(1 + 1)/2⌉ = 1 without it, ⌈(2 + 1)/2⌉ = 2 with it.
+        let mut burst = vec![outcome(0, 0, 100), outcome(0, 1, 100), outcome(1, 2, 100)];
+        burst[1].arrived_at = Some(Duration::from_millis(5));
+        burst[2].arrived_at = Some(Duration::from_millis(50));
+        let c = CapCheck::measure(&burst, 1, 2, 0.0);
+        assert_eq!(c.own_over, 0, "{c:?}");
+        burst[2].sent_at = Duration::from_millis(6);
+        assert_eq!(CapCheck::measure(&burst, 1, 2, 0.0).own_over, 1);
         // A request with no answer (no end) or no worker is not counted.
         let mut partial = piled.to_vec();
         partial[1].wall_end = Duration::ZERO;

@@ -462,13 +462,14 @@ pub fn run(root: &Path, args: &Args) -> Result<Replay> {
                 _ => None,
             };
             let log = out_dir.join(format!("{}-sglang-router.log", kind.name()));
+            let tsv = out_dir.join(format!("{}-{}.requests.tsv", kind.name(), policy.replace('@', "x")));
             let result = rt.block_on(run_policy(
                 root,
                 args,
                 &spec,
                 policy,
                 launcher.as_ref(),
-                &log,
+                (&log, &tsv),
                 &sends,
                 &w,
                 &analysis,
@@ -501,7 +502,7 @@ async fn run_policy(
     spec: &ClusterSpec,
     policy: &str,
     launcher: Option<&SglangLauncher>,
-    log: &Path,
+    (log, tsv): (&Path, &Path),
     sends: &[Send],
     w: &workload::Workload,
     analysis: &bound::Analysis,
@@ -596,6 +597,9 @@ async fn run_policy(
         }
     };
     tokio::task::spawn_blocking(move || sims.shutdown()).await?;
+    // Each request's wall-clock send and end and where it went, beside the run's log, for a
+    // closer look (the load bound's check is made from these).
+    let _ = std::fs::write(tsv, requests_tsv(&outcomes, replicas_of(policy).1));
     let mut r = metrics::summarize(&label, w, analysis, &outcomes, args.workers, args.compression, wall);
     r.learned_rate = learned;
     if launcher.is_none() && replicas_of(policy).0 == "cache_aware" {
@@ -603,6 +607,32 @@ async fn run_policy(
             .map(|e| metrics::CapCheck::measure(&outcomes, replicas_of(policy).1, args.workers, e));
     }
     Ok(r)
+}
+
+/// One line per request: its index, the replica it went to, when it was sent, reached its worker
+/// and ended (wall clock from the run's start, ms), its worker, its simulated TTFT and its status.
+fn requests_tsv(outcomes: &[driver::Outcome], replicas: usize) -> String {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut out = String::from(
+        "request\treplica\tsent_wall_ms\tarrived_wall_ms\tend_wall_ms\tworker\tsim_ttft_ms\tstatus\n",
+    );
+    for (i, o) in outcomes.iter().enumerate() {
+        let end = if o.wall_end > Duration::ZERO {
+            format!("{:.3}", ms(o.sent_at + o.wall_end))
+        } else {
+            "-".to_owned()
+        };
+        out.push_str(&format!(
+            "{i}\t{}\t{:.3}\t{}\t{end}\t{}\t{}\t{}\n",
+            i % replicas.max(1),
+            ms(o.sent_at),
+            o.arrived_at.map_or("-".to_owned(), |a| format!("{:.3}", ms(a))),
+            o.worker.map_or("-".to_owned(), |w| w.to_string()),
+            o.sim_ttft_ms.map_or("-".to_owned(), |t| format!("{t:.1}")),
+            o.status,
+        ));
+    }
+    out
 }
 
 /// The load bound's ε in force for `cache_aware` under the `--scheduler` settings: the

@@ -6,7 +6,9 @@
 //!
 //! Key decision: the response headers wait for the first token, so every response carries its
 //! simulated timings (`x-sim-ttft-ms`, `x-sim-queue-ms`, `x-sim-cached-tokens`,
-//! `x-sim-prompt-tokens`, `x-sim-dp-rank`); with speed 0 that wait is not observable.
+//! `x-sim-prompt-tokens`, `x-sim-dp-rank`); with speed 0 that wait is not observable. It also
+//! says when the request reached the worker (`x-sim-arrived-unix-us`, the system clock), so a
+//! test in front of several workers can order what they received on one clock.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -169,6 +171,8 @@ struct Ctx {
     id: String,
     model: String,
     created: u64,
+    /// When the request was parsed: microseconds since the Unix epoch (system clock).
+    arrived_us: u128,
     stream: bool,
     include_usage: bool,
     batch: bool,
@@ -539,6 +543,7 @@ async fn prepare(
         id: id.clone(),
         model,
         created: unix_now(),
+        arrived_us: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_micros()),
         stream,
         include_usage,
         batch,
@@ -826,6 +831,7 @@ fn timing_headers(ctx: &Ctx, s: Option<&ReqStats>) -> Vec<(http::HeaderName, Hea
         }
     };
     put("x-request-id", ctx.request_id.clone().unwrap_or_else(|| ctx.id.clone()));
+    put("x-sim-arrived-unix-us", ctx.arrived_us.to_string());
     if let Some(s) = s {
         put("x-sim-ttft-ms", format!("{:.3}", s.ttft.as_secs_f64() * 1e3));
         put("x-sim-queue-ms", format!("{:.3}", s.queue.as_secs_f64() * 1e3));

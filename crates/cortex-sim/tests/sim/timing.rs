@@ -87,6 +87,10 @@ fn queue_wait_and_batch_size_cost_simulated_time() {
     assert!(close(a.ttft_ms(), prefill), "{}", a.ttft_ms());
     assert!(close(a.json()["meta_info"]["e2e_latency"].as_f64().expect("e2e") * 1e3, whole));
     let queue: f64 = b.header("x-sim-queue-ms").expect("queue").parse().expect("number");
+    let arrived = |r: &crate::support::HttpResponse| -> u128 {
+        r.header("x-sim-arrived-unix-us").expect("arrival").parse().expect("number")
+    };
+    assert!(arrived(&a) < arrived(&b), "a was sent, and queued, first");
     assert!(close(queue, whole), "second request waited {queue} ms, expected {whole}");
     assert!(close(b.ttft_ms(), whole + prefill), "{}", b.ttft_ms());
 
