@@ -117,7 +117,7 @@ pub use decision::{
 pub use failure::{BreakerConfig, BreakerState, Cooldowns, FailureClass};
 pub use learn::{Estimate, EstimateErrors, LogHistogram, RateFit};
 pub use pending::PendingPrefixes;
-pub use scheduler::{MAX_POOL_HOLDERS, RANKED, SchedError, Scheduler};
+pub use scheduler::{MAX_POOL_HOLDERS, RANKED, SchedError, Scheduler, TIME_BOUND_FLOOR};
 pub use scorer::{ScoreInput, Scorer, TimeScorer, WeightedScorer};
 pub use state::{Booking, EngineLoad, LedgerState, PrefillTotals, RankLoad, WorkerState};
 pub use time::{MonotonicClock, Timestamp};

@@ -122,6 +122,14 @@ pub(crate) const INDEX_MASK: u64 = (1 << 20) - 1;
 /// [`Ranking::sort_all`]). A proxy never retries that often.
 pub const RANKED: usize = 16;
 
+/// The least `cache_aware`'s load bound allows any holder: `⌈(1+ε)·(B + 1)/n⌉` is 1 whenever
+/// fewer than `n/(1+ε)` requests are in flight, which would forbid a holder its second request
+/// while the cluster is nearly idle — turning cache affinity off exactly when no worker is
+/// loaded (a conversation's next turn sent away from its history because the holder is
+/// answering one other request). A pile-up takes more than two; `cache_aware`'s estimate
+/// already charges the queue a second request waits behind.
+pub const TIME_BOUND_FLOOR: u64 = 2;
+
 /// The largest pool a decision considers (the sort key's index field); holders beyond it, in
 /// holder-id order, are ignored. A million holders in one (model, role) pool is far beyond any
 /// cluster this gateway fronts.
@@ -688,7 +696,11 @@ impl<S: Scorer> Scheduler<S> {
         // holder among the admissible (most matched tokens, then fewest active), and the score
         // as if affinity counts; scored again without it in the rare decision where the best
         // cache holder turns out to be past the watermark.
-        let cap = self.config.bounded_load.map(|b| Self::cap(b, admissible, booked));
+        let cap = self
+            .config
+            .bounded_load
+            .map(|b| Self::cap(b, admissible, booked))
+            .map(|c| if time { c.max(TIME_BOUND_FLOOR) } else { c });
         let trusted = distrust.is_none();
         let n = out.candidates.len() as u64;
         let offset = self.random() % n.max(1);

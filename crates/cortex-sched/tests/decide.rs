@@ -361,9 +361,29 @@ fn bounded_load_caps_the_best_holder() {
     assert_eq!(f.first(), h(0));
 }
 
+/// `cache_aware` at low load: with one request in flight on 8 holders, ⌈2 · 2/8⌉ = 1 would
+/// exclude the holder of the prompt's history because it answers one other request; the floor
+/// lets it take a second, not a third.
+#[test]
+fn the_bound_never_forbids_a_holder_its_second_request() {
+    let mut f = Fixture::new(8, SchedConfig::default());
+    f.load(h(3), 1, 0).hits(&[(h(3), 128)]);
+    assert_eq!(f.first(), h(3), "the history's holder, answering one other request");
+    assert_eq!(f.out.excluded().len(), 0);
+    let mut f = Fixture::new(8, SchedConfig::default());
+    f.load(h(3), 2, 0).hits(&[(h(3), 128)]);
+    assert_ne!(f.first(), h(3));
+    let excluded: Vec<_> = f.out.excluded().map(|c| (c.holder, c.excluded)).collect();
+    assert_eq!(excluded, vec![(h(3), Some(Exclusion::BoundedLoad { cap: TIME_BOUND_FLOOR as u32 }))]);
+    // `cache_aware_v1` keeps the first wave's bound: cap 1 excludes the holder at once.
+    let mut f = Fixture::new(8, v1(SchedConfig::default()));
+    f.load(h(3), 1, 0).hits(&[(h(3), 128)]);
+    assert_ne!(f.first(), h(3));
+}
+
 proptest::proptest! {
-    /// Whatever the bookings and hits, the chosen holder is below ⌈(1+ε)·(Σ+1)/n⌉, so after
-    /// booking no holder exceeds the bound.
+    /// Whatever the bookings and hits, the chosen holder is below max(⌈(1+ε)·(Σ+1)/n⌉, 2)
+    /// (`cache_aware`'s floor), so after booking no holder exceeds the bound.
     #[test]
     fn bounded_load_guarantee(
         loads in proptest::collection::vec(0u32..20, 1..12),
@@ -379,7 +399,7 @@ proptest::proptest! {
         let hs: Vec<_> = hits.iter().enumerate().filter(|(w, _)| (*w as u32) < n).map(|(w, &b)| (h(w as u32), b)).collect();
         f.hits(&hs);
         let total: u32 = loads.iter().sum();
-        let cap = ((1.0 + eps) * f64::from(total + 1) / f64::from(n)).ceil() as u32;
+        let cap = (((1.0 + eps) * f64::from(total + 1) / f64::from(n)).ceil() as u32).max(TIME_BOUND_FLOOR as u32);
         let r = f.decide();
         let first = r.first().expect("never empty");
         proptest::prop_assert!(first.booked_requests < cap, "{} >= {cap}", first.booked_requests);

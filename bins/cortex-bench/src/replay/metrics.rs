@@ -272,16 +272,18 @@ pub struct CapCheck {
     pub replicas: usize,
     /// The bound's ε.
     pub epsilon: f64,
+    /// The least the bound allows a holder (`cortex_sched::TIME_BOUND_FLOOR` for `cache_aware`).
+    pub floor: u64,
     /// Arrivals checked (answered requests with a known worker).
     pub dispatches: usize,
     /// Arrivals after which the replica's own requests on the worker exceeded
-    /// ⌈(1 + ε)(Bᵣ + 1)/n⌉, Bᵣ the replica's other requests in flight (what each replica
-    /// guarantees on its own).
+    /// max(⌈(1 + ε)(Bᵣ + 1)/n⌉, floor), Bᵣ the replica's other requests in flight (what each
+    /// replica guarantees on its own).
     pub own_over: usize,
     /// The most a replica's own requests on a worker exceeded that bound by, requests.
     pub own_worst_excess: u32,
-    /// Arrivals after which all requests on the worker exceeded (1 + ε)(B + N)/n + N, B all
-    /// other requests in flight (the cross-replica bound deployment.md states).
+    /// Arrivals after which all requests on the worker exceeded (1 + ε)(B + N)/n + N·floor, B
+    /// all other requests in flight (the cross-replica bound deployment.md states).
     pub all_over: usize,
     /// The most any worker held at an arrival, over the cross-replica bound at that moment.
     pub worst_over_bound: f64,
@@ -291,9 +293,14 @@ pub struct CapCheck {
 
 impl CapCheck {
     /// Checks `outcomes` (sent round robin to `replicas` replicas in front of `workers`
-    /// workers) against the bound at `epsilon`.
+    /// workers) against the bound at `epsilon` with `floor`.
     #[must_use]
-    pub fn measure(outcomes: &[Outcome], replicas: usize, workers: usize, epsilon: f64) -> CapCheck {
+    pub fn measure(
+        outcomes: &[Outcome],
+        replicas: usize,
+        workers: usize,
+        (epsilon, floor): (f64, u64),
+    ) -> CapCheck {
         const END: u8 = 0;
         const SENT: u8 = 1;
         const ARRIVED: u8 = 2;
@@ -314,7 +321,8 @@ impl CapCheck {
         let mut of_replica = vec![0u32; replicas];
         let mut total = 0u32;
         let n = workers as f64;
-        let mut c = CapCheck { replicas, epsilon, ..CapCheck::default() };
+        let mut c = CapCheck { replicas, epsilon, floor, ..CapCheck::default() };
+        let floor = floor as f64;
         for (_, kind, i) in events {
             let (w, r) = (outcomes[i].worker.unwrap_or(0), i % replicas);
             match kind {
@@ -330,9 +338,9 @@ impl CapCheck {
                 }
                 _ => {
                     // B and Bᵣ: the others in flight (this one was counted at its send).
-                    let own = ((1.0 + epsilon) * f64::from(of_replica[r]) / n).ceil();
-                    let all =
-                        (1.0 + epsilon) * (f64::from(total) - 1.0 + replicas as f64) / n + replicas as f64;
+                    let own = ((1.0 + epsilon) * f64::from(of_replica[r]) / n).ceil().max(floor);
+                    let all = (1.0 + epsilon) * (f64::from(total) - 1.0 + replicas as f64) / n
+                        + replicas as f64 * floor;
                     on[r][w] += 1;
                     on_worker[w] += 1;
                     c.dispatches += 1;
@@ -353,6 +361,7 @@ impl CapCheck {
         json!({
             "replicas": self.replicas,
             "epsilon": self.epsilon,
+            "floor": self.floor,
             "dispatches": self.dispatches,
             "own_bound_exceeded": self.own_over,
             "own_bound_worst_excess": self.own_worst_excess,
@@ -368,11 +377,12 @@ impl std::fmt::Display for CapCheck {
         write!(
             f,
             "load bound (ε {}, at each arrival; B counted from the sends) over {} requests: a replica's own bound exceeded {} times, by at most {}; \
-             (1 + ε)(B + N)/n + N exceeded {} times, worst {:.2}× it; at most {} in flight on one worker",
+             (1 + ε)(B + N)/n + N·{} exceeded {} times, worst {:.2}× it; at most {} in flight on one worker",
             self.epsilon,
             self.dispatches,
             self.own_over,
             self.own_worst_excess,
+            self.floor,
             self.all_over,
             self.worst_over_bound,
             self.max_in_flight
@@ -597,36 +607,39 @@ mod tests {
     #[test]
     fn the_cap_check_counts_dispatches_over_the_bound() {
         let spread = [outcome(0, 0, 100), outcome(1, 10, 100), outcome(0, 200, 50), outcome(1, 300, 10)];
-        let c = CapCheck::measure(&spread, 1, 2, 0.0);
+        let c = CapCheck::measure(&spread, 1, 2, (0.0, 1));
         assert_eq!((c.dispatches, c.own_over, c.all_over, c.max_in_flight), (4, 0, 0, 1), "{c:?}");
         let piled = [outcome(0, 0, 100), outcome(0, 10, 100), outcome(0, 20, 100), outcome(1, 500, 1)];
-        let c = CapCheck::measure(&piled, 1, 2, 0.0);
+        let c = CapCheck::measure(&piled, 1, 2, (0.0, 1));
         assert_eq!((c.own_over, c.own_worst_excess, c.max_in_flight), (2, 1, 3), "{c:?}");
         // Cross-replica bound with one replica: (B + 1)/2 + 1 = 2 at the third (B = 2): 3 > 2.5.
         assert_eq!(c.all_over, 1, "{c:?}");
         // Two replicas: requests alternate; each replica's own count on worker 0 is at most 2.
-        let c = CapCheck::measure(&piled, 2, 2, 0.0);
+        let c = CapCheck::measure(&piled, 2, 2, (0.0, 1));
         assert_eq!(c.own_over, 1, "{c:?}");
         // On its worker from its arrival: the second request, sent at 10 ms, reached its worker
         // only after the first ended (a gateway busy planning a burst).
         let mut late = piled[..2].to_vec();
         late[1].arrived_at = Some(Duration::from_millis(105));
-        let c = CapCheck::measure(&late, 1, 2, 0.0);
+        let c = CapCheck::measure(&late, 1, 2, (0.0, 1));
         assert_eq!((c.own_over, c.max_in_flight), (0, 1), "{c:?}");
         // In B from its send: a request sent (and not yet arrived) when another arrives raises
         // the bound: ⌈(1 + 1)/2⌉ = 1 without it, ⌈(2 + 1)/2⌉ = 2 with it.
         let mut burst = vec![outcome(0, 0, 100), outcome(0, 1, 100), outcome(1, 2, 100)];
         burst[1].arrived_at = Some(Duration::from_millis(5));
         burst[2].arrived_at = Some(Duration::from_millis(50));
-        let c = CapCheck::measure(&burst, 1, 2, 0.0);
+        let c = CapCheck::measure(&burst, 1, 2, (0.0, 1));
         assert_eq!(c.own_over, 0, "{c:?}");
         burst[2].sent_at = Duration::from_millis(6);
-        assert_eq!(CapCheck::measure(&burst, 1, 2, 0.0).own_over, 1);
+        assert_eq!(CapCheck::measure(&burst, 1, 2, (0.0, 1)).own_over, 1);
+        // A floor of 2 allows the second request on a worker whatever B.
+        assert_eq!(CapCheck::measure(&burst, 1, 2, (0.0, 2)).own_over, 0);
+        assert_eq!(CapCheck::measure(&piled, 1, 2, (0.0, 2)).own_over, 1);
         // A request with no answer (no end) or no worker is not counted.
         let mut partial = piled.to_vec();
         partial[1].wall_end = Duration::ZERO;
         partial[2].worker = None;
-        assert_eq!(CapCheck::measure(&partial, 1, 2, 0.0).dispatches, 2);
+        assert_eq!(CapCheck::measure(&partial, 1, 2, (0.0, 1)).dispatches, 2);
     }
 
     /// Two replicas' views, each with one worker's errors: merged, and read in trace time.

@@ -599,36 +599,51 @@ async fn run_policy(
     tokio::task::spawn_blocking(move || sims.shutdown()).await?;
     // Each request's wall-clock send and end and where it went, beside the run's log, for a
     // closer look (the load bound's check is made from these).
-    let _ = std::fs::write(tsv, requests_tsv(&outcomes, replicas_of(policy).1));
+    let _ = std::fs::write(tsv, requests_tsv(&outcomes, sends, replicas_of(policy).1));
     let mut r = metrics::summarize(&label, w, analysis, &outcomes, args.workers, args.compression, wall);
     r.learned_rate = learned;
     if launcher.is_none() && replicas_of(policy).0 == "cache_aware" {
-        r.cap = bound_epsilon(&args.scheduler)
-            .map(|e| metrics::CapCheck::measure(&outcomes, replicas_of(policy).1, args.workers, e));
+        r.cap = bound_epsilon(&args.scheduler).map(|e| {
+            metrics::CapCheck::measure(
+                &outcomes,
+                replicas_of(policy).1,
+                args.workers,
+                (e, cortex_sched::TIME_BOUND_FLOOR),
+            )
+        });
     }
     Ok(r)
 }
 
 /// One line per request: its index, the replica it went to, when it was sent, reached its worker
-/// and ended (wall clock from the run's start, ms), its worker, its simulated TTFT and its status.
-fn requests_tsv(outcomes: &[driver::Outcome], replicas: usize) -> String {
+/// and ended (wall clock from the run's start, ms), its worker, its simulated TTFT, its prompt
+/// and cached tokens as the worker counted them, its status, the latest earlier request its
+/// prompt extends (a conversation's previous turn), and the prompt's first 64 characters.
+fn requests_tsv(outcomes: &[driver::Outcome], sends: &[Send], replicas: usize) -> String {
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let mut out = String::from(
-        "request\treplica\tsent_wall_ms\tarrived_wall_ms\tend_wall_ms\tworker\tsim_ttft_ms\tstatus\n",
+        "request\treplica\tsent_wall_ms\tarrived_wall_ms\tend_wall_ms\tworker\tsim_ttft_ms\tprompt_tokens\tcached_tokens\tstatus\textends\tprompt_head\n",
     );
-    for (i, o) in outcomes.iter().enumerate() {
+    for (i, (o, s)) in outcomes.iter().zip(sends).enumerate() {
+        let head: String = s.prompt.chars().take(64).map(|c| if c.is_control() { ' ' } else { c }).collect();
+        let extends = (0..i)
+            .rev()
+            .find(|&j| sends[j].prompt.len() < s.prompt.len() && s.prompt.starts_with(&*sends[j].prompt))
+            .map_or("-".to_owned(), |j| j.to_string());
         let end = if o.wall_end > Duration::ZERO {
             format!("{:.3}", ms(o.sent_at + o.wall_end))
         } else {
             "-".to_owned()
         };
         out.push_str(&format!(
-            "{i}\t{}\t{:.3}\t{}\t{end}\t{}\t{}\t{}\n",
+            "{i}\t{}\t{:.3}\t{}\t{end}\t{}\t{}\t{}\t{}\t{}\t{extends}\t{head}\n",
             i % replicas.max(1),
             ms(o.sent_at),
             o.arrived_at.map_or("-".to_owned(), |a| format!("{:.3}", ms(a))),
             o.worker.map_or("-".to_owned(), |w| w.to_string()),
             o.sim_ttft_ms.map_or("-".to_owned(), |t| format!("{t:.1}")),
+            o.prompt_tokens,
+            o.cached_tokens,
             o.status,
         ));
     }
