@@ -120,25 +120,21 @@ pub struct Learned {
 /// The estimate errors of `/debug/workers` (`ranks[].learned.estimate_error`), merged.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EstimateError {
-    /// |taken − estimated|, wall-clock seconds.
-    pub abs_s: cortex_sched::LogHistogram,
-    /// |taken − estimated| ÷ taken.
-    pub relative: cortex_sched::LogHistogram,
-    /// Σ (taken − estimated), wall-clock seconds.
-    pub sum_signed_s: f64,
+    /// The errors, wall-clock seconds, as the gateways count them.
+    pub errors: cortex_sched::EstimateErrors,
     /// Trace time per wall-clock time (the replay's compression).
     pub compression: f64,
 }
 
 impl EstimateError {
     fn new(compression: f64) -> Self {
-        let e = cortex_sched::EstimateErrors::default();
-        EstimateError { abs_s: e.abs_s, relative: e.relative, sum_signed_s: 0.0, compression }
+        EstimateError { errors: cortex_sched::EstimateErrors::default(), compression }
     }
 
     /// Adds one holder's `estimate_error` object.
     fn add(&mut self, v: &Value) {
-        for (key, h) in [("abs_buckets", &mut self.abs_s), ("relative_buckets", &mut self.relative)] {
+        let e = &mut self.errors;
+        for (key, h) in [("abs_buckets", &mut e.abs_s), ("relative_buckets", &mut e.relative)] {
             for pair in v[key]["counts"].as_array().into_iter().flatten() {
                 if let (Some(i), Some(c)) = (pair[0].as_u64(), pair[1].as_u64()) {
                     h.add(i as usize, u32::try_from(c).unwrap_or(u32::MAX));
@@ -146,25 +142,25 @@ impl EstimateError {
             }
         }
         let n = v["samples"].as_f64().unwrap_or(0.0);
-        self.sum_signed_s += v["mean_signed_ms"].as_f64().unwrap_or(0.0) * n / 1e3;
+        e.sum_signed_s += v["mean_signed_ms"].as_f64().unwrap_or(0.0) * n / 1e3;
     }
 
     /// Requests counted.
     #[must_use]
     pub fn samples(&self) -> u64 {
-        self.abs_s.count()
+        self.errors.count()
     }
 
     /// The `q`-quantile of the absolute error, milliseconds of trace time.
     #[must_use]
     pub fn abs_ms(&self, q: f64) -> f64 {
-        self.abs_s.quantile(q).unwrap_or(0.0) * 1e3 * self.compression
+        self.errors.abs_s.quantile(q).unwrap_or(0.0) * 1e3 * self.compression
     }
 
     /// The mean signed error (taken − estimated), milliseconds of trace time.
     #[must_use]
     pub fn mean_signed_ms(&self) -> f64 {
-        self.sum_signed_s * 1e3 * self.compression / self.samples().max(1) as f64
+        self.errors.sum_signed_s * 1e3 * self.compression / self.samples().max(1) as f64
     }
 
     /// The JSON form.
@@ -173,7 +169,7 @@ impl EstimateError {
         json!({
             "samples": self.samples(),
             "abs_trace_ms": {"p50": self.abs_ms(0.5), "p90": self.abs_ms(0.9)},
-            "relative": {"p50": self.relative.quantile(0.5), "p90": self.relative.quantile(0.9)},
+            "relative": {"p50": self.errors.relative.quantile(0.5), "p90": self.errors.relative.quantile(0.9)},
             "mean_signed_trace_ms": self.mean_signed_ms(),
         })
     }
@@ -186,8 +182,8 @@ impl std::fmt::Display for EstimateError {
             "|taken − estimated| p50 {:.0} ms, p90 {:.0} ms (relative {:.2}, {:.2}; mean signed {:+.0} ms) over {} requests",
             self.abs_ms(0.5),
             self.abs_ms(0.9),
-            self.relative.quantile(0.5).unwrap_or(0.0),
-            self.relative.quantile(0.9).unwrap_or(0.0),
+            self.errors.relative.quantile(0.5).unwrap_or(0.0),
+            self.errors.relative.quantile(0.9).unwrap_or(0.0),
             self.mean_signed_ms(),
             self.samples()
         )
