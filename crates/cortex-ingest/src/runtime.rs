@@ -1329,6 +1329,18 @@ mod tests {
         // One holder after the other: a lane busy with d's groups would make e's queue too.
         for (h, engine) in [(d, &mut ed), (e, &mut ee)] {
             for i in 0..3 {
+                if h == e {
+                    // The inline path needs an idle lane: on a loaded machine the lane thread may
+                    // still be finishing d's repairs when e's batches come.
+                    let lane = &ingest.shared.lanes[0];
+                    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                    while lane.queued.load(std::sync::atomic::Ordering::Acquire) != 0
+                        || lane.state.try_lock().is_err()
+                    {
+                        assert!(std::time::Instant::now() < deadline, "the lane never went idle");
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
                 engine.publish(i, &vllm_block_batch(i));
             }
             wait(&ingest, h, "three undecodable batches", |s| {
