@@ -126,9 +126,11 @@ pub const RANKED: usize = 16;
 /// fewer than `n/(1+ε)` requests are in flight, which would forbid a holder its second request
 /// while the cluster is nearly idle — turning cache affinity off exactly when no worker is
 /// loaded (a conversation's next turn sent away from its history because the holder is
-/// answering one other request). A pile-up takes more than two; `cache_aware`'s estimate
-/// already charges the queue a second request waits behind.
-pub const TIME_BOUND_FLOOR: u64 = 2;
+/// answering one other request). `cache_aware`'s estimate already charges the queue a request
+/// waits behind, so the floor only has to stop a pile-up, which takes more than three: at 2 the
+/// slowest turns of the multi-turn replay still went to a cold worker because their holder had
+/// two requests in flight (perf.md, "After the bound's floor").
+pub const TIME_BOUND_FLOOR: u64 = 3;
 
 /// The largest pool a decision considers (the sort key's index field); holders beyond it, in
 /// holder-id order, are ignored. A million holders in one (model, role) pool is far beyond any
