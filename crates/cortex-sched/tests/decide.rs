@@ -363,7 +363,7 @@ fn bounded_load_caps_the_best_holder() {
 
 /// `cache_aware` at low load: with one request in flight on 8 holders, ⌈2 · 2/8⌉ = 1 would
 /// exclude the holder of the prompt's history because it answers one other request; the floor
-/// lets it take a second, not a third.
+/// (`TIME_BOUND_FLOOR`) lets it take requests up to the floor, not one more.
 #[test]
 fn the_bound_never_forbids_a_holder_its_first_requests() {
     // 8 holders, ε = 1: ⌈2·(B + 1)/8⌉ is below the floor here, so the floor is the cap.
