@@ -465,9 +465,28 @@ struct SockHolder {
     lane: usize,
     sub: zmq::Socket,
     monitor: zmq::Socket,
+    /// The `inproc` endpoint `monitor` reads the SUB's events from.
+    monitor_endpoint: String,
     replay_endpoint: Option<String>,
     dealer: Option<zmq::Socket>,
     decoder: Decoder,
+}
+
+impl Drop for SockHolder {
+    /// Turns the SUB's monitor off before its sockets close. Closing a SUB is asynchronous: its
+    /// connection can still report a disconnect from libzmq's I/O thread, which sends the event
+    /// to the monitor with a blocking send; once `monitor` (the only reader) is closed, that send
+    /// never returns, and the I/O thread of every holder's connections stops with it (seen as
+    /// a new holder's subscription never reaching its engine after a worker was removed while
+    /// its engine went away). Monitoring again with no events stops the old monitor without an
+    /// event and sends nothing more. (`zmq::Socket::monitor` cannot pass the NULL endpoint that
+    /// only stops.)
+    fn drop(&mut self) {
+        let off = format!("{}-off", self.monitor_endpoint);
+        if let Err(e) = self.sub.monitor(&off, 0) {
+            tracing::warn!(holder = %self.holder, error = %e, "ingest: cannot stop a closing socket's monitor");
+        }
+    }
 }
 
 struct SocketThread {
@@ -594,7 +613,16 @@ impl SocketThread {
         sub.set_subscribe(topic.as_bytes())?;
         sub.connect(publish)?;
         tracing::info!(%holder, endpoint = publish, topic, "ingest: subscribed");
-        Ok(SockHolder { holder, lane, sub, monitor, replay_endpoint: replay, dealer: None, decoder })
+        Ok(SockHolder {
+            holder,
+            lane,
+            sub,
+            monitor,
+            monitor_endpoint: endpoint,
+            replay_endpoint: replay,
+            dealer: None,
+            decoder,
+        })
     }
 
     fn start_replay(&mut self, holder: HolderId, from: u64) {
