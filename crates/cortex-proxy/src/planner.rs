@@ -234,14 +234,7 @@ impl Planner {
     /// [`ProxyError::UnsupportedRoute`] for SGLang's `/generate` naming a vLLM model;
     /// [`ProxyError::InvalidRequest`] for a token id out of its vocabulary.
     pub fn model_for(&self, facts: &RequestFacts) -> Result<Arc<ModelRoute>, ProxyError> {
-        let model = match facts.lora.as_deref().and_then(|l| self.models.get(Some(l))) {
-            Some(m) => Arc::clone(m),
-            None => match (&facts.model, self.models.get(facts.model.as_deref())) {
-                (_, Some(m)) => Arc::clone(m),
-                (Some(m), None) => return Err(ProxyError::UnknownModel(m.clone())),
-                (None, None) => self.only_model_for(facts.route)?,
-            },
-        };
+        let model = self.model_named(facts)?;
         let engine = model.spec().profile.engine();
         if facts.route == Route::Generate && engine == Engine::Vllm {
             return Err(ProxyError::UnsupportedRoute {
@@ -251,13 +244,25 @@ impl Planner {
                 hint: "; use /v1/completions or /v1/chat/completions",
             });
         }
-        if let Some(id) = facts.max_token_id.filter(|&id| id > model.max_token_id()) {
-            return Err(ProxyError::InvalidRequest(format!(
-                "token id {id} is out of the vocabulary of `{}` (ids 0..={})",
-                model.base_model(),
-                model.max_token_id()
-            )));
-        }
+        within_vocabulary(&model, facts)?;
+        Ok(model)
+    }
+
+    /// The model the request names (or the only one it may mean), whatever its route: what
+    /// `/tokenize` needs, since a `/generate`-shaped body's prompt is tokenized as a completion's
+    /// for every engine.
+    ///
+    /// # Errors
+    /// [`ProxyError::UnknownModel`] and [`ProxyError::ModelRequired`], as [`Planner::model_for`].
+    fn model_named(&self, facts: &RequestFacts) -> Result<Arc<ModelRoute>, ProxyError> {
+        let model = match facts.lora.as_deref().and_then(|l| self.models.get(Some(l))) {
+            Some(m) => Arc::clone(m),
+            None => match (&facts.model, self.models.get(facts.model.as_deref())) {
+                (_, Some(m)) => Arc::clone(m),
+                (Some(m), None) => return Err(ProxyError::UnknownModel(m.clone())),
+                (None, None) => self.only_model_for(facts.route)?,
+            },
+        };
         Ok(model)
     }
 
@@ -280,10 +285,12 @@ impl Planner {
     /// half of the pipeline).
     ///
     /// # Errors
-    /// As [`Planner::model_for`]; [`ProxyError::InvalidRequest`] when the prompt cannot be
-    /// tokenized (with why).
+    /// As [`Planner::model_for`] but for the route (a `/generate`-shaped body is tokenized for a
+    /// vLLM model too); [`ProxyError::InvalidRequest`] when the prompt cannot be tokenized (with
+    /// why).
     pub async fn tokenize(&self, facts: &Arc<RequestFacts>) -> Result<Vec<Token>, ProxyError> {
-        let model = self.model_for(facts)?;
+        let model = self.model_named(facts)?;
+        within_vocabulary(&model, facts)?;
         match tokens(&model, facts).await {
             Ok(t) => Ok(t),
             Err(Failed::Tokenizer(e)) => Err(ProxyError::InvalidRequest(e.to_string())),
@@ -547,6 +554,18 @@ enum Failed {
 }
 
 /// Tokenizes inline when that is cheaper than the hand-off, else on the blocking pool.
+/// A prompt of token ids must stay within the model's vocabulary.
+fn within_vocabulary(model: &ModelRoute, facts: &RequestFacts) -> Result<(), ProxyError> {
+    match facts.max_token_id.filter(|&id| id > model.max_token_id()) {
+        Some(id) => Err(ProxyError::InvalidRequest(format!(
+            "token id {id} is out of the vocabulary of `{}` (ids 0..={})",
+            model.base_model(),
+            model.max_token_id()
+        ))),
+        None => Ok(()),
+    }
+}
+
 async fn tokens(model: &Arc<ModelRoute>, facts: &Arc<RequestFacts>) -> Result<Vec<Token>, Failed> {
     if tokenize_inline(&facts.prompt) {
         return model.tokens(&facts.prompt).map_err(Failed::Tokenizer);

@@ -150,6 +150,19 @@ async fn client_faults_and_unserved_routes_are_refused_clearly() {
         message.contains("/generate") && message.contains("vllm") && message.contains("/v1/completions"),
         "{e}"
     );
+    // `/tokenize` is Cortex's own: a `/generate`-shaped body is tokenized as the completion's
+    // prompt would be, for a vLLM model too.
+    let text = h.post("/tokenize", &json!({"model": MODEL, "text": "hello world"})).await;
+    let prompt = h.post("/tokenize", &json!({"model": MODEL, "prompt": "hello world"})).await;
+    assert_eq!(text.status, StatusCode::OK, "{}", text.body);
+    assert_eq!(prompt.status, StatusCode::OK, "{}", prompt.body);
+    let (t, p): (Value, Value) = (text.json(), prompt.json());
+    assert!(t["count"].as_u64().unwrap() > 0, "{t}");
+    assert_eq!(t, p);
+    // Its vocabulary check holds there too.
+    let r = h.post("/tokenize", &json!({"model": MODEL, "input_ids": [u32::MAX]})).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.body);
+    assert!(r.body.contains("out of the vocabulary"), "{}", r.body);
     h.shutdown().await;
 }
 
