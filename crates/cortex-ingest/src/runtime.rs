@@ -331,6 +331,7 @@ impl Ingest {
             stats,
             replay_deadline: None,
             last_event: Instant::now(),
+            busy_since: None,
             cfg,
             replay,
             rebuilds: 0,
@@ -807,6 +808,10 @@ struct LaneHolder {
     stats: Arc<HolderStats>,
     replay_deadline: Option<Instant>,
     last_event: Instant,
+    /// When the lane first saw the engine report work without a report of none since: silence
+    /// counts from the later of this and the last event, so an engine idle (and rightly quiet)
+    /// for longer than `silence_timeout` is not STALE the moment it takes a request.
+    busy_since: Option<Instant>,
     /// What the holder was registered with, and whether its engine replays: a rebuild
     /// registers it again the same way.
     cfg: HolderConfig,
@@ -950,13 +955,18 @@ impl LaneState {
         let now = Instant::now();
         let mut due = Vec::new();
         for (id, h) in self.holders.iter_mut().filter(|(_, h)| !h.given_up) {
+            // Relaxed: a gauge written by the load poller.
+            let busy = h.stats.running.load(Ordering::Relaxed) > 0;
+            let busy_since = if busy { *h.busy_since.get_or_insert(now) } else { now };
+            if !busy {
+                h.busy_since = None;
+            }
             let input = if h.replay_deadline.is_some_and(|d| now >= d) && h.seq.replaying() {
                 h.replay_deadline = None;
                 Some(Input::ReplayTimeout)
             } else if h.seq.state() == HolderState::Ready
-                // Relaxed: a gauge written by the load poller.
-                && h.stats.running.load(Ordering::Relaxed) > 0
-                && now.duration_since(h.last_event) >= shared.cfg.silence_timeout
+                && busy
+                && now.duration_since(h.last_event.max(busy_since)) >= shared.cfg.silence_timeout
             {
                 h.last_event = now;
                 Some(Input::Silent)
@@ -1045,6 +1055,7 @@ impl LaneHolder {
             seq: Sequencer::new(self.replay, shared.cfg.max_buffered),
             replay_deadline: None,
             last_event: Instant::now(),
+            busy_since: None,
             rebuilds: self.rebuilds + 1,
             given_up: give_up,
             ..self

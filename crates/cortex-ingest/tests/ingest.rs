@@ -435,6 +435,39 @@ fn silence_while_busy_is_stale_until_events_resume() {
     assert_eq!(synthetic_overlap(&s.ledger, h, 2), 2);
 }
 
+/// An engine idle (and quiet) for longer than `silence_timeout` that takes a request is not
+/// STALE at once: its silence counts from when it became busy. Found against the demo, where a
+/// worker's first request after 30 idle seconds made it STALE until its next event.
+#[test]
+fn an_engine_idle_past_the_timeout_is_not_stale_when_it_takes_work() {
+    let timeout = Duration::from_secs(2);
+    let s = setup(IngestConfig { silence_timeout: timeout, ..IngestConfig::default() });
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(14, 0);
+    follow(&s, &engine, h);
+    engine.publish(0, &vllm_block_batch(0));
+    wait_seq(&s, h, 0);
+    std::thread::sleep(timeout + Duration::from_millis(500));
+    s.ingest.report_running(h, 1);
+    // Several lane ticks: the old code turned the holder STALE on the first.
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(s.ingest.status(h).unwrap().transitions(Reason::Silent), 0);
+    assert_eq!(s.ledger.readiness(h), Some(Readiness::Ready));
+    // Still silent a whole timeout after it became busy: STALE.
+    wait_stale(&s, h, Reason::Silent, 1, Readiness::Stale);
+    // Events resume (READY), the engine goes idle past the timeout, then busy again: the
+    // silence counts from the new busy period, not the first one.
+    engine.publish(1, &vllm_block_batch(1));
+    wait_seq(&s, h, 1);
+    s.ingest.report_running(h, 0);
+    std::thread::sleep(timeout + Duration::from_millis(500));
+    s.ingest.report_running(h, 1);
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(s.ingest.status(h).unwrap().transitions(Reason::Silent), 1);
+    assert_eq!(s.ledger.readiness(h), Some(Readiness::Ready));
+    s.ingest.shutdown();
+}
+
 #[test]
 fn an_idle_engine_is_ready_without_any_event() {
     let s = setup(IngestConfig::default());
