@@ -553,8 +553,8 @@ enum Failed {
     Task(String),
 }
 
-/// Tokenizes inline when that is cheaper than the hand-off, else on the blocking pool.
-/// A prompt of token ids must stay within the model's vocabulary.
+/// A prompt of token ids must stay within the model's vocabulary: the engines refuse a larger
+/// id, so the gateway refuses it before it plans or forwards anything.
 fn within_vocabulary(model: &ModelRoute, facts: &RequestFacts) -> Result<(), ProxyError> {
     match facts.max_token_id.filter(|&id| id > model.max_token_id()) {
         Some(id) => Err(ProxyError::InvalidRequest(format!(
@@ -566,6 +566,7 @@ fn within_vocabulary(model: &ModelRoute, facts: &RequestFacts) -> Result<(), Pro
     }
 }
 
+/// Tokenizes inline when that is cheaper than the hand-off, else on the blocking pool.
 async fn tokens(model: &Arc<ModelRoute>, facts: &Arc<RequestFacts>) -> Result<Vec<Token>, Failed> {
     if tokenize_inline(&facts.prompt) {
         return model.tokens(&facts.prompt).map_err(Failed::Tokenizer);
