@@ -8,6 +8,7 @@
 //! |---|---|---|
 //! | seq = last + 1 | apply | unchanged (a STALE holder becomes READY: nothing was lost) |
 //! | 0 < seq ≤ last (duplicate or replay overlap) | drop, count | unchanged |
+//! | 0 < seq ≤ last after a disconnection, not READY since (a restarted engine whose first batches were published before the SUB was back) | clear; replay from 0 if the engine has a replay socket, else apply | SYNCING → READY, or READY |
 //! | seq = 0 while a batch was applied (engine restarted; vLLM sends no AllBlocksCleared) | clear, apply | READY |
 //! | seq > last + 1 (gap) | ask the replay socket for last+1…; buffer live batches | SYNCING |
 //! | replay returns a contiguous range to its end marker | apply it, then the buffered batches, skipping duplicates | READY |
@@ -220,6 +221,10 @@ pub struct Sequencer<P> {
     cold: bool,
     phase: Phase,
     state: HolderState,
+    /// The socket reported a disconnection and the holder has not been READY since: the same
+    /// engine goes on at `last + 1`, so a live batch numbered `last` or below is a restarted
+    /// engine whose first batches were published before this SUB was connected again.
+    disconnected: bool,
     buffered: VecDeque<(u64, P)>,
     max_buffered: usize,
 }
@@ -234,6 +239,7 @@ impl<P> Sequencer<P> {
             cold: false,
             phase: Phase::Live,
             state: HolderState::Syncing,
+            disconnected: false,
             buffered: VecDeque::new(),
             max_buffered: max_buffered.max(1),
         }
@@ -297,7 +303,10 @@ impl<P> Sequencer<P> {
                 out.push(Effect::Clear(Reason::Undecodable));
                 self.set_state(HolderState::Ready, Reason::Undecodable, out);
             }
-            Input::Disconnected => self.suspect(Reason::Disconnected, out),
+            Input::Disconnected => {
+                self.disconnected = true;
+                self.suspect(Reason::Disconnected, out);
+            }
             Input::Silent => self.suspect(Reason::Silent, out),
         }
     }
@@ -343,6 +352,8 @@ impl<P> Sequencer<P> {
                     if self.state != HolderState::Ready {
                         self.set_state(HolderState::Ready, Reason::Resumed, out);
                     }
+                } else if seq <= last && self.disconnected {
+                    self.restarted_unseen(seq, payload, out);
                 } else if seq <= last {
                     out.push(Effect::Duplicate { seq });
                 } else if self.replay == Replay::Available {
@@ -364,6 +375,21 @@ impl<P> Sequencer<P> {
         out.push(Effect::Clear(Reason::Restart));
         self.apply(seq, payload, out);
         self.set_state(HolderState::Ready, Reason::Restart, out);
+    }
+
+    /// A restarted engine whose first batches this SUB missed (published before it was connected
+    /// again): clear, then replay the new engine's history from 0 if it has a replay socket, else
+    /// start from this batch (what the missed batches stored is not known: an under-count).
+    fn restarted_unseen(&mut self, seq: u64, payload: P, out: &mut Vec<Effect<P>>) {
+        out.push(Effect::Clear(Reason::Restart));
+        self.last = None;
+        if self.replay == Replay::Available {
+            self.buffered.push_back((seq, payload));
+            self.start_replay(0, Reason::Restart, out);
+        } else {
+            self.apply(seq, payload, out);
+            self.set_state(HolderState::Ready, Reason::Restart, out);
+        }
     }
 
     fn start_replay(&mut self, from: u64, why: Reason, out: &mut Vec<Effect<P>>) {
@@ -463,6 +489,9 @@ impl<P> Sequencer<P> {
     }
 
     fn set_state(&mut self, state: HolderState, why: Reason, out: &mut Vec<Effect<P>>) {
+        if state == HolderState::Ready {
+            self.disconnected = false;
+        }
         if self.state != state || why != Reason::Resumed {
             self.state = state;
             out.push(Effect::State(state, why));
@@ -534,6 +563,59 @@ mod tests {
             ]
         );
         assert_eq!(live(&mut m, 1), vec![Effect::Apply { seq: 1, payload: 1 }]);
+    }
+
+    /// A restarted engine whose first batches were published before the SUB was connected again:
+    /// the first batch seen is numbered at or below the last applied one. Without the
+    /// disconnection that is a duplicate; after it (the same engine would go on at last + 1) it is
+    /// a restart, and the old engine's blocks must go.
+    #[test]
+    fn a_restart_whose_first_batches_were_missed_clears() {
+        let mut m = ready_at(Replay::Unavailable, 5);
+        assert_eq!(
+            run(&mut m, Input::Disconnected),
+            vec![Effect::State(HolderState::Stale, Reason::Disconnected)]
+        );
+        assert_eq!(
+            live(&mut m, 2),
+            vec![
+                Effect::Clear(Reason::Restart),
+                Effect::Apply { seq: 2, payload: 2 },
+                Effect::State(HolderState::Ready, Reason::Restart)
+            ]
+        );
+        // READY since: a number at or below the last is a duplicate again.
+        assert_eq!(live(&mut m, 3), vec![Effect::Apply { seq: 3, payload: 3 }]);
+        assert_eq!(live(&mut m, 3), vec![Effect::Duplicate { seq: 3 }]);
+        // With a replay socket: clear, replay the new engine's history from 0, then the batch.
+        let mut m = ready_at(Replay::Available, 5);
+        run(&mut m, Input::Disconnected);
+        assert_eq!(
+            live(&mut m, 2),
+            vec![
+                Effect::Clear(Reason::Restart),
+                Effect::RequestReplay { from: 0 },
+                Effect::State(HolderState::Syncing, Reason::Restart)
+            ]
+        );
+        let mut effects = Vec::new();
+        for s in 0..2 {
+            effects.extend(run(&mut m, Input::Replayed { seq: s, payload: s }));
+        }
+        effects.extend(run(&mut m, Input::ReplayEnd));
+        assert_eq!(applied(&effects), vec![0, 1, 2]);
+        assert_eq!(effects.last(), Some(&Effect::State(HolderState::Ready, Reason::ReplayOk)));
+    }
+
+    #[test]
+    fn after_a_disconnection_the_same_engine_resumes_without_a_clear() {
+        let mut m = ready_at(Replay::Unavailable, 5);
+        run(&mut m, Input::Disconnected);
+        assert_eq!(
+            live(&mut m, 6),
+            vec![Effect::Apply { seq: 6, payload: 6 }, Effect::State(HolderState::Ready, Reason::Resumed)]
+        );
+        assert_eq!(live(&mut m, 4), vec![Effect::Duplicate { seq: 4 }]);
     }
 
     #[test]

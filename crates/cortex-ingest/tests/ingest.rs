@@ -548,6 +548,32 @@ fn a_disconnected_publisher_makes_the_holder_stale_until_it_publishes_in_order_a
     assert_eq!(synthetic_overlap(&s.ledger, h, 4), 1, "only what the restarted engine stored");
 }
 
+/// A publisher restarted on the same address whose first batches went out before the SUB was
+/// connected again (a PUB drops what no subscriber is connected for): the first batch seen is
+/// numbered below the last applied one. That is a restart, cleared — not a run of duplicates
+/// that would end, at the old last + 1, with the old engine's blocks taken for the new one's.
+#[test]
+fn a_restarted_publisher_whose_first_batches_were_missed_is_cleared() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let endpoint = engine.pub_endpoint.clone();
+    let h = holder(19, 0);
+    follow(&s, &engine, h);
+    publish_vllm(&mut engine, 0..5);
+    wait_seq(&s, h, 4);
+    drop(engine);
+    wait_stale(&s, h, Reason::Disconnected, 1, Readiness::Stale);
+    let mut engine = FakeEngine::bound_to(&endpoint, "", None);
+    engine.wait_subscribed();
+    // Its batches 0 and 1 were missed; 2, storing a first block, is the first seen.
+    engine.publish(2, &vllm_block_batch(0));
+    wait_seq(&s, h, 2);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!((st.transitions(Reason::Restart), st.clears), (1, 1));
+    assert_eq!(s.ledger.readiness(h), Some(Readiness::Ready));
+    assert_eq!(synthetic_overlap(&s.ledger, h, 5), 1, "only what the restarted engine was seen storing");
+}
+
 /// Makes a READY holder holding one block STALE (silent while its engine reports work) under
 /// `stale_routing`; returns its ledger readiness and the blocks a query counts while STALE, then
 /// checks that events resuming make it READY and counted.
