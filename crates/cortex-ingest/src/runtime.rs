@@ -957,16 +957,13 @@ impl LaneState {
         for (id, h) in self.holders.iter_mut().filter(|(_, h)| !h.given_up) {
             // Relaxed: a gauge written by the load poller.
             let busy = h.stats.running.load(Ordering::Relaxed) > 0;
-            let busy_since = if busy { *h.busy_since.get_or_insert(now) } else { now };
-            if !busy {
-                h.busy_since = None;
-            }
+            h.busy_since = if busy { h.busy_since.or(Some(now)) } else { None };
             let input = if h.replay_deadline.is_some_and(|d| now >= d) && h.seq.replaying() {
                 h.replay_deadline = None;
                 Some(Input::ReplayTimeout)
             } else if h.seq.state() == HolderState::Ready
-                && busy
-                && now.duration_since(h.last_event.max(busy_since)) >= shared.cfg.silence_timeout
+                && h.busy_since
+                    .is_some_and(|b| now.duration_since(h.last_event.max(b)) >= shared.cfg.silence_timeout)
             {
                 h.last_event = now;
                 Some(Input::Silent)

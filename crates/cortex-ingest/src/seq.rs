@@ -381,15 +381,14 @@ impl<P> Sequencer<P> {
     /// again): clear, then replay the new engine's history from 0 if it has a replay socket, else
     /// start from this batch (what the missed batches stored is not known: an under-count).
     fn restarted_unseen(&mut self, seq: u64, payload: P, out: &mut Vec<Effect<P>>) {
+        if self.replay == Replay::Unavailable {
+            self.restart(seq, payload, out);
+            return;
+        }
         out.push(Effect::Clear(Reason::Restart));
         self.last = None;
-        if self.replay == Replay::Available {
-            self.buffered.push_back((seq, payload));
-            self.start_replay(0, Reason::Restart, out);
-        } else {
-            self.apply(seq, payload, out);
-            self.set_state(HolderState::Ready, Reason::Restart, out);
-        }
+        self.buffered.push_back((seq, payload));
+        self.start_replay(0, Reason::Restart, out);
     }
 
     fn start_replay(&mut self, from: u64, why: Reason, out: &mut Vec<Effect<P>>) {

@@ -510,25 +510,33 @@ fn sglang_page_batch(i: u64, encoding: cortex_events_sglang::Encoding) -> Vec<u8
     cortex_events_sglang::encode(&batch, encoding).unwrap()
 }
 
+/// Drops `engine` (its PUB socket goes away: the SUB's monitor reports the disconnection), waits
+/// for `h`'s `disconnects`-th STALE, and binds a new publisher on the same address, subscribed.
+fn back_on_the_same_address(s: &Setup, h: HolderId, engine: FakeEngine, disconnects: u64) -> FakeEngine {
+    let endpoint = engine.pub_endpoint.clone();
+    drop(engine);
+    wait_stale(s, h, Reason::Disconnected, disconnects, Readiness::Stale);
+    let engine = FakeEngine::bound_to(&endpoint, "", None);
+    engine.wait_subscribed();
+    engine
+}
+
 #[test]
 fn a_disconnected_publisher_makes_the_holder_stale_until_it_publishes_in_order_again() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
-    let endpoint = engine.pub_endpoint.clone();
     let h = holder(16, 0);
     follow(&s, &engine, h);
     publish_vllm(&mut engine, 0..3);
     wait_seq(&s, h, 2);
     assert_eq!(s.ingest.status(h).unwrap().transitions(Reason::Resumed), 0);
-    // The engine's PUB socket goes away: the SUB's monitor reports the disconnection.
-    drop(engine);
-    wait_stale(&s, h, Reason::Disconnected, 1, Readiness::Stale);
+    // The same publisher comes back on the same address (libzmq reconnects the SUB); until it
+    // publishes, the holder is STALE.
+    let mut engine = back_on_the_same_address(&s, h, engine, 1);
     assert_eq!(s.ingest.status(h).unwrap().clears, 0, "a disconnection is a suspicion, not a loss");
     assert_eq!(synthetic_overlap(&s.ledger, h, 3), 0, "a STALE holder is not counted by default");
-    // The same publisher comes back on the same address (libzmq reconnects the SUB) and goes on
-    // where it stopped: seq = last + 1 proves nothing was lost, so READY with every block kept.
-    let mut engine = FakeEngine::bound_to(&endpoint, "", None);
-    engine.wait_subscribed();
+    // It goes on where it stopped: seq = last + 1 proves nothing was lost, so READY with every
+    // block kept.
     engine.publish(3, &vllm_block_batch(3));
     wait_seq(&s, h, 3);
     let st = s.ingest.status(h).unwrap();
@@ -537,10 +545,7 @@ fn a_disconnected_publisher_makes_the_holder_stale_until_it_publishes_in_order_a
     assert_eq!(s.ledger.readiness(h), Some(Readiness::Ready));
     assert_eq!(synthetic_overlap(&s.ledger, h, 4), 4, "what was applied before the disconnection is kept");
     // It goes away again and comes back restarted (seq 0): a restart, so cleared and READY.
-    drop(engine);
-    wait_stale(&s, h, Reason::Disconnected, 2, Readiness::Stale);
-    let mut engine = FakeEngine::bound_to(&endpoint, "", None);
-    engine.wait_subscribed();
+    let mut engine = back_on_the_same_address(&s, h, engine, 2);
     engine.publish(0, &vllm_block_batch(0));
     wait_seq(&s, h, 0);
     let st = s.ingest.status(h).unwrap();
@@ -556,15 +561,11 @@ fn a_disconnected_publisher_makes_the_holder_stale_until_it_publishes_in_order_a
 fn a_restarted_publisher_whose_first_batches_were_missed_is_cleared() {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("", None);
-    let endpoint = engine.pub_endpoint.clone();
     let h = holder(19, 0);
     follow(&s, &engine, h);
     publish_vllm(&mut engine, 0..5);
     wait_seq(&s, h, 4);
-    drop(engine);
-    wait_stale(&s, h, Reason::Disconnected, 1, Readiness::Stale);
-    let mut engine = FakeEngine::bound_to(&endpoint, "", None);
-    engine.wait_subscribed();
+    let mut engine = back_on_the_same_address(&s, h, engine, 1);
     // Its batches 0 and 1 were missed; 2, storing a first block, is the first seen.
     engine.publish(2, &vllm_block_batch(0));
     wait_seq(&s, h, 2);
