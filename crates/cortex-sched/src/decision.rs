@@ -302,7 +302,10 @@ pub struct Candidate {
     /// plus what this gateway booked there since that report, or this gateway's own outstanding
     /// bookings when those are more or no fresh report exists.
     pub queue_tokens: u32,
-    /// The holder's learned prefill speed, tokens per second.
+    /// The holder's learned prefill speed, tokens per second: under `cache_aware`, its pool's
+    /// mean learned speed while the holder has fewer than
+    /// [`TRAINED_SAMPLES`](crate::learn::TRAINED_SAMPLES) samples and another holder of the pool
+    /// has that many.
     pub rate_tokens_per_sec: f32,
     /// `cache_aware`: prompt tokens the holder will have once requests this gateway sent it are
     /// prefilled (a prefix in flight, not yet in the ledger; see [`crate::pending`]). Shortens

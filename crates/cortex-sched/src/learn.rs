@@ -28,6 +28,13 @@ pub const PRIOR_WEIGHT: f64 = 4.0;
 /// Real samples after which the prior weighs half as much.
 pub const PRIOR_HALF_LIFE_SAMPLES: f64 = 4.0;
 
+/// Real samples after which a holder's own line is its estimate in decisions (the prior then
+/// weighs a quarter of its start). Before, `cache_aware` prices the holder at the mean line of
+/// its pool's holders that have as many: the same model on, most likely, the same hardware,
+/// where the configured prior may be several times off — and a holder that looks slower than it
+/// is may never be chosen, so never learn.
+pub const TRAINED_SAMPLES: u64 = 8;
+
 /// Work sizes (tokens) of the prior's two pseudo-samples.
 const PRIOR_WORKS: [f64; 2] = [512.0, 8192.0];
 

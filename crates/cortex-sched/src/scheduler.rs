@@ -334,6 +334,8 @@ impl<S: Scorer> Scheduler<S> {
         let (time, max_age, kv_room) = if DEFAULT { (true, None, false) } else { (time, max_age, kv_room) };
         let now = req.now;
         let (mut admissible, mut reported, mut booked_total) = (0, 0, 0u64);
+        // `cache_aware`: holders without a learned line of their own yet.
+        let mut untrained = 0usize;
         for slot in pool {
             let st = &*slot.state;
             let Some(rs) = st.rank_state(slot.holder.rank) else { continue };
@@ -377,13 +379,9 @@ impl<S: Scorer> Scheduler<S> {
                 // A holder whose requests are on average past the first token estimated at
                 // their dispatch is behind its estimate (stalled, or slower than learned so
                 // far): the next request waits at least that much longer too.
-                // In nanoseconds: no `Duration` built and taken apart per holder.
-                let late_ns = rs.unanswered_lateness_ns(now);
-                if late_ns > 0 && hot.secs_per_token > 0.0 {
-                    let late = crate::state::u64_to_f64(late_ns) * 1e-9;
-                    queue_tokens = queue_tokens.saturating_add((late / hot.secs_per_token) as u64);
-                }
+                queue_tokens = queue_tokens.saturating_add(Self::late_tokens(rs, now, hot.secs_per_token));
                 queue_ms = hot.secs_per_token * crate::state::u64_to_f64(queue_tokens) * 1e3;
+                untrained += usize::from(!hot.trained);
             }
             if excluded.is_none() {
                 admissible += 1;
@@ -424,7 +422,56 @@ impl<S: Scorer> Scheduler<S> {
                 cache_fill: if cap == 0 { 1.0 } else { (hot.cached_blocks / cap as f32).min(1.0) },
             });
         }
+        if untrained > 0 && untrained < out.facts.len() {
+            Self::price_untrained(pool, now, out);
+        }
         (admissible, reported, booked_total)
+    }
+
+    /// Queued tokens a holder's lateness stands for at `secs_per_token`: its unanswered
+    /// bookings are on average past the first token estimated at their dispatch (stalled, or
+    /// slower than learned so far), so the next request waits at least that much longer too.
+    #[inline]
+    fn late_tokens(rs: &crate::state::RankState, now: Timestamp, secs_per_token: f64) -> u64 {
+        // In nanoseconds: no `Duration` built and taken apart per holder.
+        let late_ns = rs.unanswered_lateness_ns(now);
+        if late_ns > 0 && secs_per_token > 0.0 {
+            (crate::state::u64_to_f64(late_ns) * 1e-9 / secs_per_token) as u64
+        } else {
+            0
+        }
+    }
+
+    /// `cache_aware`: prices each holder without [`TRAINED_SAMPLES`](crate::learn::TRAINED_SAMPLES)
+    /// at the mean learned line (seconds per token, overhead) of its pool's trained holders
+    /// instead of the configured prior (see [`crate::learn::TRAINED_SAMPLES`]): its rate, its
+    /// queue's time, and the lateness converted at that rate. Some holders of `out` are trained.
+    #[cold]
+    fn price_untrained(pool: &[HolderSlot], now: Timestamp, out: &mut Ranking) {
+        // The gather's candidates and facts are the pool's holders in order (all have a rank).
+        let trained =
+            |slot: &HolderSlot| slot.state.rank_state(slot.holder.rank).is_some_and(|rs| rs.hot().trained);
+        let (n, spt, overhead) = out
+            .facts
+            .iter()
+            .zip(pool)
+            .filter(|(_, slot)| trained(slot))
+            .fold((0.0, 0.0, 0.0), |(n, s, o), (f, _)| (n + 1.0, s + f.secs_per_token, o + f.overhead_s));
+        let (spt, overhead) = (spt / n, overhead / n);
+        let rate = (1.0 / spt) as f32;
+        let facts = out.facts.iter_mut();
+        for ((c, f), slot) in out.candidates.iter_mut().zip(facts).zip(pool) {
+            let Some(rs) = slot.state.rank_state(slot.holder.rank) else { continue };
+            if rs.hot().trained {
+                continue;
+            }
+            let own = u64::from(c.queue_tokens).saturating_sub(Self::late_tokens(rs, now, f.secs_per_token));
+            let queue = own.saturating_add(Self::late_tokens(rs, now, spt));
+            c.queue_tokens = u32::try_from(queue).unwrap_or(u32::MAX);
+            c.queue_latency_ms = (spt * crate::state::u64_to_f64(queue) * 1e3) as f32;
+            c.rate_tokens_per_sec = rate;
+            (f.secs_per_token, f.overhead_s) = (spt, overhead);
+        }
     }
 
     /// The KV blocks the requests in flight on a holder hold at their longest: this gateway's

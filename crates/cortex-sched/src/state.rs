@@ -14,7 +14,7 @@
 //! completion. [`Booking`] is an RAII guard so the proxy cannot leak either: dropping it releases
 //! whatever is still booked.
 
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -22,7 +22,7 @@ use cortex_hash::kv::{DpRank, HolderId};
 
 use crate::config::HealthPolicy;
 use crate::failure::{BreakerState, FailureClass};
-use crate::learn::{Estimate, EstimateErrors, RateFit};
+use crate::learn::{Estimate, EstimateErrors, RateFit, TRAINED_SAMPLES};
 use crate::pending::{PendingKey, PendingPrefixes};
 use crate::time::{Timestamp, duration_nanos};
 
@@ -153,6 +153,9 @@ pub(crate) struct RankState {
     /// Nanoseconds: the virtual clock of booked prefill work (see `RankLoad`).
     prefill_busy_until: AtomicU64,
     ledger: AtomicU8,
+    /// Whether the learner has [`TRAINED_SAMPLES`] real samples: until then a decision prices
+    /// the holder at its pool's learned line (see `scheduler::gather`).
+    trained: AtomicBool,
     // (end of the first line)
     /// KV blocks of the bookings at their longest (see `RankLoad`).
     booked_kv_blocks: AtomicU64,
@@ -189,6 +192,7 @@ pub(crate) struct Hot {
     pub(crate) rate_tokens_per_sec: f32,
     pub(crate) cached_blocks: f32,
     pub(crate) ledger: LedgerState,
+    pub(crate) trained: bool,
 }
 
 #[derive(Debug)]
@@ -224,6 +228,7 @@ impl RankState {
             kv_usage_ppm: AtomicU32::new(0),
             reported_at: AtomicU64::new(0),
             ledger: AtomicU8::new(LedgerState::Syncing.code()),
+            trained: AtomicBool::new(false),
         };
         r.publish(fit.estimate());
         r
@@ -265,6 +270,7 @@ impl RankState {
             rate_tokens_per_sec: f32::from_bits(self.est_rate.load(Ordering::Relaxed)),
             cached_blocks: f32::from_bits(self.cached_blocks.load(Ordering::Relaxed)),
             ledger: LedgerState::from_code(self.ledger.load(Ordering::Relaxed)),
+            trained: self.trained.load(Ordering::Relaxed),
         }
     }
 
@@ -272,8 +278,11 @@ impl RankState {
         let mut l = self.learn.lock().unwrap_or_else(PoisonError::into_inner);
         f(&mut l);
         let e = l.fit.estimate();
+        let trained = l.fit.samples() >= TRAINED_SAMPLES;
         drop(l);
         self.publish(e);
+        // Relaxed: as the estimate (see `publish`).
+        self.trained.store(trained, Ordering::Relaxed);
     }
 
     /// Prefill tokens this gateway booked since the engine's last report and not yet prefilled.

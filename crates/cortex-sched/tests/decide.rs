@@ -926,6 +926,18 @@ fn time_the_queue_is_the_report_plus_what_was_sent_since() {
     assert_eq!(r.mode(), MatchMode::LoadAware);
 }
 
+/// Teaches `w`'s learner `samples` streaming first chunks at `overhead_ms` plus a token per
+/// `1 / tokens_per_ms` ms, one request a second, works from 200 to 3,700 tokens.
+fn train(snap: &Snapshot, w: u32, samples: u64, overhead_ms: f64, tokens_per_ms: f64) {
+    for i in 0..samples {
+        let prefill = 200 + (i % 8) as u32 * 500;
+        let mut b = snap.book_holder(h(w), prefill, 0, ms(1_000 * i)).expect("book");
+        let took = overhead_ms + f64::from(prefill) / tokens_per_ms;
+        b.first_output(Timestamp::from_nanos(1_000_000_000 * i + (took * 1e6) as u64));
+        b.succeed(ms(1_000 * i + 900));
+    }
+}
+
 /// What the engine does teaches the estimate: streaming first chunks that come 8× slower than
 /// the prior make the holder's estimated TTFT follow, and a faster holder wins.
 #[test]
@@ -933,13 +945,7 @@ fn time_first_chunks_teach_each_holder_its_speed() {
     let mut f = Fixture::new(2, no_bound());
     let snap = f.cluster.load();
     // w0's first chunks: 1,250 tokens/s and 20 ms of overhead (the prior says 10,000 and 10 ms).
-    for i in 0..64u64 {
-        let prefill = 200 + (i % 8) as u32 * 500;
-        let mut b = snap.book_holder(h(0), prefill, 0, ms(1_000 * i)).expect("book");
-        let took = 20.0 + f64::from(prefill) / 1.25;
-        b.first_output(Timestamp::from_nanos(1_000_000_000 * i + (took * 1e6) as u64));
-        b.succeed(ms(1_000 * i + 900));
-    }
+    train(&snap, 0, 64, 20.0, 1.25);
     let learned = f.state(0).rank_load(DpRank(0), ms(0)).expect("rank").estimate;
     assert!((learned.rate() / 1_250.0 - 1.0).abs() < 0.05, "{learned:?}");
     assert!((learned.overhead_s - 0.02).abs() < 0.005, "{learned:?}");
@@ -949,12 +955,42 @@ fn time_first_chunks_teach_each_holder_its_speed() {
     b.first_token(ms(5_000));
     drop(b);
     assert_eq!(f.state(1).learned_samples(DpRank(0)), 0);
-    // w0 holds half the prompt but is 8× slower: w1 (at the prior) recomputes it all faster.
+    // w1's first chunks: 10,000 tokens/s and 10 ms (an untrained holder would be priced at w0's
+    // line, its pool's only learned one).
+    train(&snap, 1, 16, 10.0, 10.0);
+    // w0 holds half the prompt but is 8× slower: w1 recomputes it all faster.
     f.hits(&[(h(0), 64)]);
     let r = f.decide();
     assert_eq!(r.first().expect("first").holder, h(1));
     let w0 = r.all().find(|c| c.holder == h(0)).expect("w0");
     assert!(w0.est_ttft_ms > 800.0 && (w0.rate_tokens_per_sec - 1_250.0).abs() < 70.0, "{w0:?}");
+}
+
+/// A holder the pool has not measured yet is estimated at the mean line of the holders it has
+/// measured, not at the configured prior: a worker added to a pool whose workers all run 10×
+/// faster than the prior would otherwise look 10× slower, and at low load never be tried.
+#[test]
+fn time_an_untrained_holder_is_estimated_at_its_pool_s_learned_line() {
+    let mut f = Fixture::new(3, no_bound());
+    let snap = f.cluster.load();
+    // w0 and w1: 100,000 tokens/s and 1 ms of overhead (the prior says 10,000 and 10 ms).
+    train(&snap, 0, 64, 1.0, 100.0);
+    train(&snap, 1, 64, 1.0, 100.0);
+    // One request each in flight on w0 and w1: w2, idle, is the faster choice — but only if
+    // it is not priced at the prior (10 ms + 2,048 × 100 µs = 215 ms against about 32 ms).
+    f.load(h(0), 1, 1_000).load(h(1), 1, 1_000).hits(&[]);
+    let r = f.decide();
+    assert_eq!(r.first().expect("first").holder, h(2), "{:#?}", r.all().collect::<Vec<_>>());
+    let w2 = r.all().find(|c| c.holder == h(2)).expect("w2");
+    assert!((w2.rate_tokens_per_sec / 100_000.0 - 1.0).abs() < 0.05, "{w2:?}");
+    assert!(w2.est_ttft_ms > 15.0 && w2.est_ttft_ms < 30.0, "{w2:?}");
+    // Its own samples take over once it has enough: w2 turns out 4× slower than the others.
+    train(&f.cluster.load(), 2, 64, 1.0, 25.0);
+    f.hits(&[]);
+    let r = f.decide();
+    let w2 = r.all().find(|c| c.holder == h(2)).expect("w2");
+    assert!((w2.rate_tokens_per_sec / 25_000.0 - 1.0).abs() < 0.05, "{w2:?}");
+    assert_ne!(r.first().expect("first").holder, h(2));
 }
 
 /// `recompute_weight` charges a copy by how full the target's cache is: an empty cache evicts
