@@ -8,6 +8,7 @@ mod counting;
 use cortex_hash::kv::{DpRank, HolderId, WorkerId};
 use cortex_hash::{Engine, SeqHash};
 use cortex_radix::{Overlap, OverlapScores};
+use cortex_sched::learn::TRAINED_SAMPLES;
 use cortex_sched::*;
 use counting::allocations;
 
@@ -43,6 +44,19 @@ fn decision_path_allocates_nothing() {
     let mut overlap = OverlapScores::with_capacity(2 * WORKERS as usize);
     let prefix: Vec<SeqHash> = (0..80).map(SeqHash::from_bits).collect();
     let mut bookings = Vec::with_capacity(64);
+    // Streaming first chunks train a quarter of the holders: pools hold trained and untrained
+    // holders, which `cache_aware` prices at the trained ones' line.
+    let snap = cluster.load();
+    for w in (0..WORKERS).filter(|w| w % 4 == 0) {
+        for i in 0..TRAINED_SAMPLES {
+            let holder = HolderId::new(WorkerId(w), DpRank(0));
+            let mut b = snap
+                .book_holder(holder, 100 + 300 * (i as u32 % 4), 0, Timestamp::from_millis(i))
+                .expect("book");
+            b.first_output(Timestamp::from_millis(i + 20));
+        }
+    }
+    drop(snap);
     // Booked signals: the exact and load-aware branches; engine reports that some ranks never
     // send: the p2c branch.
     let signals =
@@ -108,6 +122,7 @@ fn decision_path_allocates_nothing() {
             }
         });
         assert_eq!(n, 0, "{} allocated {n} times in 499 decisions", p.kind());
+
         bookings.clear();
         let exact = MatchMode::ExactKvEvents as usize;
         if p == PolicyConfig::CacheAwareV1 {
