@@ -532,6 +532,8 @@ pub struct SchedulerFile {
     pub per_active_ms: Option<f64>,
     /// `cache_aware`: the weight of the prefill work a request adds, beside its own wait.
     pub recompute_weight: Option<f64>,
+    /// `cache_aware` in a decode pool: the KV transfer's speed, tokens per second.
+    pub transfer_tokens_per_sec: Option<u32>,
     /// Watermark: in-flight as a fraction of the worker's max running requests.
     pub watermark_inflight_fraction: Option<f64>,
     /// Watermark: expected queue latency.
@@ -943,6 +945,7 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
         },
         per_active_ms: s.per_active_ms.unwrap_or(d.per_active_ms),
         recompute_weight: s.recompute_weight.unwrap_or(d.recompute_weight),
+        transfer_tokens_per_sec: s.transfer_tokens_per_sec.unwrap_or(d.transfer_tokens_per_sec),
         watermark: Watermark {
             inflight_fraction: s.watermark_inflight_fraction.unwrap_or(d.watermark.inflight_fraction),
             queue_latency: s.watermark_queue_latency.map_or(d.watermark.queue_latency, |v| v.0),
@@ -1390,6 +1393,7 @@ mod tests {
             ("limits: {http2_keep_alive_interval: 0s}\n", "limits.http2_keep_alive_interval"),
             ("retry: {max_attempts: 0}\n", "retry.max_attempts"),
             ("scheduler: {policy: fastest}\n", "scheduler.policy"),
+            ("scheduler: {transfer_tokens_per_sec: 0}\n", "transfer_tokens_per_sec"),
             ("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: other}\n", "workers[0].model"),
             ("alignment: {tolerance: 2.0}\n", "alignment.tolerance"),
             (

@@ -300,6 +300,11 @@ pub struct SchedConfig {
     /// first token alone). Recomputing a prefix that another holder has costs every later
     /// request on this one that time, and duplicates the prefix in a second cache.
     pub recompute_weight: f64,
+    /// `cache_aware` in a decode pool: how fast a decode holder pulls the prompt tokens it
+    /// lacks from the prefill worker (the KV transfer), tokens per second. A decode holder's
+    /// uncached tokens and the pulls booked ahead of the request are priced at this speed
+    /// instead of a learned prefill line: a decode worker computes none of them.
+    pub transfer_tokens_per_sec: u32,
     /// The high watermark of the cache-aware policy.
     pub watermark: Watermark,
     /// Bounded loads for `cache_aware` and `least_load` (`None`: no bound).
@@ -321,6 +326,7 @@ impl Default for SchedConfig {
             weights: Weights::default(),
             per_active_ms: 0.5,
             recompute_weight: 1.0,
+            transfer_tokens_per_sec: 200_000,
             watermark: Watermark::default(),
             bounded_load: Some(BoundedLoad { epsilon: 1.0 }),
             load_signals: LoadSignals::Booked,
@@ -362,6 +368,9 @@ pub enum ConfigError {
     /// `prefix_hash.prefix_blocks` is 0.
     #[error("`prefix_hash.prefix_blocks` must be >= 1")]
     PrefixBlocks,
+    /// The transfer speed is 0.
+    #[error("`transfer_tokens_per_sec` must be >= 1")]
+    TransferRate,
     /// A breaker threshold is 0.
     #[error("`breaker.{0}` must be >= 1")]
     Breaker(&'static str),
@@ -394,6 +403,9 @@ impl SchedConfig {
         }
         if !weight_ok(self.recompute_weight) {
             return Err(ConfigError::Weight("recompute_weight"));
+        }
+        if self.transfer_tokens_per_sec == 0 {
+            return Err(ConfigError::TransferRate);
         }
         if !(self.watermark.inflight_fraction.is_finite() && self.watermark.inflight_fraction > 0.0) {
             return Err(ConfigError::WatermarkFraction);

@@ -305,7 +305,8 @@ pub struct Candidate {
     /// The holder's learned prefill speed, tokens per second: under `cache_aware`, its pool's
     /// mean learned speed while the holder has fewer than
     /// [`TRAINED_SAMPLES`](crate::learn::TRAINED_SAMPLES) samples and another holder of the pool
-    /// has that many.
+    /// has that many; in a decode pool, the transfer's speed
+    /// ([`SchedConfig::transfer_tokens_per_sec`](crate::SchedConfig::transfer_tokens_per_sec)).
     pub rate_tokens_per_sec: f32,
     /// `cache_aware`: prompt tokens the holder will have once requests this gateway sent it are
     /// prefilled (a prefix in flight, not yet in the ledger; see [`crate::pending`]). Shortens

@@ -311,27 +311,34 @@ impl<S: Scorer> Scheduler<S> {
             LoadSignals::EngineReports { max_age } => Some(max_age),
         };
         let kv_room = Self::checks_kv_room(req);
+        // A decode holder computes no prompt token: what it lacks is pulled from the prefill
+        // worker, priced at the transfer's speed.
+        let pull = (time && req.role == crate::cluster::Role::Decode)
+            .then(|| 1.0 / f64::from(self.config.transfer_tokens_per_sec.max(1)));
         out.candidates.reserve(pool.len());
         out.facts.reserve(pool.len());
         // The same loop, compiled apart for the default decision (`cache_aware` on this
-        // gateway's bookings, no KV room check): what it does not use is not in its loop.
-        if time && max_age.is_none() && !kv_room {
-            Self::gather_with::<true>(pool, req, (true, None, false), out)
+        // gateway's bookings, not a decode pool, no KV room check): what it does not use is not
+        // in its loop.
+        if time && max_age.is_none() && !kv_room && pull.is_none() {
+            Self::gather_with::<true>(pool, req, (true, None, false, None), out)
         } else {
-            Self::gather_with::<false>(pool, req, (time, max_age, kv_room), out)
+            Self::gather_with::<false>(pool, req, (time, max_age, kv_room, pull), out)
         }
     }
 
-    /// [`Scheduler::gather`] with `(time, max_age, kv_room)` fixed to `(true, None, false)`
-    /// under `DEFAULT`.
+    /// [`Scheduler::gather`] with `(time, max_age, kv_room, pull)` fixed to
+    /// `(true, None, false, None)` under `DEFAULT`. `pull`: a decode pool's seconds per
+    /// transferred token, which replaces each holder's learned line.
     #[inline]
     fn gather_with<const DEFAULT: bool>(
         pool: &[HolderSlot],
         req: &Request<'_>,
-        (time, max_age, kv_room): (bool, Option<std::time::Duration>, bool),
+        (time, max_age, kv_room, pull): (bool, Option<std::time::Duration>, bool, Option<f64>),
         out: &mut Ranking,
     ) -> (usize, usize, u64) {
-        let (time, max_age, kv_room) = if DEFAULT { (true, None, false) } else { (time, max_age, kv_room) };
+        let (time, max_age, kv_room, pull) =
+            if DEFAULT { (true, None, false, None) } else { (time, max_age, kv_room, pull) };
         let now = req.now;
         let (mut admissible, mut reported, mut booked_total) = (0, 0, 0u64);
         // `cache_aware`: holders without a learned line of their own yet.
@@ -348,7 +355,11 @@ impl<S: Scorer> Scheduler<S> {
                     None => None,
                 },
             };
-            let hot = rs.hot();
+            let mut hot = rs.hot();
+            if let Some(secs_per_token) = pull {
+                (hot.secs_per_token, hot.overhead_s, hot.trained) = (secs_per_token, 0.0, true);
+                hot.rate_tokens_per_sec = (1.0 / secs_per_token) as f32;
+            }
             let booked = hot.booked_requests;
             let mut active = booked;
             let own = hot.booked_prefill_tokens;
@@ -449,6 +460,8 @@ impl<S: Scorer> Scheduler<S> {
     #[cold]
     fn price_untrained(pool: &[HolderSlot], now: Timestamp, out: &mut Ranking) {
         // The gather's candidates and facts are the pool's holders in order (all have a rank).
+        // A holder trained since the gather counted keeps its own line; none goes back (samples
+        // only grow), so the mean has at least one line.
         let trained =
             |slot: &HolderSlot| slot.state.rank_state(slot.holder.rank).is_some_and(|rs| rs.hot().trained);
         let (n, spt, overhead) = out

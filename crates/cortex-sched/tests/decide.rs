@@ -725,6 +725,37 @@ fn prefill_and_decode_pools_use_their_own_policies() {
     assert!(f.out.all().all(|c| c.holder.worker.0 >= 2 && c.matched_tokens == 0));
 }
 
+/// A decode holder computes none of the prompt: what it lacks is pulled from the prefill worker
+/// at the transfer's speed. So a saved pull weighs little against the requests a decode worker
+/// is running (each lengthens its every step), and a short shared prefix does not pile requests
+/// onto the one decode worker that holds it.
+#[test]
+fn a_decode_pool_prices_what_its_holders_lack_at_the_transfer_speed() {
+    let specs: Vec<WorkerSpec> = (0..2)
+        .map(|i| WorkerSpec { role: Role::Decode, ..WorkerSpec::new(WorkerId(i), MODEL, Engine::Vllm) })
+        .collect();
+    let decide = |transfer_tokens_per_sec: u32| {
+        let config = SchedConfig { transfer_tokens_per_sec, ..no_bound() };
+        let mut f = Fixture::with_specs(specs.clone(), config);
+        // w0 holds a 128-token system prompt and runs 6 requests; w1 holds nothing and is idle.
+        f.load(h(0), 6, 0).hits(&[(h(0), 8)]);
+        let overlap = f.overlap.clone();
+        let snap = f.cluster.load();
+        let cache = CacheView::Overlap { scores: &overlap, block_tokens: BLOCK };
+        f.sched.decide(&snap, &Request::new(MODEL, Role::Decode, ms(1), 192, cache), &mut f.out).expect("ok");
+        let first = *f.out.first().expect("first");
+        let w1 = *f.out.all().find(|c| c.holder == h(1)).expect("w1");
+        (first.holder, w1)
+    };
+    // At 200,000 tokens/s the 128 tokens w0 saves are 0.64 ms; its 6 requests, 3 ms: w1.
+    let (first, w1) = decide(200_000);
+    assert_eq!(first, h(1));
+    assert!((w1.rate_tokens_per_sec - 200_000.0).abs() < 1.0, "{w1:?}");
+    assert!((w1.est_ttft_ms - 192.0 / 200.0).abs() < 0.01, "the pull alone, no overhead: {w1:?}");
+    // Priced like a prefill (10,000 tokens/s: 12.8 ms saved), w0 would have it.
+    assert_eq!(decide(10_000).0, h(0));
+}
+
 #[test]
 fn a_decode_holder_the_request_would_overfill_is_passed_over_while_another_has_room() {
     // Two decode workers of 100 KV blocks; the first holds the prompt's first 10 blocks.
