@@ -313,8 +313,10 @@ impl<S: Scorer> Scheduler<S> {
         let kv_room = Self::checks_kv_room(req);
         // A decode holder computes no prompt token: what it lacks is pulled from the prefill
         // worker, priced at the transfer's speed.
-        let pull = (time && req.role == crate::cluster::Role::Decode)
-            .then(|| 1.0 / f64::from(self.config.transfer_tokens_per_sec.max(1)));
+        let pull = (time && req.role == crate::cluster::Role::Decode).then(|| {
+            let rate = self.config.transfer_tokens_per_sec.max(1);
+            (1.0 / f64::from(rate), rate as f32)
+        });
         out.candidates.reserve(pool.len());
         out.facts.reserve(pool.len());
         // The same loop, compiled apart for the default decision (`cache_aware` on this
@@ -329,12 +331,12 @@ impl<S: Scorer> Scheduler<S> {
 
     /// [`Scheduler::gather`] with `(time, max_age, kv_room, pull)` fixed to
     /// `(true, None, false, None)` under `DEFAULT`. `pull`: a decode pool's seconds per
-    /// transferred token, which replaces each holder's learned line.
+    /// transferred token and its rate, which replace each holder's learned line.
     #[inline]
     fn gather_with<const DEFAULT: bool>(
         pool: &[HolderSlot],
         req: &Request<'_>,
-        (time, max_age, kv_room, pull): (bool, Option<std::time::Duration>, bool, Option<f64>),
+        (time, max_age, kv_room, pull): (bool, Option<std::time::Duration>, bool, Option<(f64, f32)>),
         out: &mut Ranking,
     ) -> (usize, usize, u64) {
         let (time, max_age, kv_room, pull) =
@@ -356,9 +358,9 @@ impl<S: Scorer> Scheduler<S> {
                 },
             };
             let mut hot = rs.hot();
-            if let Some(secs_per_token) = pull {
-                (hot.secs_per_token, hot.overhead_s, hot.trained) = (secs_per_token, 0.0, true);
-                hot.rate_tokens_per_sec = (1.0 / secs_per_token) as f32;
+            if let Some((secs_per_token, rate)) = pull {
+                (hot.secs_per_token, hot.overhead_s, hot.rate_tokens_per_sec) = (secs_per_token, 0.0, rate);
+                hot.trained = true;
             }
             let booked = hot.booked_requests;
             let mut active = booked;
