@@ -327,10 +327,13 @@ pub struct Candidate {
     pub excluded: Option<Exclusion>,
     /// Sort key (ascending) built by the policy (see `scheduler::key`).
     pub(crate) key: u64,
+    /// What the score reads besides the fields above.
+    pub(crate) facts: Facts,
 }
 
-/// What the score reads of a candidate besides the candidate: the estimate the gather read and
-/// how full the holder's cache is, kept beside it so that scoring reads no holder state again.
+/// What the score reads of a candidate besides its public fields: the estimate the gather read
+/// and how full the holder's cache is, kept in the candidate so that scoring reads no holder
+/// state again (a second vector beside the candidates cost a push and an index per holder).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub(crate) struct Facts {
     pub(crate) secs_per_token: f64,
@@ -341,12 +344,10 @@ pub(crate) struct Facts {
 /// The result of a decision, in a buffer the caller lends and reuses.
 ///
 /// The candidates stay where the decision wrote them (pool order); the ranking is a sorted array
-/// of keys that index them, so ranking 512 holders moves 4 KiB of keys, not 60 KiB of candidates.
+/// of keys that index them, so ranking 512 holders moves 4 KiB of keys, not 64 KiB of candidates.
 #[derive(Clone, Debug)]
 pub struct Ranking {
     pub(crate) candidates: Vec<Candidate>,
-    /// Per candidate, what its score reads besides it.
-    pub(crate) facts: Vec<Facts>,
     /// Sort keys, admissible first; the low 20 bits of each index `candidates`. The first
     /// `RANKED` admissible ones are sorted; all of them when `sorted`.
     pub(crate) order: Vec<u64>,
@@ -370,7 +371,6 @@ impl Ranking {
     pub fn with_capacity(holders: usize) -> Self {
         Ranking {
             candidates: Vec::with_capacity(holders),
-            facts: Vec::with_capacity(holders),
             order: Vec::with_capacity(holders),
             sorted: true,
             admissible: 0,
@@ -382,7 +382,6 @@ impl Ranking {
 
     pub(crate) fn reset(&mut self, policy: PolicyKind) {
         self.candidates.clear();
-        self.facts.clear();
         self.order.clear();
         self.sorted = true;
         self.admissible = 0;

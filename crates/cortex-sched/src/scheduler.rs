@@ -139,11 +139,14 @@ pub const MAX_POOL_HOLDERS: usize = 1 << 20;
 
 /// Maps `x` to a u32 that sorts ascending as `x` sorts *descending* (NaN last). Scores are f32
 /// (a relative precision of 6e-8): closer scores are ties, broken by the secondary key. Finite scores map above 2, so 0 and 1 stay free for `power_of_two`'s pair.
+///
+/// Without branches: a negative score's bits already sort ascending as it sorts descending, and
+/// a positive one's do once its 31 low bits are flipped.
+#[inline]
 fn desc_key(x: f32) -> u32 {
-    let x = if x.is_nan() { f32::NEG_INFINITY } else { x };
-    let b = x.to_bits();
-    let asc = if b >> 31 == 1 { !b } else { b | (1 << 31) };
-    !asc
+    let b = if x.is_nan() { f32::NEG_INFINITY.to_bits() } else { x.to_bits() };
+    let negative = ((b as i32) >> 31) as u32;
+    b ^ (!negative & 0x7fff_ffff)
 }
 
 impl<S: Scorer> Scheduler<S> {
@@ -318,7 +321,6 @@ impl<S: Scorer> Scheduler<S> {
             (1.0 / f64::from(rate), rate as f32)
         });
         out.candidates.reserve(pool.len());
-        out.facts.reserve(pool.len());
         // The same loop, compiled apart for the default decision (`cache_aware` on this
         // gateway's bookings, not a decode pool, no KV room check): what it does not use is not
         // in its loop.
@@ -407,7 +409,14 @@ impl<S: Scorer> Scheduler<S> {
             } else {
                 0
             };
-            out.candidates.push(Candidate {
+            let cap = capacity.kv_blocks;
+            // Written in place: a push's capacity check and its copy through the stack were
+            // about a tenth of the decision (the room for every holder is reserved above).
+            let len = out.candidates.len();
+            let Some(slot_out) = out.candidates.spare_capacity_mut().first_mut() else {
+                unreachable!("the gather reserves a candidate for every holder")
+            };
+            slot_out.write(Candidate {
                 holder: slot.holder,
                 matched_tokens: 0,
                 affinity_tokens: 0,
@@ -427,15 +436,17 @@ impl<S: Scorer> Scheduler<S> {
                 score: Score::default(),
                 excluded,
                 key: 0,
+                facts: Facts {
+                    secs_per_token: hot.secs_per_token,
+                    overhead_s: hot.overhead_s,
+                    cache_fill: if cap == 0 { 1.0 } else { (hot.cached_blocks / cap as f32).min(1.0) },
+                },
             });
-            let cap = capacity.kv_blocks;
-            out.facts.push(Facts {
-                secs_per_token: hot.secs_per_token,
-                overhead_s: hot.overhead_s,
-                cache_fill: if cap == 0 { 1.0 } else { (hot.cached_blocks / cap as f32).min(1.0) },
-            });
+            // SAFETY: the element at `len` was initialized by the `write` just above, and it is
+            // within the capacity (`spare_capacity_mut` returned it).
+            unsafe { out.candidates.set_len(len + 1) };
         }
-        if untrained > 0 && untrained < out.facts.len() {
+        if untrained > 0 && untrained < out.candidates.len() {
             Self::price_untrained(pool, now, out);
         }
         (admissible, reported, booked_total)
@@ -467,25 +478,27 @@ impl<S: Scorer> Scheduler<S> {
         let trained =
             |slot: &HolderSlot| slot.state.rank_state(slot.holder.rank).is_some_and(|rs| rs.hot().trained);
         let (n, spt, overhead) = out
-            .facts
+            .candidates
             .iter()
             .zip(pool)
             .filter(|(_, slot)| trained(slot))
-            .fold((0.0, 0.0, 0.0), |(n, s, o), (f, _)| (n + 1.0, s + f.secs_per_token, o + f.overhead_s));
+            .fold((0.0, 0.0, 0.0), |(n, s, o), (c, _)| {
+                (n + 1.0, s + c.facts.secs_per_token, o + c.facts.overhead_s)
+            });
         let (spt, overhead) = (spt / n, overhead / n);
         let rate = (1.0 / spt) as f32;
-        let facts = out.facts.iter_mut();
-        for ((c, f), slot) in out.candidates.iter_mut().zip(facts).zip(pool) {
+        for (c, slot) in out.candidates.iter_mut().zip(pool) {
             let Some(rs) = slot.state.rank_state(slot.holder.rank) else { continue };
             if rs.hot().trained {
                 continue;
             }
-            let own = u64::from(c.queue_tokens).saturating_sub(Self::late_tokens(rs, now, f.secs_per_token));
+            let own =
+                u64::from(c.queue_tokens).saturating_sub(Self::late_tokens(rs, now, c.facts.secs_per_token));
             let queue = own.saturating_add(Self::late_tokens(rs, now, spt));
             c.queue_tokens = u32::try_from(queue).unwrap_or(u32::MAX);
             c.queue_latency_ms = (spt * crate::state::u64_to_f64(queue) * 1e3) as f32;
             c.rate_tokens_per_sec = rate;
-            (f.secs_per_token, f.overhead_s) = (spt, overhead);
+            (c.facts.secs_per_token, c.facts.overhead_s) = (spt, overhead);
         }
     }
 
@@ -598,17 +611,18 @@ impl<S: Scorer> Scheduler<S> {
         out: &mut Ranking,
     ) -> Option<usize> {
         let n = out.candidates.len() as u64;
-        let mut best: Option<(u64, usize)> = None;
-        for (i, (c, f)) in out.candidates.iter_mut().zip(&out.facts).enumerate() {
+        // As in `bound_and_score`: every key is below `u64::MAX`.
+        let mut best = (u64::MAX, usize::MAX);
+        for (i, c) in out.candidates.iter_mut().enumerate() {
             if c.excluded.is_some() {
                 continue;
             }
-            let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c, f);
-            if best.is_none_or(|(k, _)| key < k) {
-                best = Some((key, i));
+            let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c);
+            if key < best.0 {
+                best = (key, i);
             }
         }
-        best.map(|(_, i)| i)
+        (best.1 != usize::MAX).then_some(best.1)
     }
 
     /// Scores the admissible candidate `c`, the `i`-th of `n`, and keys it by its score; returns
@@ -621,8 +635,8 @@ impl<S: Scorer> Scheduler<S> {
         (counted, time): (bool, bool),
         (i, n, offset): (u64, u64, u64),
         c: &mut Candidate,
-        f: &Facts,
     ) -> u64 {
+        let f = c.facts;
         c.affinity_tokens = if counted { c.matched_tokens } else { 0 };
         let cached = if counted { c.affinity_tokens.max(c.pending_tokens) } else { 0 };
         let input = ScoreInput {
@@ -811,9 +825,13 @@ impl<S: Scorer> Scheduler<S> {
         let mut any_hit = false;
         let mut best: Option<(usize, u32, u32)> = None;
         let n = out.candidates.len() as u64;
-        let mut top: Option<(u64, usize)> = None;
-        for (i, (c, f)) in out.candidates.iter_mut().zip(&out.facts).enumerate() {
-            if c.excluded.is_none() && cap.is_some_and(|cap| u64::from(c.booked_requests) >= cap) {
+        // The best key so far and its index. A candidate's key leaves its low bits to the index
+        // (`order` fills them), so it is below `u64::MAX` and the first admissible one takes it.
+        let mut top = (u64::MAX, usize::MAX);
+        // Without a cap, no holder's bookings reach it.
+        let cap = cap.unwrap_or(u64::MAX);
+        for (i, c) in out.candidates.iter_mut().enumerate() {
+            if c.excluded.is_none() && u64::from(c.booked_requests) >= cap {
                 c.excluded = Some(Exclusion::BoundedLoad { cap: cap32 });
             }
             any_hit |= c.matched_tokens > 0;
@@ -825,12 +843,12 @@ impl<S: Scorer> Scheduler<S> {
             {
                 best = Some((i, c.matched_tokens, c.active_requests));
             }
-            let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c, f);
-            if top.is_none_or(|(k, _)| key < k) {
-                top = Some((key, i));
+            let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c);
+            if key < top.0 {
+                top = (key, i);
             }
         }
-        (any_hit, best, top.map(|(_, i)| i))
+        (any_hit, best, (top.1 != usize::MAX).then_some(top.1))
     }
 
     fn least_load(
@@ -1005,6 +1023,27 @@ fn top_sorted(keys: &mut [u64]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn desc_key_orders_scores_descending_nan_last() {
+        // The branching form it replaced.
+        let reference = |x: f32| {
+            let b = if x.is_nan() { f32::NEG_INFINITY } else { x }.to_bits();
+            !(if b >> 31 == 1 { !b } else { b | (1 << 31) })
+        };
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let specials = [0.0, -0.0, 1.0, -1.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN];
+        let randoms = (0..100_000).map(|_| {
+            x = mix(x);
+            f32::from_bits(x as u32)
+        });
+        for v in specials.into_iter().chain(randoms) {
+            assert_eq!(desc_key(v), reference(v), "{v} ({:#x})", v.to_bits());
+        }
+        let ordered = [f32::INFINITY, 3.0, 0.5, 0.0, -0.0, -0.5, -3.0, f32::NEG_INFINITY];
+        assert!(ordered.windows(2).all(|w| desc_key(w[0]) <= desc_key(w[1])));
+        assert_eq!(desc_key(f32::NAN), desc_key(f32::NEG_INFINITY));
+    }
 
     #[test]
     fn top_sorted_keeps_the_smallest_in_order_and_every_key() {
