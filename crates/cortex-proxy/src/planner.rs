@@ -328,7 +328,7 @@ impl Planner {
         let mut ranking = Ranking::with_capacity(16);
         let decided = self.decide(&p, ask, role, &snapshot, &mut overlap, &mut ranking);
         let (untrusted, model) = (p.untrusted.clone(), Arc::clone(&p.model));
-        let plan = self.keep(p, ask, &snapshot, decided, &ranking);
+        let plan = self.keep(p, ask, &snapshot, decided, &mut ranking);
         ranking.sort_all();
         Ok(Explanation { plan, ranking, untrusted, pinned: ask.pinned, model })
     }
@@ -498,10 +498,15 @@ impl Planner {
         ask: &Ask,
         snapshot: &Arc<Snapshot>,
         decided: Result<(), SchedError>,
-        ranking: &Ranking,
+        ranking: &mut Ranking,
     ) -> Result<Plan, ProxyError> {
         let no_worker = || ProxyError::NoWorker(p.model.base_model().to_owned());
         decided.map_err(|_| no_worker())?;
+        // A decision orders only its first `RANKED` admissible holders; the pinned rank's best
+        // may rank below them.
+        if ask.pinned.is_some() {
+            ranking.sort_all();
+        }
         let candidates: Vec<Candidate> =
             ranking.admissible().filter(|c| ask.pinned.is_none_or(|r| c.holder.rank == r)).copied().collect();
         if candidates.is_empty() {

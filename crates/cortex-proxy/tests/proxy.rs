@@ -202,6 +202,34 @@ async fn a_pinned_vllm_rank_is_booked_reported_and_checked() {
     a_pinned_rank_is_booked_reported_and_checked(Engine::Vllm).await;
 }
 
+/// A decision puts only the first `cortex_sched::RANKED` admissible holders in order. A rank
+/// the client pins must still get that rank's best holder when it ranks below them: here 17
+/// holders of other ranks hold the whole prompt, (w1, 1) half of it and (w0, 1) none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pinned_rank_gets_its_best_holder_beyond_the_ranked_head() {
+    let workers = vec![FakeConfig::new(Engine::Sglang).dp(17), FakeConfig::new(Engine::Sglang).dp(2)];
+    let h = start(Options::new(Engine::Sglang, workers)).await;
+    let half = prompt("far");
+    let whole = format!("{half}{}", prompt("far, continued"));
+    for rank in (0..17).filter(|&r| r != 1) {
+        h.fakes[0].prime(Route::Completions, rank, &completion(&whole));
+    }
+    h.fakes[1].prime(Route::Completions, 0, &completion(&whole));
+    h.fakes[1].prime(Route::Completions, 1, &completion(&half));
+    let pinned = [("x-data-parallel-rank", "1")];
+    // Each decision breaks its ties with another rotation, so the holders beyond the head fall
+    // in another order each time.
+    for _ in 0..12 {
+        let dry = h.dry("/v1/completions", &pinned, &completion(&whole)).await;
+        assert_eq!(first(&dry), ("w1".to_owned(), 1), "{dry}");
+        let real = h.post("/v1/completions", &pinned, &completion(&whole)).await;
+        assert_eq!(real.status, StatusCode::OK, "{}", real.text());
+        assert_eq!(real.assigned(), ("w1".to_owned(), 1));
+        assert_eq!(real.header("x-cortex-match-mode"), "exact_kv_events");
+    }
+    h.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_capacity_is_discovered_shown_and_counted_by_the_watermark() {
     let w = FakeConfig { server_info_max_running: Some(2), ..FakeConfig::new(Engine::Sglang) };
