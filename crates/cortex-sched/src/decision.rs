@@ -352,6 +352,8 @@ pub struct Ranking {
     /// `RANKED` admissible ones are sorted; all of them when `sorted`.
     pub(crate) order: Vec<u64>,
     pub(crate) sorted: bool,
+    /// Whether `order` holds this decision's ranking yet (a policy may write it as it scores).
+    pub(crate) ordered: bool,
     pub(crate) admissible: usize,
     pub(crate) mode: MatchMode,
     pub(crate) reason: Option<FallbackReason>,
@@ -373,6 +375,7 @@ impl Ranking {
             candidates: Vec::with_capacity(holders),
             order: Vec::with_capacity(holders),
             sorted: true,
+            ordered: false,
             admissible: 0,
             mode: MatchMode::FallbackRoundRobin,
             reason: None,
@@ -384,6 +387,7 @@ impl Ranking {
         self.candidates.clear();
         self.order.clear();
         self.sorted = true;
+        self.ordered = false;
         self.admissible = 0;
         self.mode = MatchMode::FallbackRoundRobin;
         self.reason = None;

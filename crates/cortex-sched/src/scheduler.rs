@@ -295,7 +295,9 @@ impl<S: Scorer> Scheduler<S> {
                 );
             }
         }
-        Self::order(out);
+        if !out.ordered {
+            Self::order(out);
+        }
         Ok(())
     }
 
@@ -570,7 +572,12 @@ impl<S: Scorer> Scheduler<S> {
                 order[back] = i as u64;
             }
         }
-        let admissible = front;
+        Self::rank(out, front);
+    }
+
+    /// The second half of [`Scheduler::order`], for a pass that wrote `out.order` itself: the
+    /// first `admissible` keys admissible, the excluded indices after them in reverse pool order.
+    fn rank(out: &mut Ranking, admissible: usize) {
         out.order[admissible..].reverse();
         let ranked = &mut out.order[..admissible];
         if ranked.len() > RANKED {
@@ -580,6 +587,7 @@ impl<S: Scorer> Scheduler<S> {
         }
         out.admissible = admissible;
         out.sorted = admissible <= RANKED;
+        out.ordered = true;
     }
 
     /// Scores every admissible candidate with `scorer` and keys it by score; ties are broken by a
@@ -782,7 +790,7 @@ impl<S: Scorer> Scheduler<S> {
         let trusted = distrust.is_none();
         let n = out.candidates.len() as u64;
         let offset = self.random() % n.max(1);
-        let (any_hit, best, top) = if time {
+        let Pass { any_hit, best, top, admissible } = if time {
             Self::bound_and_score(&self.scorer, pool.holders, req, cap, (trusted, true), offset, out)
         } else {
             Self::bound_and_score(&self.weighted, pool.holders, req, cap, (trusted, false), offset, out)
@@ -796,6 +804,9 @@ impl<S: Scorer> Scheduler<S> {
             } else {
                 Self::rescore(&self.weighted, pool.holders, req, (false, false), offset, out)
             };
+            // The keys changed: `decide` orders them again.
+        } else {
+            Self::rank(out, admissible);
         }
         let top_hit = top.is_some_and(|i| out.candidates[i].affinity_tokens > 0);
         (out.mode, out.reason) = match distrust {
@@ -810,8 +821,9 @@ impl<S: Scorer> Scheduler<S> {
     /// `cache_aware`'s pass over the candidates: the load bound `cap`, any hit at all
     /// (bound-excluded included), the best cache holder among the admissible (most matched
     /// tokens, then fewest active) and the score with `scorer` (see [`Scheduler::score_all`]).
-    /// Returns (any hit, the best cache holder with its matched tokens and active requests, the
-    /// best scored). One copy per scorer: the loop holds only its arithmetic.
+    /// Writes the ranking's keys as [`Scheduler::order`] would (ordered by
+    /// [`Scheduler::rank`] unless the scores change again). One copy per scorer: the loop holds
+    /// only its arithmetic.
     fn bound_and_score<T: Scorer + ?Sized>(
         scorer: &T,
         pool: &[HolderSlot],
@@ -820,7 +832,7 @@ impl<S: Scorer> Scheduler<S> {
         (counted, time): (bool, bool),
         offset: u64,
         out: &mut Ranking,
-    ) -> (bool, Option<(usize, u32, u32)>, Option<usize>) {
+    ) -> Pass {
         let cap32 = cap.map_or(u32::MAX, |c| u32::try_from(c).unwrap_or(u32::MAX));
         let mut any_hit = false;
         let mut best: Option<(usize, u32, u32)> = None;
@@ -830,12 +842,19 @@ impl<S: Scorer> Scheduler<S> {
         let mut top = (u64::MAX, usize::MAX);
         // Without a cap, no holder's bookings reach it.
         let cap = cap.unwrap_or(u64::MAX);
+        // The ranking's keys, written as `order` would: admissible from the front, excluded
+        // from the back.
+        out.order.clear();
+        out.order.resize(n as usize, 0);
+        let (mut front, mut back) = (0, n as usize);
         for (i, c) in out.candidates.iter_mut().enumerate() {
             if c.excluded.is_none() && u64::from(c.booked_requests) >= cap {
                 c.excluded = Some(Exclusion::BoundedLoad { cap: cap32 });
             }
             any_hit |= c.matched_tokens > 0;
             if c.excluded.is_some() {
+                back -= 1;
+                out.order[back] = i as u64;
                 continue;
             }
             if c.matched_tokens > 0
@@ -844,11 +863,13 @@ impl<S: Scorer> Scheduler<S> {
                 best = Some((i, c.matched_tokens, c.active_requests));
             }
             let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c);
+            out.order[front] = key | i as u64;
+            front += 1;
             if key < top.0 {
                 top = (key, i);
             }
         }
-        (any_hit, best, (top.1 != usize::MAX).then_some(top.1))
+        Pass { any_hit, best, top: (top.1 != usize::MAX).then_some(top.1), admissible: front }
     }
 
     fn least_load(
@@ -997,6 +1018,18 @@ impl<S: Scorer> Scheduler<S> {
         out.mode = MatchMode::LoadAware;
         out.reason = Some(FallbackReason::Policy);
     }
+}
+
+/// What `cache_aware`'s pass over the candidates found (see `Scheduler::bound_and_score`).
+struct Pass {
+    /// Some holder, admissible or not, has a hit.
+    any_hit: bool,
+    /// The best cache holder among the admissible: index, matched tokens, active requests.
+    best: Option<(usize, u32, u32)>,
+    /// The best scored.
+    top: Option<usize>,
+    /// Admissible candidates, whose keys lead `Ranking::order`.
+    admissible: usize,
 }
 
 /// Puts the [`RANKED`] smallest keys of `keys` (more than `RANKED`), sorted, in its first
