@@ -10,9 +10,9 @@
 //! a block found or a waiter woken is the writer's.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize as StdAtomicUsize, Ordering as StdOrdering};
+use std::sync::atomic::{AtomicPtr as StdAtomicPtr, AtomicUsize as StdAtomicUsize, Ordering as StdOrdering};
 
-use crate::holder::{EngineMap, SlotValue, mix64};
+use crate::holder::{EngineMap, SlotValue, mix64, prefetch_home};
 use crate::run::unpack;
 use crate::sync::Mutex;
 
@@ -43,12 +43,22 @@ impl SlotValue for DetBlock {
     }
 }
 
+/// A shard's slots as last published by its lock holder (`EngineMap::home_hint`).
+#[derive(Default)]
+struct Hint {
+    base: StdAtomicPtr<u8>,
+    slots: StdAtomicUsize,
+}
+
 /// Countable blocks of deterministic holders by (namespace, engine hash), and the deterministic
 /// orphans waiting on a parent nobody had yet.
 pub(crate) struct DeterministicIndex {
     /// `key(ns, engine) → (location, holders)`: [`EngineMap`]s (no tombstones, so churn does
     /// not grow them), 64 shards by a mix of the key's parts.
     blocks: Box<[Mutex<EngineMap<DetBlock>>]>,
+    /// Per shard, where its map's slots were when it last grew: a writer prefetches an event's
+    /// home slots from it without taking the shard's lock (see [`DeterministicIndex::prefetch`]).
+    hints: Box<[Hint]>,
     /// `(ns, parent engine hash) → slots of the holders with an orphan waiting on it`.
     waits: Mutex<HashMap<(u64, u64), Vec<u32>>>,
     /// How many (ns, parent) pairs are waited on: read without the lock, so that registering a
@@ -63,21 +73,39 @@ impl DeterministicIndex {
     pub(crate) fn new() -> DeterministicIndex {
         DeterministicIndex {
             blocks: (0..64).map(|_| Mutex::new(EngineMap::with_capacity_target(usize::MAX / 8))).collect(),
+            hints: (0..64).map(|_| Hint::default()).collect(),
             waits: Mutex::default(),
             waiting: StdAtomicUsize::new(0),
             bytes: StdAtomicUsize::new(0),
         }
     }
 
+    fn shard_index(ns: u64, engine: u64) -> usize {
+        (mix64(ns ^ engine.rotate_left(32)) >> 58) as usize
+    }
+
     fn shard(&self, ns: u64, engine: u64) -> &Mutex<EngineMap<DetBlock>> {
-        &self.blocks[(mix64(ns ^ engine.rotate_left(32)) >> 58) as usize]
+        &self.blocks[Self::shard_index(ns, engine)]
+    }
+
+    /// Hints the CPU to fetch block `(ns, engine)`'s home slot, without the shard's lock: a
+    /// writer issues it for every block of an event before applying the event, so that the
+    /// misses of a large index overlap instead of stalling one after the other. (Taking each
+    /// shard's lock to read its slots cost what the overlap saved.)
+    #[inline]
+    pub(crate) fn prefetch(&self, ns: u64, engine: u64) {
+        let hint = &self.hints[Self::shard_index(ns, engine)];
+        // Relaxed (both): a hint; a stale or torn pair only makes the prefetch useless.
+        let (base, slots) = (hint.base.load(StdOrdering::Relaxed), hint.slots.load(StdOrdering::Relaxed));
+        prefetch_home::<DetBlock>(base, slots, key(ns, engine));
     }
 
     /// Counts one more holder with block `(ns, engine)`, which is at `loc`. The first one takes
     /// the index's own reference to the run (the caller, whose holder has the block, holds one).
     /// Returns whether the block is new to the index.
     pub(crate) fn insert(&self, ns: u64, engine: u64, loc: u64) -> bool {
-        let mut m = self.shard(ns, engine).lock();
+        let shard = Self::shard_index(ns, engine);
+        let mut m = self.blocks[shard].lock();
         let key = key(ns, engine);
         if let Some(slot) = m.get_mut(&key) {
             slot.holders += 1;
@@ -93,6 +121,12 @@ impl DeterministicIndex {
             self.bytes.fetch_add(after, StdOrdering::Relaxed);
             // Relaxed: a statistics counter; nothing is published through it.
             self.bytes.fetch_sub(before, StdOrdering::Relaxed);
+            // The map grew (only an insert moves its slots): publish where they are now.
+            let (base, slots) = m.home_hint();
+            let hint = &self.hints[shard];
+            // Relaxed (both): a prefetch hint; see `prefetch`.
+            hint.base.store(base.cast_mut(), StdOrdering::Relaxed);
+            hint.slots.store(slots, StdOrdering::Relaxed);
         }
         true
     }

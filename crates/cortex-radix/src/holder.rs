@@ -164,6 +164,22 @@ fn halves(key: u64) -> [u32; 2] {
     [key as u32, (key >> 32) as u32]
 }
 
+/// `key`'s home slot among `n`.
+#[inline]
+fn home_index(key: u64, n: usize) -> usize {
+    ((u128::from(mix64(key)) * n as u128) >> 64) as usize
+}
+
+/// Hints the CPU to fetch `key`'s home slot in an [`EngineMap`] of `V` whose slots were at `base`,
+/// `n` of them, when last seen ([`EngineMap::home_hint`]): an address is computed, nothing is
+/// read, so a stale or torn hint costs a useless prefetch and nothing else.
+#[inline]
+pub(crate) fn prefetch_home<V: SlotValue>(base: *const u8, n: usize, key: u64) {
+    if n > 0 {
+        crate::sync::prefetch(base.wrapping_add(home_index(key, n) * std::mem::size_of::<Slot<V>>()));
+    }
+}
+
 /// Blocks by engine hash (a holder's, and the deterministic index's): linear probing over slots
 /// of the key and a small value side by side (20 bytes for a holder's [`Packed`] block, so a
 /// probe touches one line), sized for the holder's capacity at 4/5 load, with backward-shift
@@ -194,7 +210,14 @@ impl<V: SlotValue> EngineMap<V> {
 
     #[inline]
     fn home(&self, key: u64) -> usize {
-        ((u128::from(mix64(key)) * self.slots.len() as u128) >> 64) as usize
+        home_index(key, self.slots.len())
+    }
+
+    /// The slots' address and count, for a prefetch by a thread that does not hold the map (see
+    /// [`prefetch_home`]).
+    #[inline]
+    pub(crate) fn home_hint(&self) -> (*const u8, usize) {
+        (self.slots.as_ptr().cast(), self.slots.len())
     }
 
     #[inline]

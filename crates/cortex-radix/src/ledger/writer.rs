@@ -634,8 +634,14 @@ impl Apply<'_> {
             (Some(e), Some(_)) => self.parent_of(p, e.to_u64()),
         };
         let ns = ev.lineage.map(|l| l.namespace.to_bits());
+        // Every block's home slots, before the first is applied: the holder's map and, for a
+        // content-deterministic holder, the shared index (see `det_register`).
+        let det_ns = ns.filter(|_| self.me.cfg.content_deterministic);
         for b in &ev.blocks {
             p.entries.prefetch(b.engine.to_u64());
+            if let Some(ns) = det_ns {
+                self.shared.det.prefetch(ns, b.engine.to_u64());
+            }
         }
         for (j, b) in ev.blocks.iter().enumerate() {
             let content = b.content.to_bits();
