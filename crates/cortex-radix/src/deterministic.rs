@@ -215,6 +215,23 @@ impl DeterministicIndex {
         self.blocks.iter().map(|m| m.lock().len()).sum()
     }
 
+    /// Whether every shard's prefetch hint names its map's slots as they are now, and how many
+    /// shards have grown (tests).
+    #[cfg(test)]
+    pub(crate) fn hints_current(&self) -> (bool, usize) {
+        let (mut current, mut grown) = (true, 0);
+        for (shard, hint) in self.blocks.iter().zip(self.hints.iter()) {
+            let (base, slots) = shard.lock().home_hint();
+            // Relaxed (both): read back by the thread that stored them. An empty map's
+            // address is never used (no slot to prefetch).
+            let published =
+                (hint.base.load(StdOrdering::Relaxed).cast_const(), hint.slots.load(StdOrdering::Relaxed));
+            current &= published.1 == slots && (slots == 0 || published.0 == base);
+            grown += usize::from(slots > 0);
+        }
+        (current, grown)
+    }
+
     /// Adds the runs the entries hold references to (as `Run::bits`) to `runs`.
     pub(crate) fn collect_runs(&self, runs: &mut HashSet<u64>) {
         for shard in self.blocks.iter() {

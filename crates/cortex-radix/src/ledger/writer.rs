@@ -1093,6 +1093,26 @@ mod tests {
         v
     }
 
+    /// A writer prefetches the deterministic index's slots from each shard's hint without its
+    /// lock: every growth of a shard must publish where its slots moved, or the prefetches
+    /// fetch freed memory (harmless, and useless).
+    #[test]
+    fn the_deterministic_index_s_prefetch_hints_follow_every_growth() {
+        let ledger = Ledger::new(LedgerConfig::default());
+        let mut w = ledger
+            .add_holder(holder(1), HolderConfig { capacity_blocks: 100_000, content_deterministic: true })
+            .unwrap();
+        w.set_readiness(Readiness::Ready);
+        for i in 0..400 {
+            w.apply(&stored(i * 16, (i + 1) * 16)).unwrap();
+            let (current, grown) = ledger.shared.det.hints_current();
+            assert!(current, "a shard grew without publishing its slots (event {i})");
+            if i == 399 {
+                assert_eq!(grown, 64, "6,400 blocks grow every shard, several times");
+            }
+        }
+    }
+
     #[test]
     fn a_panic_part_way_through_a_write_poisons_the_holder_and_nothing_touches_its_state_again() {
         let ledger = Ledger::new(LedgerConfig::default());
