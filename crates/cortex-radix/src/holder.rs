@@ -246,10 +246,8 @@ impl<V: SlotValue> EngineMap<V> {
     /// Hints the CPU to fetch `key`'s home slot.
     #[inline]
     pub(crate) fn prefetch(&self, key: u64) {
-        if self.slots.is_empty() {
-            return;
-        }
-        crate::sync::prefetch(&raw const self.slots[self.home(key)]);
+        let (base, n) = self.home_hint();
+        prefetch_home::<V>(base, n, key);
     }
 
     #[inline]

@@ -478,7 +478,7 @@ impl<S: Scorer> Scheduler<S> {
         // A holder trained since the gather counted keeps its own line; none goes back (samples
         // only grow), so the mean has at least one line.
         let trained =
-            |slot: &HolderSlot| slot.state.rank_state(slot.holder.rank).is_some_and(|rs| rs.hot().trained);
+            |slot: &HolderSlot| slot.state.rank_state(slot.holder.rank).is_some_and(|rs| rs.trained());
         let (n, spt, overhead) = out
             .candidates
             .iter()
@@ -491,7 +491,7 @@ impl<S: Scorer> Scheduler<S> {
         let rate = (1.0 / spt) as f32;
         for (c, slot) in out.candidates.iter_mut().zip(pool) {
             let Some(rs) = slot.state.rank_state(slot.holder.rank) else { continue };
-            if rs.hot().trained {
+            if rs.trained() {
                 continue;
             }
             let own =

@@ -274,6 +274,13 @@ impl RankState {
         }
     }
 
+    /// Whether the learner has [`TRAINED_SAMPLES`] samples (see [`RankState::hot`]).
+    #[inline]
+    pub(crate) fn trained(&self) -> bool {
+        // Relaxed: as the estimate (see `publish`).
+        self.trained.load(Ordering::Relaxed)
+    }
+
     fn learn(&self, f: impl FnOnce(&mut Learner)) {
         let mut l = self.learn.lock().unwrap_or_else(PoisonError::into_inner);
         f(&mut l);
