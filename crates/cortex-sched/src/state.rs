@@ -60,15 +60,16 @@ pub struct EngineLoad {
 
 /// The ledger state of one holder, as the ingest side last set it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum LedgerState {
     /// The event stream is complete and applied: the ledger's overlap for this holder is exact.
-    Ready,
+    Ready = 0,
     /// The holder is (re)building its ledger: it must not get cache credit.
-    Syncing,
+    Syncing = 1,
     /// A gap or a silent publisher: the holder's ledger cannot be trusted.
-    Stale,
+    Stale = 2,
     /// Exact routing is off for this holder (misaligned profile, or no event stream).
-    Disabled,
+    Disabled = 3,
 }
 
 impl LedgerState {
@@ -84,16 +85,14 @@ impl LedgerState {
     }
 
     const fn code(self) -> u8 {
-        match self {
-            LedgerState::Ready => 0,
-            LedgerState::Syncing => 1,
-            LedgerState::Stale => 2,
-            LedgerState::Disabled => 3,
-        }
+        self as u8
     }
 
+    /// The state whose [`LedgerState::code`] is `c`. Only `code` writes the word, so its two low
+    /// bits are the whole code: with the discriminants equal to the codes, the match compiles to
+    /// the mask alone (a decision reads it for every holder).
     const fn from_code(c: u8) -> Self {
-        match c {
+        match c & 3 {
             0 => LedgerState::Ready,
             1 => LedgerState::Syncing,
             2 => LedgerState::Stale,
@@ -911,6 +910,17 @@ mod tests {
 
     fn state(policy: HealthPolicy) -> Arc<WorkerState> {
         Arc::new(WorkerState::new(2, policy, 10_000))
+    }
+
+    #[test]
+    fn every_ledger_state_reads_back_as_written() {
+        for s in [LedgerState::Ready, LedgerState::Syncing, LedgerState::Stale, LedgerState::Disabled] {
+            assert_eq!(LedgerState::from_code(s.code()), s);
+            let r = state(HealthPolicy::default());
+            assert!(r.set_ledger(DpRank(1), s));
+            assert_eq!(r.rank_state(DpRank(1)).map(|rs| rs.ledger()), Some(s));
+            assert_eq!(r.rank_state(DpRank(1)).map(|rs| rs.hot().ledger), Some(s));
+        }
     }
 
     fn holder(rank: u16) -> HolderId {
