@@ -11,8 +11,14 @@
 //!
 //! Key decisions:
 //! - ZeroMQ sockets are not thread-safe, so exactly one thread owns them all and multiplexes them
-//!   with `zmq_poll`; it splits frames and reads the sequence number. Commands reach it through a
-//!   channel plus an `inproc` wake-up socket.
+//!   by polling their signalling descriptors (`ZMQ_FD`); it splits frames and reads the sequence
+//!   number. Commands reach it through a channel plus an `inproc` wake-up socket. `zmq_poll` over
+//!   the sockets themselves asks each socket for its events before and after the wait, a `poll`
+//!   system call each: about twelve system calls per batch at one batch at a time, where the
+//!   descriptors need one wait and the drain's last receive. The descriptors are edge-triggered
+//!   (they announce new commands, not messages already queued), so a socket is drained until it
+//!   has nothing, or kept *hot* — looked at again without waiting — when it may still have
+//!   something: just created, just sent on, or a drain stopped at `BURST`.
 //! - Applying — the real work — happens on the lanes, in parallel across holders and strictly in
 //!   order within one (a holder always maps to the same lane). The socket thread decodes the
 //!   groups it queues (decoding is a fifth of decode + apply), so that a busy lane only applies
@@ -40,6 +46,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
+use std::os::fd::RawFd;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SendError, Sender, TryRecvError};
@@ -289,6 +296,8 @@ impl Ingest {
         let sockets = SocketThread {
             ctx,
             id,
+            wake_fd: wake_rx.get_fd()?,
+            wake_hot: true,
             wake: wake_rx,
             commands: cmd_rx,
             holders: Vec::new(),
@@ -466,6 +475,11 @@ struct SockHolder {
     lane: usize,
     sub: zmq::Socket,
     monitor: zmq::Socket,
+    /// `sub`'s, `monitor`'s and `dealer`'s signalling descriptors (`ZMQ_FD`; `dealer_fd` only
+    /// while `dealer` is set).
+    fds: SockFds,
+    /// Which of them may hold messages their descriptor will not announce (see the module docs).
+    hot: Hot,
     /// The `inproc` endpoint `monitor` reads the SUB's events from.
     monitor_endpoint: String,
     replay_endpoint: Option<String>,
@@ -494,11 +508,31 @@ struct SocketThread {
     ctx: zmq::Context,
     id: u64,
     wake: zmq::Socket,
+    /// `wake`'s signalling descriptor.
+    wake_fd: RawFd,
+    /// Whether `wake` may hold a message its descriptor will not announce.
+    wake_hot: bool,
     commands: Receiver<SockCmd>,
     holders: Vec<SockHolder>,
     next_monitor: u64,
     /// The frames of the message being received (reused: no allocation per message).
     frames: Vec<zmq::Message>,
+}
+
+/// A holder's sockets' signalling descriptors.
+#[derive(Clone, Copy)]
+struct SockFds {
+    sub: RawFd,
+    monitor: RawFd,
+    dealer: RawFd,
+}
+
+/// Which of a holder's sockets to look at without waiting for its descriptor.
+#[derive(Clone, Copy)]
+struct Hot {
+    sub: bool,
+    monitor: bool,
+    dealer: bool,
 }
 
 /// Which socket a poll item belongs to.
@@ -521,20 +555,28 @@ impl SocketThread {
                     slots.push(Slot::Dealer(i));
                 }
             }
+            // A hot socket is looked at whatever its descriptor says, so the wait must not block.
+            let hot = |s: &Slot| match *s {
+                Slot::Wake => self.wake_hot,
+                Slot::Sub(i) => self.holders[i].hot.sub,
+                Slot::Monitor(i) => self.holders[i].hot.monitor,
+                Slot::Dealer(i) => self.holders[i].hot.dealer,
+            };
+            let timeout = if slots.iter().any(hot) { 0 } else { -1 };
             let ready: Vec<bool> = {
                 let mut items: Vec<zmq::PollItem<'_>> = slots
                     .iter()
-                    .map(|s| match *s {
-                        Slot::Wake => self.wake.as_poll_item(zmq::POLLIN),
-                        Slot::Sub(i) => self.holders[i].sub.as_poll_item(zmq::POLLIN),
-                        Slot::Monitor(i) => self.holders[i].monitor.as_poll_item(zmq::POLLIN),
-                        Slot::Dealer(i) => self.holders[i]
-                            .dealer
-                            .as_ref()
-                            .map_or(self.wake.as_poll_item(zmq::POLLIN), |d| d.as_poll_item(zmq::POLLIN)),
+                    .map(|s| {
+                        let fd = match *s {
+                            Slot::Wake => self.wake_fd,
+                            Slot::Sub(i) => self.holders[i].fds.sub,
+                            Slot::Monitor(i) => self.holders[i].fds.monitor,
+                            Slot::Dealer(i) => self.holders[i].fds.dealer,
+                        };
+                        zmq::PollItem::from_fd(fd, zmq::POLLIN)
                     })
                     .collect();
-                if let Err(e) = zmq::poll(&mut items, -1) {
+                if let Err(e) = zmq::poll(&mut items, timeout) {
                     if e == zmq::Error::EINTR {
                         continue;
                     }
@@ -546,7 +588,7 @@ impl SocketThread {
                     }
                     return;
                 }
-                items.iter().map(zmq::PollItem::is_readable).collect()
+                items.iter().zip(&slots).map(|(item, s)| item.is_readable() || hot(s)).collect()
             };
             // The sockets first, while the indices in `slots` still name them; the commands
             // last, since removing a worker shifts the holders after it.
@@ -564,6 +606,7 @@ impl SocketThread {
             }
             if wake {
                 while self.wake.recv_msg(zmq::DONTWAIT).is_ok() {}
+                self.wake_hot = false;
                 if !self.run_commands(shared) {
                     return;
                 }
@@ -613,12 +656,15 @@ impl SocketThread {
         monitor.connect(&endpoint)?;
         sub.set_subscribe(topic.as_bytes())?;
         sub.connect(publish)?;
+        let fds = SockFds { sub: sub.get_fd()?, monitor: monitor.get_fd()?, dealer: -1 };
         tracing::info!(%holder, endpoint = publish, topic, "ingest: subscribed");
         Ok(SockHolder {
             holder,
             lane,
             sub,
             monitor,
+            fds,
+            hot: Hot { sub: true, monitor: true, dealer: false },
             monitor_endpoint: endpoint,
             replay_endpoint: replay,
             dealer: None,
@@ -631,6 +677,7 @@ impl SocketThread {
         let Some(endpoint) = h.replay_endpoint.clone() else { return };
         // A fresh socket per request: replies to an abandoned request die with the old one.
         h.dealer = None;
+        (h.fds.dealer, h.hot.dealer) = (-1, false);
         let dealer = (|| -> Result<zmq::Socket, zmq::Error> {
             let d = self.ctx.socket(zmq::DEALER)?;
             d.set_linger(0)?;
@@ -639,10 +686,12 @@ impl SocketThread {
             d.send_multipart([&[][..], &from.to_be_bytes()[..]], 0)?;
             Ok(d)
         })();
-        match dealer {
-            Ok(d) => {
+        match dealer.and_then(|d| d.get_fd().map(|fd| (d, fd))) {
+            Ok((d, fd)) => {
                 tracing::info!(%holder, from, endpoint, "ingest: replay requested");
                 h.dealer = Some(d);
+                // Just sent on: its replies may come without the descriptor firing.
+                (h.fds.dealer, h.hot.dealer) = (fd, true);
             }
             // The lane's replay deadline turns this into a cold rebuild.
             Err(e) => tracing::warn!(%holder, error = %e, "ingest: cannot request replay"),
@@ -650,7 +699,7 @@ impl SocketThread {
     }
 
     fn drain_sub(&mut self, shared: &Shared, i: usize) {
-        let h = &self.holders[i];
+        let h = &mut self.holders[i];
         let parts = &mut self.frames;
         let mut group = Vec::new();
         while group.len() < BURST && recv_parts(&h.sub, parts).is_ok() {
@@ -662,6 +711,8 @@ impl SocketThread {
             let payload = Payload::new(parts.pop().unwrap_or_else(zmq::Message::new));
             group.push(Input::Live { seq, payload });
         }
+        // Stopped at `BURST`: the rest is already queued, and nothing will announce it.
+        h.hot.sub = group.len() >= BURST;
         if !group.is_empty() {
             shared.deliver(h.lane, h.holder, group, &h.decoder);
         }
@@ -696,16 +747,19 @@ impl SocketThread {
             };
             group.push(input);
         }
+        h.hot.dealer = !finished && group.len() >= BURST;
         if !group.is_empty() {
             shared.deliver(h.lane, h.holder, group, &h.decoder);
         }
         if finished {
             h.dealer = None;
+            h.fds.dealer = -1;
         }
     }
 
     fn drain_monitor(&mut self, shared: &Shared, i: usize) {
-        let h = &self.holders[i];
+        let h = &mut self.holders[i];
+        h.hot.monitor = false;
         let parts = &mut self.frames;
         while recv_parts(&h.monitor, parts).is_ok() {
             let event = parts.first().filter(|p| p.len() >= 2).map(|p| u16::from_le_bytes([p[0], p[1]]));

@@ -202,6 +202,32 @@ fn gap_is_filled_by_replay() {
     assert!(st.duplicates >= 1, "batch 5 came live and replayed");
 }
 
+/// A replay longer than one drain of the socket (`BURST`, 512 messages): the replies the socket
+/// thread has not read yet are already queued, and nothing announces them again. Fails when a
+/// drain stopped at `BURST` waits for the socket's descriptor instead of reading on.
+#[test]
+fn a_replay_longer_than_one_drain_is_read_to_its_end() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("kv-events", Some(ReplayFraming::WithTopic));
+    let h = holder(9, 0);
+    follow(&s, &engine, h);
+    assert_eq!(engine.serve_replay(), 0);
+    publish_vllm(&mut engine, 0..3);
+    wait_seq(&s, h, 2);
+    // 1,500 batches lost on the wire, then one that reveals the gap.
+    for seq in 3..1_503 {
+        engine.record_only(seq, &vllm_block_batch(seq));
+    }
+    engine.publish(1_503, &vllm_block_batch(1_503));
+    assert_eq!(engine.serve_replay(), 3, "asked from the first lost batch");
+    wait_seq(&s, h, 1_503);
+    assert_eq!(synthetic_overlap(&s.ledger, h, 1_504), 1_504, "every block is back, in order");
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!(st.transitions(Reason::Gap), 1);
+    assert_eq!(st.transitions(Reason::ReplayOk), 2, "the start replay and the gap's");
+    assert_eq!(st.clears, 0);
+}
+
 #[test]
 fn gap_without_replay_clears_and_continues() {
     let s = setup(IngestConfig::default());
