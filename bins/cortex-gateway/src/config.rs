@@ -847,12 +847,21 @@ impl Config {
                     Some(0) => bail!("workers[{i}].max_running_requests must be at least 1"),
                     n => n,
                 },
-                events: w.events.map(|e| EventsOverride {
-                    publish_port_base: e.publish_port_base,
-                    replay_port_base: e.replay_port_base,
-                    topic: e.topic,
-                    dp_size: e.dp_size.max(1),
-                }),
+                events: match w.events {
+                    None => None,
+                    Some(e) => {
+                        let o = EventsOverride {
+                            publish_port_base: e.publish_port_base,
+                            replay_port_base: e.replay_port_base,
+                            topic: e.topic,
+                            dp_size: e.dp_size,
+                        };
+                        if let Err((field, why)) = o.validate() {
+                            bail!("workers[{i}].events.{field} {why}");
+                        }
+                        Some(o)
+                    }
+                },
                 unlabeled_stores_unknown: parse_unlabeled_stores(w.unlabeled_stores.as_deref())
                     .map_err(anyhow::Error::msg)
                     .with_context(|| format!("workers[{i}].unlabeled_stores"))?,
@@ -864,7 +873,10 @@ impl Config {
         }
         let di = IngestConfig::default();
         let ingest = IngestConfig {
-            lanes: self.ingest.lanes.unwrap_or(di.lanes).max(1),
+            lanes: match self.ingest.lanes {
+                Some(0) => bail!("ingest.lanes must be at least 1: events are applied by the lanes' threads"),
+                n => n.unwrap_or(di.lanes),
+            },
             replay_timeout: self.ingest.replay_timeout.map_or(di.replay_timeout, |v| v.0),
             silence_timeout: self.ingest.silence_timeout.map_or(di.silence_timeout, |v| v.0),
             stale_routing: match self.ingest.stale_routing.as_deref() {
@@ -1392,6 +1404,19 @@ mod tests {
             ("limits: {header_read_timeout: 0s}\n", "limits.header_read_timeout"),
             ("limits: {http2_keep_alive_interval: 0s}\n", "limits.http2_keep_alive_interval"),
             ("retry: {max_attempts: 0}\n", "retry.max_attempts"),
+            ("ingest: {lanes: 0}\n", "ingest.lanes"),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, events: {publish_port_base: 5557, dp_size: 0}}\n",
+                "workers[0].events.dp_size",
+            ),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, events: {publish_port_base: 0}}\n",
+                "workers[0].events.publish_port_base",
+            ),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, events: {publish_port_base: 5557, replay_port_base: 65535, dp_size: 2}}\n",
+                "workers[0].events.replay_port_base",
+            ),
             ("scheduler: {policy: fastest}\n", "scheduler.policy"),
             ("scheduler: {transfer_tokens_per_sec: 0}\n", "transfer_tokens_per_sec"),
             ("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: other}\n", "workers[0].model"),
