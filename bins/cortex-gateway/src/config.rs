@@ -565,6 +565,9 @@ pub struct SchedulerFile {
     pub breaker_open_for: Option<Dur>,
 }
 
+/// The default `scheduler.load_report_max_age`.
+pub const LOAD_REPORT_MAX_AGE: Duration = Duration::from_secs(5);
+
 fn default_epsilon() -> Option<f64> {
     SchedConfig::default().bounded_load.map(|b| b.epsilon)
 }
@@ -732,6 +735,20 @@ impl Config {
         if limits.http2_keep_alive_interval.is_zero() || limits.http2_keep_alive_timeout.is_zero() {
             bail!("limits.http2_keep_alive_interval and limits.http2_keep_alive_timeout must be positive");
         }
+        // `queue_timeout: 0s` is kept: a request that finds no free slot is refused at once.
+        for (key, d, why) in [
+            ("body_read_timeout", limits.body_read_timeout, "no request body could arrive in time"),
+            (
+                "upstream_head_timeout",
+                limits.upstream_head_timeout,
+                "every attempt would time out before the worker's response head",
+            ),
+            ("upstream_idle_timeout", limits.upstream_idle_timeout, "every response would be cut at its first pause"),
+        ] {
+            if d.is_zero() {
+                bail!("limits.{key} must be positive: {why}");
+            }
+        }
         let retry = RetryPolicy {
             max_attempts: self.retry.max_attempts.unwrap_or(d.retry.max_attempts),
             budget: self.retry.budget.map_or(d.retry.budget, |v| v.0),
@@ -777,6 +794,9 @@ impl Config {
             failures_to_remove: p.failures_to_remove.unwrap_or(d.probes.failures_to_remove),
             successes_to_restore: p.successes_to_restore.unwrap_or(d.probes.successes_to_restore),
         };
+        if probes.timeout.is_zero() {
+            bail!("probes.timeout must be positive: every probe and every connection to a worker would time out");
+        }
         if probes.health_interval.is_zero() || probes.load_interval.is_zero() {
             bail!("probes.health_interval and probes.load_interval must be positive");
         }
@@ -886,11 +906,20 @@ impl Config {
             },
             ..di
         };
+        if ingest.replay_timeout.is_zero() {
+            bail!("ingest.replay_timeout must be positive: every replay would be abandoned and its holder rebuilt cold");
+        }
+        if ingest.silence_timeout.is_zero() {
+            bail!("ingest.silence_timeout must be positive: every busy holder would be STALE at once");
+        }
         let dl = LedgerConfig::default();
         let ledger = LedgerConfig {
             byte_budget: self.ledger.byte_budget.map_or(dl.byte_budget, |s| s.0),
             capacity_slack_percent: self.ledger.capacity_slack_percent.unwrap_or(dl.capacity_slack_percent),
         };
+        if ledger.byte_budget == 0 {
+            bail!("ledger.byte_budget must be positive: the ledger would keep no block");
+        }
         let admin = match self.admin {
             None => None,
             Some(a) => {
@@ -966,7 +995,13 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
         load_signals: match s.load_signals.as_deref() {
             Some("booked") => LoadSignals::Booked,
             None | Some("engine_reports") => LoadSignals::EngineReports {
-                max_age: s.load_report_max_age.map_or(Duration::from_secs(5), |v| v.0),
+                max_age: match s.load_report_max_age {
+                    Some(Dur(d)) if d.is_zero() => bail!(
+                        "scheduler.load_report_max_age must be positive: no engine report would ever be fresh \
+                         (`load_signals: booked` routes by this gateway's bookings alone)"
+                    ),
+                    a => a.map_or(LOAD_REPORT_MAX_AGE, |v| v.0),
+                },
             },
             Some(o) => bail!("scheduler.load_signals must be booked or engine_reports, not `{o}`"),
         },
@@ -1397,6 +1432,9 @@ mod tests {
         let yaml = minimal;
         let ok = Config::parse(&yaml("")).unwrap().into_settings(&base);
         assert!(ok.is_ok(), "{:?}", ok.err());
+        // No wait for a slot is a choice, not a mistake.
+        let ok = Config::parse(&yaml("limits: {queue_timeout: 0s}\n")).unwrap().into_settings(&base);
+        assert_eq!(ok.unwrap().proxy.limits.queue_timeout, Duration::ZERO);
         for (extra, key) in [
             ("limits: {max_concurrent: 0}\n", "limits.max_concurrent"),
             ("limits: {max_header_bytes: 4KiB}\n", "limits.max_header_bytes"),
@@ -1405,6 +1443,15 @@ mod tests {
             ("limits: {http2_keep_alive_interval: 0s}\n", "limits.http2_keep_alive_interval"),
             ("retry: {max_attempts: 0}\n", "retry.max_attempts"),
             ("ingest: {lanes: 0}\n", "ingest.lanes"),
+            ("limits: {body_read_timeout: 0s}\n", "limits.body_read_timeout"),
+            ("limits: {upstream_head_timeout: 0s}\n", "limits.upstream_head_timeout"),
+            ("limits: {upstream_idle_timeout: 0ms}\n", "limits.upstream_idle_timeout"),
+            ("probes: {timeout: 0s}\n", "probes.timeout"),
+            ("ingest: {replay_timeout: 0s}\n", "ingest.replay_timeout"),
+            ("ingest: {silence_timeout: 0s}\n", "ingest.silence_timeout"),
+            ("scheduler: {load_report_max_age: 0s}\n", "scheduler.load_report_max_age"),
+            ("ledger: {byte_budget: 0}\n", "ledger.byte_budget"),
+            ("ledger: {byte_budget: 0MiB}\n", "ledger.byte_budget"),
             (
                 "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, events: {publish_port_base: 5557, dp_size: 0}}\n",
                 "workers[0].events.dp_size",
