@@ -27,7 +27,7 @@ use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, Tls, TlsConfig, Token, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
-    BoundedLoad, BreakerConfig, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies,
+    BoundedLoad, BreakerConfig, ConfigError, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies,
     Role, SchedConfig, UnreadyHolders, Watermark, Weights,
 };
 use serde::Deserialize;
@@ -1013,7 +1013,7 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
         pools,
         seed: d.seed,
     };
-    cfg.validate().map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
+    cfg.validate().map_err(sched_error)?;
     let dc = Cooldowns::default();
     let health = HealthPolicy {
         cooldowns: Cooldowns {
@@ -1031,8 +1031,30 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
             }),
         },
     };
-    health.validate().map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
+    health.validate().map_err(sched_error)?;
     Ok((cfg, health))
+}
+
+/// The scheduler's refusal of a value, naming the key of `scheduler:` that holds it.
+fn sched_error(e: ConfigError) -> anyhow::Error {
+    match e {
+        // `alpha`, `beta`, `gamma`, `per_active_ms`, `recompute_weight`: the file's own names.
+        ConfigError::Weight(name) => anyhow::anyhow!("scheduler.{name} must be finite and >= 0"),
+        ConfigError::Epsilon("bounded_load") => anyhow::anyhow!(
+            "scheduler.bounded_load_epsilon must be finite and > 0 (null disables the bound)"
+        ),
+        ConfigError::WatermarkFraction => {
+            anyhow::anyhow!("scheduler.watermark_inflight_fraction must be finite and > 0")
+        }
+        ConfigError::TransferRate => anyhow::anyhow!("scheduler.transfer_tokens_per_sec must be at least 1"),
+        ConfigError::Breaker("failure_threshold") => {
+            anyhow::anyhow!("scheduler.breaker_failures must be at least 1, or 0 to disable the breaker")
+        }
+        // Values the file does not set (a policy's own defaults): the scheduler's words.
+        e @ (ConfigError::Epsilon(_) | ConfigError::PrefixBlocks | ConfigError::Breaker(_)) => {
+            anyhow::anyhow!("scheduler: {e}")
+        }
+    }
 }
 
 fn model_spec(m: ModelFile, base: &Path) -> Result<ModelSpec> {
@@ -1465,7 +1487,13 @@ mod tests {
                 "workers[0].events.replay_port_base",
             ),
             ("scheduler: {policy: fastest}\n", "scheduler.policy"),
-            ("scheduler: {transfer_tokens_per_sec: 0}\n", "transfer_tokens_per_sec"),
+            ("scheduler: {transfer_tokens_per_sec: 0}\n", "scheduler.transfer_tokens_per_sec"),
+            ("scheduler: {watermark_inflight_fraction: 0}\n", "scheduler.watermark_inflight_fraction"),
+            ("scheduler: {watermark_inflight_fraction: .inf}\n", "scheduler.watermark_inflight_fraction"),
+            ("scheduler: {bounded_load_epsilon: 0}\n", "scheduler.bounded_load_epsilon"),
+            ("scheduler: {bounded_load_epsilon: -1.0}\n", "scheduler.bounded_load_epsilon"),
+            ("scheduler: {beta: -1}\n", "scheduler.beta"),
+            ("scheduler: {recompute_weight: .nan}\n", "scheduler.recompute_weight"),
             ("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: other}\n", "workers[0].model"),
             ("alignment: {tolerance: 2.0}\n", "alignment.tolerance"),
             (
