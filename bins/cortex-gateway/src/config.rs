@@ -837,6 +837,24 @@ impl Config {
         if self.models.is_empty() {
             bail!("models: at least one model is required");
         }
+        // A request's `model` names one route: an adapter may share its name with no model and
+        // no other adapter (else one would silently take the other's requests).
+        let mut routes: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
+        for (i, m) in self.models.iter().enumerate() {
+            routes.entry(&m.name).or_insert_with(|| format!("models[{i}].name"));
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            for (j, a) in m.adapters.iter().enumerate() {
+                let key = format!("models[{i}].adapters[{j}].name");
+                if let Some(other) = routes.get(a.name.as_str()) {
+                    bail!(
+                        "{key} `{}` is also {other}: a request's `model` must name one model or adapter",
+                        a.name
+                    );
+                }
+                routes.insert(&a.name, key);
+            }
+        }
         for (i, m) in self.models.into_iter().enumerate() {
             let adapters: Vec<(String, String)> =
                 m.adapters.iter().map(|a| (a.name.clone(), a.path.clone())).collect();
@@ -846,8 +864,10 @@ impl Config {
                 bail!("models[{i}].name `{name}` is configured twice");
             }
             models.add_model(spec, proxy.segment_cache_tokens);
-            for (a, path) in adapters {
-                models.add_adapter(&a, &path, &name);
+            for (j, (a, path)) in adapters.into_iter().enumerate() {
+                if !models.add_adapter(&a, &path, &name) {
+                    bail!("models[{i}].adapters[{j}].name `{a}` is already served");
+                }
             }
         }
         let mut workers = Vec::new();
@@ -1457,6 +1477,11 @@ mod tests {
         // No wait for a slot is a choice, not a mistake.
         let ok = Config::parse(&yaml("limits: {queue_timeout: 0s}\n")).unwrap().into_settings(&base);
         assert_eq!(ok.unwrap().proxy.limits.queue_timeout, Duration::ZERO);
+        let s = Config::parse(&yaml("    adapters: [{name: sql, path: /a/sql}, {name: chat, path: /a/chat}]\n"))
+            .unwrap()
+            .into_settings(&base)
+            .unwrap();
+        assert_eq!(s.models.names().collect::<Vec<_>>(), ["m", "sql", "chat"]);
         for (extra, key) in [
             ("limits: {max_concurrent: 0}\n", "limits.max_concurrent"),
             ("limits: {max_header_bytes: 4KiB}\n", "limits.max_header_bytes"),
@@ -1465,6 +1490,18 @@ mod tests {
             ("limits: {http2_keep_alive_interval: 0s}\n", "limits.http2_keep_alive_interval"),
             ("retry: {max_attempts: 0}\n", "retry.max_attempts"),
             ("ingest: {lanes: 0}\n", "ingest.lanes"),
+            (
+                "    adapters: [{name: m, path: /a/sql}]\n",
+                "models[0].adapters[0].name `m` is also models[0].name",
+            ),
+            (
+                "    adapters: [{name: m2, path: /a/sql}]\n  - {name: m2, engine: vllm, tokenizer: golden/models/qwen3/tokenizer.json, tokenizer_config: golden/models/qwen3/tokenizer_config.json, block_size: 16}\n",
+                "models[0].adapters[0].name `m2` is also models[1].name",
+            ),
+            (
+                "    adapters: [{name: sql, path: /a/sql}, {name: sql, path: /a/sql2}]\n",
+                "models[0].adapters[1].name `sql` is also models[0].adapters[0].name",
+            ),
             ("limits: {body_read_timeout: 0s}\n", "limits.body_read_timeout"),
             ("limits: {upstream_head_timeout: 0s}\n", "limits.upstream_head_timeout"),
             ("limits: {upstream_idle_timeout: 0ms}\n", "limits.upstream_idle_timeout"),
