@@ -520,7 +520,7 @@ pub struct SchedulerFile {
     pub policy: Option<String>,
     /// Policy of the prefill pool (default `cache_aware`).
     pub prefill_policy: Option<String>,
-    /// Policy of the decode pool (default `power_of_two`).
+    /// Policy of the decode pool (default `cache_aware`).
     pub decode_policy: Option<String>,
     /// α (per matched token).
     pub alpha: Option<f64>,
@@ -1013,6 +1013,10 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
         },
         bounded_load: s.bounded_load_epsilon.map(|epsilon| BoundedLoad { epsilon }),
         load_signals: match s.load_signals.as_deref() {
+            Some("booked") if s.load_report_max_age.is_some() => bail!(
+                "scheduler.load_report_max_age applies only to load_signals: engine_reports; \
+                 load_signals: booked reads no engine report"
+            ),
             Some("booked") => LoadSignals::Booked,
             None | Some("engine_reports") => LoadSignals::EngineReports {
                 max_age: match s.load_report_max_age {
@@ -1043,6 +1047,9 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
             quota_exhausted: s.cooldown_quota_exhausted.map_or(dc.quota_exhausted, |v| v.0),
         },
         breaker: match s.breaker_failures {
+            Some(0) if s.breaker_open_for.is_some() => bail!(
+                "scheduler.breaker_open_for has no effect with breaker_failures: 0, which disables the breaker"
+            ),
             Some(0) => None,
             n => Some(BreakerConfig {
                 failure_threshold: n.unwrap_or(BreakerConfig::default().failure_threshold),
@@ -1317,6 +1324,8 @@ mod tests {
         assert_eq!(s.workers[1].events.as_ref().map(|e| e.publish_port_base), Some(5557));
         assert!(!s.workers[0].unlabeled_stores_unknown);
         assert_eq!(s.workers[1].max_running_requests, Some(256));
+        assert_eq!((s.proxy.shutdown_delay, s.proxy.shutdown_grace), (Duration::ZERO, Duration::from_secs(30)));
+        assert_eq!(s.sched.load_signals, LoadSignals::EngineReports { max_age: LOAD_REPORT_MAX_AGE });
         let k = s.kubernetes.unwrap();
         assert_eq!(
             (k.namespace.as_deref(), k.resync, k.groups.len()),
@@ -1509,6 +1518,8 @@ mod tests {
             ("ingest: {replay_timeout: 0s}\n", "ingest.replay_timeout"),
             ("ingest: {silence_timeout: 0s}\n", "ingest.silence_timeout"),
             ("scheduler: {load_report_max_age: 0s}\n", "scheduler.load_report_max_age"),
+            ("scheduler: {load_signals: booked, load_report_max_age: 5s}\n", "scheduler.load_report_max_age"),
+            ("scheduler: {breaker_failures: 0, breaker_open_for: 60s}\n", "scheduler.breaker_open_for"),
             ("ledger: {byte_budget: 0}\n", "ledger.byte_budget"),
             ("ledger: {byte_budget: 0MiB}\n", "ledger.byte_budget"),
             (
