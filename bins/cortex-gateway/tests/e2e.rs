@@ -353,6 +353,9 @@ async fn bad_requests_get_clear_client_errors() {
     assert_eq!(r.json()["error"]["code"], "model_not_found");
     let r = h.send("GET", "/v1/completions", Bytes::new()).await;
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!((r.header("allow"), r.error_code().as_str()), ("POST", "method_not_allowed"));
+    let r = h.send("POST", "/v1/models", Bytes::new()).await;
+    assert_eq!((r.status, r.header("allow")), (StatusCode::METHOD_NOT_ALLOWED, "GET"));
     let r = h.send("GET", "/nope", Bytes::new()).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     h.shutdown().await;

@@ -26,7 +26,7 @@ use serde_json::{Value, json};
 
 use crate::auth::Token;
 use crate::error::{Body, ProxyError};
-use crate::gateway::{Gateway, json_response, read_body};
+use crate::gateway::{Gateway, json_response, read_body, request_id};
 use crate::registry::{WorkerConfig, parse_role, parse_unlabeled_stores};
 
 /// The admin service.
@@ -55,9 +55,17 @@ impl Admin {
     /// # Errors
     /// Never: errors become responses.
     pub async fn serve(self, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+        // The public listener's contract: the client's `x-request-id` (else a fresh one) on
+        // every answer, errors included.
+        let rid = request_id(req.headers());
         Ok(match self.handle(req).await {
-            Ok(r) => r,
-            Err(e) => e.into_response("admin"),
+            Ok(mut r) => {
+                if !r.headers().contains_key("x-request-id") {
+                    crate::upstream::set_header(r.headers_mut(), "x-request-id", &rid);
+                }
+                r
+            }
+            Err(e) => e.into_response(&rid),
         })
     }
 
@@ -77,13 +85,6 @@ impl Admin {
                 let worker = query.split('&').find_map(|kv| kv.strip_prefix("worker="));
                 Ok(json_response(StatusCode::OK, &crate::fanout::flush(control, worker).await?))
             }
-            (m, "/debug/route") => Err(ProxyError::MethodNotAllowed {
-                method: m.to_string(),
-                allowed: "/debug/route takes a POST whose body is a chat, completion or /generate request",
-            }),
-            (m, "/admin/cache/flush") => {
-                Err(ProxyError::MethodNotAllowed { method: m.to_string(), allowed: "use POST" })
-            }
             (Method::POST, "/admin/workers") => {
                 let body = read_body(req.into_body(), self.gateway.limits()).await?;
                 let v: Value =
@@ -101,8 +102,24 @@ impl Admin {
                 control.leave(w.id);
                 Ok(json_response(StatusCode::OK, &json!({"removed": name})))
             }
-            (m, _) => Err(ProxyError::NotFound { method: m.to_string(), path }),
+            (m, p) => Err(match allowed(p) {
+                Some((allow, note)) => ProxyError::MethodNotAllowed { method: m.to_string(), allow, note },
+                None => ProxyError::NotFound { method: m.to_string(), path },
+            }),
         }
+    }
+}
+
+/// The methods an admin path takes (its `Allow` header) and a note for the 405's message;
+/// `None` for a path the admin listener does not serve.
+fn allowed(path: &str) -> Option<(&'static str, &'static str)> {
+    match path {
+        "/admin/workers" => Some(("GET, POST", "")),
+        "/debug/workers" => Some(("GET", "")),
+        "/admin/cache/flush" => Some(("POST", "")),
+        "/debug/route" => Some(("POST", ", whose body is a chat, completion or /generate request")),
+        p if p.strip_prefix("/admin/workers/").is_some_and(|name| !name.is_empty()) => Some(("DELETE", "")),
+        _ => None,
     }
 }
 

@@ -115,15 +115,17 @@ pub enum ProxyError {
         /// Request path.
         path: String,
     },
-    /// The route exists but not with this method.
-    #[error("method {method} not allowed here: {allowed}")]
+    /// The route exists but not with this method (405, with the route's methods in `Allow`).
+    #[error("method {method} not allowed here: use {allow}{note}")]
     MethodNotAllowed {
         /// The request's method.
         method: String,
-        /// What the route takes instead.
-        allowed: &'static str,
+        /// The methods the route takes, as the `Allow` header lists them (`GET, POST`).
+        allow: &'static str,
+        /// More on what the route takes, appended to the message (empty, or `, whose body …`).
+        note: &'static str,
     },
-    /// Missing or wrong bearer token (admin API).
+    /// Missing or wrong bearer token (answered with `WWW-Authenticate: Bearer`).
     #[error("unauthorized")]
     Unauthorized,
     /// Too many requests in flight and the queue is full.
@@ -276,8 +278,8 @@ impl ProxyError {
         self.into_response_in(request_id, ErrorFormat::OpenAi)
     }
 
-    /// The HTTP response for this error in `format`, carrying `x-request-id` (and
-    /// `retry-after: 1` when sending it again is safe).
+    /// The HTTP response for this error in `format`, carrying `x-request-id`, `retry-after: 1`
+    /// when sending it again is safe, `www-authenticate: Bearer` on a 401 and `allow` on a 405.
     #[must_use]
     pub fn into_response_in(self, request_id: &str, format: ErrorFormat) -> Response<Body> {
         let body = Bytes::from(self.json_in(format).to_string());
@@ -290,6 +292,15 @@ impl ProxyError {
         }
         if self.retry_safe() {
             h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        match self {
+            ProxyError::Unauthorized => {
+                h.insert(http::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            ProxyError::MethodNotAllowed { allow, .. } => {
+                h.insert(http::header::ALLOW, HeaderValue::from_static(allow));
+            }
+            _ => {}
         }
         resp
     }
