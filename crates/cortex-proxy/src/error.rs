@@ -479,6 +479,36 @@ mod tests {
         let (_, v) =
             body_of(refusal(StatusCode::BAD_REQUEST, HeaderMap::new(), b"", None, ErrorFormat::OpenAi));
         assert_eq!(v["error"]["message"], "the worker answered 400 Bad Request");
+        // The codes of ordinary refusals, as xrouter.md lists them: a status without a code of its
+        // own is kept, with `upstream_refused`.
+        for (status, code) in [
+            (400, "invalid_request"),
+            (422, "invalid_request"),
+            (401, "unauthorized"),
+            (403, "forbidden"),
+            (404, "not_found"),
+            (413, "request_too_large"),
+            (405, "upstream_refused"),
+            (409, "upstream_refused"),
+            (415, "upstream_refused"),
+        ] {
+            let status = StatusCode::from_u16(status).unwrap();
+            let (kept, v) = body_of(refusal(status, HeaderMap::new(), b"no", None, ErrorFormat::OpenAi));
+            assert_eq!((kept, v["error"]["code"].as_str()), (status, Some(code)));
+        }
+    }
+
+    #[test]
+    fn a_401_and_a_405_carry_their_headers() {
+        let r = ProxyError::Unauthorized.into_response("rid-1");
+        assert_eq!(r.headers()[http::header::WWW_AUTHENTICATE], "Bearer");
+        assert_eq!(r.headers()["x-request-id"], "rid-1");
+        let e = ProxyError::MethodNotAllowed { method: "PUT".into(), allow: "GET, POST", note: "" };
+        assert_eq!(e.to_string(), "method PUT not allowed here: use GET, POST");
+        let r = e.into_response("rid-2");
+        assert_eq!(r.status().as_u16(), 405);
+        assert_eq!(r.headers()[http::header::ALLOW], "GET, POST");
+        assert!(ProxyError::Overloaded.into_response("x").headers().get(http::header::ALLOW).is_none());
     }
 
     /// The bytes of a response built from [`full`].
