@@ -27,8 +27,8 @@ use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, Tls, TlsConfig, Token, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
-    BoundedLoad, BreakerConfig, ConfigError, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies,
-    Role, SchedConfig, UnreadyHolders, Watermark, Weights,
+    BoundedLoad, BreakerConfig, ConfigError, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind,
+    PoolPolicies, Role, SchedConfig, UnreadyHolders, Watermark, Weights,
 };
 use serde::Deserialize;
 
@@ -743,7 +743,11 @@ impl Config {
                 limits.upstream_head_timeout,
                 "every attempt would time out before the worker's response head",
             ),
-            ("upstream_idle_timeout", limits.upstream_idle_timeout, "every response would be cut at its first pause"),
+            (
+                "upstream_idle_timeout",
+                limits.upstream_idle_timeout,
+                "every response would be cut at its first pause",
+            ),
         ] {
             if d.is_zero() {
                 bail!("limits.{key} must be positive: {why}");
@@ -795,7 +799,9 @@ impl Config {
             successes_to_restore: p.successes_to_restore.unwrap_or(d.probes.successes_to_restore),
         };
         if probes.timeout.is_zero() {
-            bail!("probes.timeout must be positive: every probe and every connection to a worker would time out");
+            bail!(
+                "probes.timeout must be positive: every probe and every connection to a worker would time out"
+            );
         }
         if probes.health_interval.is_zero() || probes.load_interval.is_zero() {
             bail!("probes.health_interval and probes.load_interval must be positive");
@@ -927,7 +933,9 @@ impl Config {
             ..di
         };
         if ingest.replay_timeout.is_zero() {
-            bail!("ingest.replay_timeout must be positive: every replay would be abandoned and its holder rebuilt cold");
+            bail!(
+                "ingest.replay_timeout must be positive: every replay would be abandoned and its holder rebuilt cold"
+            );
         }
         if ingest.silence_timeout.is_zero() {
             bail!("ingest.silence_timeout must be positive: every busy holder would be STALE at once");
@@ -1067,9 +1075,9 @@ fn sched_error(e: ConfigError) -> anyhow::Error {
     match e {
         // `alpha`, `beta`, `gamma`, `per_active_ms`, `recompute_weight`: the file's own names.
         ConfigError::Weight(name) => anyhow::anyhow!("scheduler.{name} must be finite and >= 0"),
-        ConfigError::Epsilon("bounded_load") => anyhow::anyhow!(
-            "scheduler.bounded_load_epsilon must be finite and > 0 (null disables the bound)"
-        ),
+        ConfigError::Epsilon("bounded_load") => {
+            anyhow::anyhow!("scheduler.bounded_load_epsilon must be finite and > 0 (null disables the bound)")
+        }
         ConfigError::WatermarkFraction => {
             anyhow::anyhow!("scheduler.watermark_inflight_fraction must be finite and > 0")
         }
@@ -1324,7 +1332,10 @@ mod tests {
         assert_eq!(s.workers[1].events.as_ref().map(|e| e.publish_port_base), Some(5557));
         assert!(!s.workers[0].unlabeled_stores_unknown);
         assert_eq!(s.workers[1].max_running_requests, Some(256));
-        assert_eq!((s.proxy.shutdown_delay, s.proxy.shutdown_grace), (Duration::ZERO, Duration::from_secs(30)));
+        assert_eq!(
+            (s.proxy.shutdown_delay, s.proxy.shutdown_grace),
+            (Duration::ZERO, Duration::from_secs(30))
+        );
         assert_eq!(s.sched.load_signals, LoadSignals::EngineReports { max_age: LOAD_REPORT_MAX_AGE });
         let k = s.kubernetes.unwrap();
         assert_eq!(
@@ -1486,10 +1497,11 @@ mod tests {
         // No wait for a slot is a choice, not a mistake.
         let ok = Config::parse(&yaml("limits: {queue_timeout: 0s}\n")).unwrap().into_settings(&base);
         assert_eq!(ok.unwrap().proxy.limits.queue_timeout, Duration::ZERO);
-        let s = Config::parse(&yaml("    adapters: [{name: sql, path: /a/sql}, {name: chat, path: /a/chat}]\n"))
-            .unwrap()
-            .into_settings(&base)
-            .unwrap();
+        let s =
+            Config::parse(&yaml("    adapters: [{name: sql, path: /a/sql}, {name: chat, path: /a/chat}]\n"))
+                .unwrap()
+                .into_settings(&base)
+                .unwrap();
         assert_eq!(s.models.names().collect::<Vec<_>>(), ["m", "sql", "chat"]);
         for (extra, key) in [
             ("limits: {max_concurrent: 0}\n", "limits.max_concurrent"),

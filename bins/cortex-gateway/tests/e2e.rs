@@ -469,7 +469,8 @@ async fn admin_api_takes_the_events_of_a_worker_that_does_not_advertise_them() {
     let ports = &extra.event_endpoints()[0];
     let (publish, replay) = (ports.publish.port(), ports.replay.map(|a| a.port()));
     let events = json!({"publish_port_base": publish, "replay_port_base": replay, "topic": "", "dp_size": 1});
-    let new = json!({"name": "old", "url": extra.base_url(), "engine": "vllm", "model": MODEL, "events": events});
+    let new =
+        json!({"name": "old", "url": extra.base_url(), "engine": "vllm", "model": MODEL, "events": events});
     let req = Request::post(format!("http://{}/admin/workers", h.admin_addr()))
         .header("authorization", format!("Bearer {}", common::ADMIN_TOKEN))
         .body(Full::new(Bytes::from(new.to_string())))

@@ -197,7 +197,10 @@ fn events_override(v: &Value) -> Result<EventsOverride, ProxyError> {
 /// [`ProxyError::InvalidRequest`] naming the field (an unknown one included).
 pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
     let obj = v.as_object().ok_or_else(|| {
-        ProxyError::InvalidRequest(format!("the body must be a JSON object with {}", WORKER_FIELDS.join(", ")))
+        ProxyError::InvalidRequest(format!(
+            "the body must be a JSON object with {}",
+            WORKER_FIELDS.join(", ")
+        ))
     })?;
     only_known(obj, &WORKER_FIELDS, "a worker")?;
     let s = |k: &str| {
@@ -284,15 +287,23 @@ mod tests {
         let mut typo = base.clone();
         typo["max_running_request"] = json!(64);
         let err = worker_config(&typo).unwrap_err().to_string();
-        assert!(err.contains("unknown field `max_running_request`") && err.contains("max_running_requests"), "{err}");
+        assert!(
+            err.contains("unknown field `max_running_request`") && err.contains("max_running_requests"),
+            "{err}"
+        );
         let mut two = typo.clone();
         two["evnets"] = json!({});
         let err = worker_config(&two).unwrap_err().to_string();
-        assert!(err.contains("unknown fields") && err.contains("`evnets`") && err.contains("`max_running_request`"));
+        assert!(
+            err.contains("unknown fields")
+                && err.contains("`evnets`")
+                && err.contains("`max_running_request`")
+        );
         assert!(worker_config(&json!(["a"])).unwrap_err().to_string().contains("JSON object"));
         assert_eq!(worker_config(&base).unwrap().events, None);
         let mut with = base.clone();
-        with["events"] = json!({"publish_port_base": 5557, "replay_port_base": 5657, "topic": "kv", "dp_size": 2});
+        with["events"] =
+            json!({"publish_port_base": 5557, "replay_port_base": 5657, "topic": "kv", "dp_size": 2});
         assert_eq!(
             worker_config(&with).unwrap().events,
             Some(EventsOverride {
@@ -309,7 +320,10 @@ mod tests {
             (json!({"publish_port_base": 5557, "dp_size": 0}), "`events.dp_size` must be at least 1"),
             (json!({"publish_port_base": 0}), "`events.publish_port_base` must be a port number"),
             (json!({"publish_port_base": 70000}), "`events.publish_port_base` must be a port number"),
-            (json!({"publish_port_base": 65535, "dp_size": 2}), "`events.publish_port_base` 65535 leaves rank 1"),
+            (
+                json!({"publish_port_base": 65535, "dp_size": 2}),
+                "`events.publish_port_base` 65535 leaves rank 1",
+            ),
             (json!({"replay_port_base": 5657}), "`events.publish_port_base` is required"),
             (json!({"publish_port_base": 5557, "topic": 3}), "`events.topic`"),
             (json!({"publish_port_base": 5557, "port": 1}), "unknown field `port` in `events`"),
