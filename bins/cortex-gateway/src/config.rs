@@ -27,8 +27,8 @@ use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, Tls, TlsConfig, Token, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
-    BoundedLoad, BreakerConfig, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind, PoolPolicies,
-    Role, SchedConfig, UnreadyHolders, Watermark, Weights,
+    BoundedLoad, BreakerConfig, ConfigError, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind,
+    PoolPolicies, Role, SchedConfig, UnreadyHolders, Watermark, Weights,
 };
 use serde::Deserialize;
 
@@ -520,7 +520,7 @@ pub struct SchedulerFile {
     pub policy: Option<String>,
     /// Policy of the prefill pool (default `cache_aware`).
     pub prefill_policy: Option<String>,
-    /// Policy of the decode pool (default `power_of_two`).
+    /// Policy of the decode pool (default `cache_aware`).
     pub decode_policy: Option<String>,
     /// α (per matched token).
     pub alpha: Option<f64>,
@@ -564,6 +564,9 @@ pub struct SchedulerFile {
     /// How long an open breaker stays open.
     pub breaker_open_for: Option<Dur>,
 }
+
+/// The default `scheduler.load_report_max_age`.
+pub const LOAD_REPORT_MAX_AGE: Duration = Duration::from_secs(5);
 
 fn default_epsilon() -> Option<f64> {
     SchedConfig::default().bounded_load.map(|b| b.epsilon)
@@ -732,6 +735,24 @@ impl Config {
         if limits.http2_keep_alive_interval.is_zero() || limits.http2_keep_alive_timeout.is_zero() {
             bail!("limits.http2_keep_alive_interval and limits.http2_keep_alive_timeout must be positive");
         }
+        // `queue_timeout: 0s` is kept: a request that finds no free slot is refused at once.
+        for (key, d, why) in [
+            ("body_read_timeout", limits.body_read_timeout, "no request body could arrive in time"),
+            (
+                "upstream_head_timeout",
+                limits.upstream_head_timeout,
+                "every attempt would time out before the worker's response head",
+            ),
+            (
+                "upstream_idle_timeout",
+                limits.upstream_idle_timeout,
+                "every response would be cut at its first pause",
+            ),
+        ] {
+            if d.is_zero() {
+                bail!("limits.{key} must be positive: {why}");
+            }
+        }
         let retry = RetryPolicy {
             max_attempts: self.retry.max_attempts.unwrap_or(d.retry.max_attempts),
             budget: self.retry.budget.map_or(d.retry.budget, |v| v.0),
@@ -777,6 +798,11 @@ impl Config {
             failures_to_remove: p.failures_to_remove.unwrap_or(d.probes.failures_to_remove),
             successes_to_restore: p.successes_to_restore.unwrap_or(d.probes.successes_to_restore),
         };
+        if probes.timeout.is_zero() {
+            bail!(
+                "probes.timeout must be positive: every probe and every connection to a worker would time out"
+            );
+        }
         if probes.health_interval.is_zero() || probes.load_interval.is_zero() {
             bail!("probes.health_interval and probes.load_interval must be positive");
         }
@@ -817,6 +843,24 @@ impl Config {
         if self.models.is_empty() {
             bail!("models: at least one model is required");
         }
+        // A request's `model` names one route: an adapter may share its name with no model and
+        // no other adapter (else one would silently take the other's requests).
+        let mut routes: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
+        for (i, m) in self.models.iter().enumerate() {
+            routes.entry(&m.name).or_insert_with(|| format!("models[{i}].name"));
+        }
+        for (i, m) in self.models.iter().enumerate() {
+            for (j, a) in m.adapters.iter().enumerate() {
+                let key = format!("models[{i}].adapters[{j}].name");
+                if let Some(other) = routes.get(a.name.as_str()) {
+                    bail!(
+                        "{key} `{}` is also {other}: a request's `model` must name one model or adapter",
+                        a.name
+                    );
+                }
+                routes.insert(&a.name, key);
+            }
+        }
         for (i, m) in self.models.into_iter().enumerate() {
             let adapters: Vec<(String, String)> =
                 m.adapters.iter().map(|a| (a.name.clone(), a.path.clone())).collect();
@@ -826,8 +870,10 @@ impl Config {
                 bail!("models[{i}].name `{name}` is configured twice");
             }
             models.add_model(spec, proxy.segment_cache_tokens);
-            for (a, path) in adapters {
-                models.add_adapter(&a, &path, &name);
+            for (j, (a, path)) in adapters.into_iter().enumerate() {
+                if !models.add_adapter(&a, &path, &name) {
+                    bail!("models[{i}].adapters[{j}].name `{a}` is already served");
+                }
             }
         }
         let mut workers = Vec::new();
@@ -847,12 +893,21 @@ impl Config {
                     Some(0) => bail!("workers[{i}].max_running_requests must be at least 1"),
                     n => n,
                 },
-                events: w.events.map(|e| EventsOverride {
-                    publish_port_base: e.publish_port_base,
-                    replay_port_base: e.replay_port_base,
-                    topic: e.topic,
-                    dp_size: e.dp_size.max(1),
-                }),
+                events: match w.events {
+                    None => None,
+                    Some(e) => {
+                        let o = EventsOverride {
+                            publish_port_base: e.publish_port_base,
+                            replay_port_base: e.replay_port_base,
+                            topic: e.topic,
+                            dp_size: e.dp_size,
+                        };
+                        if let Err((field, why)) = o.validate() {
+                            bail!("workers[{i}].events.{field} {why}");
+                        }
+                        Some(o)
+                    }
+                },
                 unlabeled_stores_unknown: parse_unlabeled_stores(w.unlabeled_stores.as_deref())
                     .map_err(anyhow::Error::msg)
                     .with_context(|| format!("workers[{i}].unlabeled_stores"))?,
@@ -864,7 +919,10 @@ impl Config {
         }
         let di = IngestConfig::default();
         let ingest = IngestConfig {
-            lanes: self.ingest.lanes.unwrap_or(di.lanes).max(1),
+            lanes: match self.ingest.lanes {
+                Some(0) => bail!("ingest.lanes must be at least 1: events are applied by the lanes' threads"),
+                n => n.unwrap_or(di.lanes),
+            },
             replay_timeout: self.ingest.replay_timeout.map_or(di.replay_timeout, |v| v.0),
             silence_timeout: self.ingest.silence_timeout.map_or(di.silence_timeout, |v| v.0),
             stale_routing: match self.ingest.stale_routing.as_deref() {
@@ -874,11 +932,22 @@ impl Config {
             },
             ..di
         };
+        if ingest.replay_timeout.is_zero() {
+            bail!(
+                "ingest.replay_timeout must be positive: every replay would be abandoned and its holder rebuilt cold"
+            );
+        }
+        if ingest.silence_timeout.is_zero() {
+            bail!("ingest.silence_timeout must be positive: every busy holder would be STALE at once");
+        }
         let dl = LedgerConfig::default();
         let ledger = LedgerConfig {
             byte_budget: self.ledger.byte_budget.map_or(dl.byte_budget, |s| s.0),
             capacity_slack_percent: self.ledger.capacity_slack_percent.unwrap_or(dl.capacity_slack_percent),
         };
+        if ledger.byte_budget == 0 {
+            bail!("ledger.byte_budget must be positive: the ledger would keep no block");
+        }
         let admin = match self.admin {
             None => None,
             Some(a) => {
@@ -952,9 +1021,19 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
         },
         bounded_load: s.bounded_load_epsilon.map(|epsilon| BoundedLoad { epsilon }),
         load_signals: match s.load_signals.as_deref() {
+            Some("booked") if s.load_report_max_age.is_some() => bail!(
+                "scheduler.load_report_max_age applies only to load_signals: engine_reports; \
+                 load_signals: booked reads no engine report"
+            ),
             Some("booked") => LoadSignals::Booked,
             None | Some("engine_reports") => LoadSignals::EngineReports {
-                max_age: s.load_report_max_age.map_or(Duration::from_secs(5), |v| v.0),
+                max_age: match s.load_report_max_age {
+                    Some(Dur(d)) if d.is_zero() => bail!(
+                        "scheduler.load_report_max_age must be positive: no engine report would ever be fresh \
+                         (`load_signals: booked` routes by this gateway's bookings alone)"
+                    ),
+                    a => a.map_or(LOAD_REPORT_MAX_AGE, |v| v.0),
+                },
             },
             Some(o) => bail!("scheduler.load_signals must be booked or engine_reports, not `{o}`"),
         },
@@ -966,7 +1045,7 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
         pools,
         seed: d.seed,
     };
-    cfg.validate().map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
+    cfg.validate().map_err(sched_error)?;
     let dc = Cooldowns::default();
     let health = HealthPolicy {
         cooldowns: Cooldowns {
@@ -976,6 +1055,9 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
             quota_exhausted: s.cooldown_quota_exhausted.map_or(dc.quota_exhausted, |v| v.0),
         },
         breaker: match s.breaker_failures {
+            Some(0) if s.breaker_open_for.is_some() => bail!(
+                "scheduler.breaker_open_for has no effect with breaker_failures: 0, which disables the breaker"
+            ),
             Some(0) => None,
             n => Some(BreakerConfig {
                 failure_threshold: n.unwrap_or(BreakerConfig::default().failure_threshold),
@@ -984,8 +1066,30 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
             }),
         },
     };
-    health.validate().map_err(|e| anyhow::anyhow!("scheduler: {e}"))?;
+    health.validate().map_err(sched_error)?;
     Ok((cfg, health))
+}
+
+/// The scheduler's refusal of a value, naming the key of `scheduler:` that holds it.
+fn sched_error(e: ConfigError) -> anyhow::Error {
+    match e {
+        // `alpha`, `beta`, `gamma`, `per_active_ms`, `recompute_weight`: the file's own names.
+        ConfigError::Weight(name) => anyhow::anyhow!("scheduler.{name} must be finite and >= 0"),
+        ConfigError::Epsilon("bounded_load") => {
+            anyhow::anyhow!("scheduler.bounded_load_epsilon must be finite and > 0 (null disables the bound)")
+        }
+        ConfigError::WatermarkFraction => {
+            anyhow::anyhow!("scheduler.watermark_inflight_fraction must be finite and > 0")
+        }
+        ConfigError::TransferRate => anyhow::anyhow!("scheduler.transfer_tokens_per_sec must be at least 1"),
+        ConfigError::Breaker("failure_threshold") => {
+            anyhow::anyhow!("scheduler.breaker_failures must be at least 1, or 0 to disable the breaker")
+        }
+        // Values the file does not set (a policy's own defaults): the scheduler's words.
+        e @ (ConfigError::Epsilon(_) | ConfigError::PrefixBlocks | ConfigError::Breaker(_)) => {
+            anyhow::anyhow!("scheduler: {e}")
+        }
+    }
 }
 
 fn model_spec(m: ModelFile, base: &Path) -> Result<ModelSpec> {
@@ -1228,6 +1332,11 @@ mod tests {
         assert_eq!(s.workers[1].events.as_ref().map(|e| e.publish_port_base), Some(5557));
         assert!(!s.workers[0].unlabeled_stores_unknown);
         assert_eq!(s.workers[1].max_running_requests, Some(256));
+        assert_eq!(
+            (s.proxy.shutdown_delay, s.proxy.shutdown_grace),
+            (Duration::ZERO, Duration::from_secs(30))
+        );
+        assert_eq!(s.sched.load_signals, LoadSignals::EngineReports { max_age: LOAD_REPORT_MAX_AGE });
         let k = s.kubernetes.unwrap();
         assert_eq!(
             (k.namespace.as_deref(), k.resync, k.groups.len()),
@@ -1385,6 +1494,15 @@ mod tests {
         let yaml = minimal;
         let ok = Config::parse(&yaml("")).unwrap().into_settings(&base);
         assert!(ok.is_ok(), "{:?}", ok.err());
+        // No wait for a slot is a choice, not a mistake.
+        let ok = Config::parse(&yaml("limits: {queue_timeout: 0s}\n")).unwrap().into_settings(&base);
+        assert_eq!(ok.unwrap().proxy.limits.queue_timeout, Duration::ZERO);
+        let s =
+            Config::parse(&yaml("    adapters: [{name: sql, path: /a/sql}, {name: chat, path: /a/chat}]\n"))
+                .unwrap()
+                .into_settings(&base)
+                .unwrap();
+        assert_eq!(s.models.names().collect::<Vec<_>>(), ["m", "sql", "chat"]);
         for (extra, key) in [
             ("limits: {max_concurrent: 0}\n", "limits.max_concurrent"),
             ("limits: {max_header_bytes: 4KiB}\n", "limits.max_header_bytes"),
@@ -1392,8 +1510,50 @@ mod tests {
             ("limits: {header_read_timeout: 0s}\n", "limits.header_read_timeout"),
             ("limits: {http2_keep_alive_interval: 0s}\n", "limits.http2_keep_alive_interval"),
             ("retry: {max_attempts: 0}\n", "retry.max_attempts"),
+            ("ingest: {lanes: 0}\n", "ingest.lanes"),
+            (
+                "    adapters: [{name: m, path: /a/sql}]\n",
+                "models[0].adapters[0].name `m` is also models[0].name",
+            ),
+            (
+                "    adapters: [{name: m2, path: /a/sql}]\n  - {name: m2, engine: vllm, tokenizer: golden/models/qwen3/tokenizer.json, tokenizer_config: golden/models/qwen3/tokenizer_config.json, block_size: 16}\n",
+                "models[0].adapters[0].name `m2` is also models[1].name",
+            ),
+            (
+                "    adapters: [{name: sql, path: /a/sql}, {name: sql, path: /a/sql2}]\n",
+                "models[0].adapters[1].name `sql` is also models[0].adapters[0].name",
+            ),
+            ("limits: {body_read_timeout: 0s}\n", "limits.body_read_timeout"),
+            ("limits: {upstream_head_timeout: 0s}\n", "limits.upstream_head_timeout"),
+            ("limits: {upstream_idle_timeout: 0ms}\n", "limits.upstream_idle_timeout"),
+            ("probes: {timeout: 0s}\n", "probes.timeout"),
+            ("ingest: {replay_timeout: 0s}\n", "ingest.replay_timeout"),
+            ("ingest: {silence_timeout: 0s}\n", "ingest.silence_timeout"),
+            ("scheduler: {load_report_max_age: 0s}\n", "scheduler.load_report_max_age"),
+            ("scheduler: {load_signals: booked, load_report_max_age: 5s}\n", "scheduler.load_report_max_age"),
+            ("scheduler: {breaker_failures: 0, breaker_open_for: 60s}\n", "scheduler.breaker_open_for"),
+            ("ledger: {byte_budget: 0}\n", "ledger.byte_budget"),
+            ("ledger: {byte_budget: 0MiB}\n", "ledger.byte_budget"),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, events: {publish_port_base: 5557, dp_size: 0}}\n",
+                "workers[0].events.dp_size",
+            ),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, events: {publish_port_base: 0}}\n",
+                "workers[0].events.publish_port_base",
+            ),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, events: {publish_port_base: 5557, replay_port_base: 65535, dp_size: 2}}\n",
+                "workers[0].events.replay_port_base",
+            ),
             ("scheduler: {policy: fastest}\n", "scheduler.policy"),
-            ("scheduler: {transfer_tokens_per_sec: 0}\n", "transfer_tokens_per_sec"),
+            ("scheduler: {transfer_tokens_per_sec: 0}\n", "scheduler.transfer_tokens_per_sec"),
+            ("scheduler: {watermark_inflight_fraction: 0}\n", "scheduler.watermark_inflight_fraction"),
+            ("scheduler: {watermark_inflight_fraction: .inf}\n", "scheduler.watermark_inflight_fraction"),
+            ("scheduler: {bounded_load_epsilon: 0}\n", "scheduler.bounded_load_epsilon"),
+            ("scheduler: {bounded_load_epsilon: -1.0}\n", "scheduler.bounded_load_epsilon"),
+            ("scheduler: {beta: -1}\n", "scheduler.beta"),
+            ("scheduler: {recompute_weight: .nan}\n", "scheduler.recompute_weight"),
             ("workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: other}\n", "workers[0].model"),
             ("alignment: {tolerance: 2.0}\n", "alignment.tolerance"),
             (

@@ -353,6 +353,9 @@ async fn bad_requests_get_clear_client_errors() {
     assert_eq!(r.json()["error"]["code"], "model_not_found");
     let r = h.send("GET", "/v1/completions", Bytes::new()).await;
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!((r.header("allow"), r.error_code().as_str()), ("POST", "method_not_allowed"));
+    let r = h.send("POST", "/v1/models", Bytes::new()).await;
+    assert_eq!((r.status, r.header("allow")), (StatusCode::METHOD_NOT_ALLOWED, "GET"));
     let r = h.send("GET", "/nope", Bytes::new()).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     h.shutdown().await;
@@ -413,6 +416,19 @@ async fn admin_api_adds_lists_and_removes_workers() {
     };
     let new = json!({"name": "extra", "url": extra.base_url(), "engine": "sglang", "model": MODEL});
     assert_eq!(call("POST", "/admin/workers", None, Some(new.clone())).await.0, StatusCode::UNAUTHORIZED);
+    // A key the API does not take is refused by name, never dropped; so is a bad `events`.
+    let mut typo = new.clone();
+    typo["max_running_request"] = json!(64);
+    let (status, body) = call("POST", "/admin/workers", Some(common::ADMIN_TOKEN), Some(typo)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("unknown field `max_running_request`"), "{body}");
+    let mut no_rank = new.clone();
+    no_rank["events"] = json!({"publish_port_base": 5557, "dp_size": 0});
+    let (status, body) = call("POST", "/admin/workers", Some(common::ADMIN_TOKEN), Some(no_rank)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap_or_default().contains("events.dp_size"), "{body}");
+    assert!(h.gw.gateway.control().registry().by_name("extra").is_none(), "nothing refused was added");
     assert_eq!(
         call("POST", "/admin/workers", Some("wrong"), Some(new.clone())).await.0,
         StatusCode::UNAUTHORIZED
@@ -436,6 +452,37 @@ async fn admin_api_adds_lists_and_removes_workers() {
     assert_eq!(status, StatusCode::OK);
     h.wait("the removed worker left the pool", || h.live_workers() == 1).await;
     assert!(h.gw.gateway.control().registry().by_name("extra").is_none());
+    h.shutdown().await;
+    extra.shutdown();
+}
+
+/// A vLLM < 0.31 worker has no `/kv_event_sources`: added through the admin API with the file's
+/// `events`, its events are followed from those ports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_takes_the_events_of_a_worker_that_does_not_advertise_them() {
+    let h = harness("vllm", vec![sim("vllm")], &[]).await;
+    let mut old = sim("vllm");
+    if let cortex_sim::EngineConfig::Vllm(o) = &mut old.engine {
+        o.version = cortex_sim::formats::VllmVersion::new(0, 30, 0);
+    }
+    let extra = SimWorker::start(old).unwrap();
+    let ports = &extra.event_endpoints()[0];
+    let (publish, replay) = (ports.publish.port(), ports.replay.map(|a| a.port()));
+    let events = json!({"publish_port_base": publish, "replay_port_base": replay, "topic": "", "dp_size": 1});
+    let new =
+        json!({"name": "old", "url": extra.base_url(), "engine": "vllm", "model": MODEL, "events": events});
+    let req = Request::post(format!("http://{}/admin/workers", h.admin_addr()))
+        .header("authorization", format!("Bearer {}", common::ADMIN_TOKEN))
+        .body(Full::new(Bytes::from(new.to_string())))
+        .unwrap();
+    let resp = h.client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    h.wait("the added worker is live", || h.live_workers() == 2).await;
+    let holder = h.holder("old");
+    h.wait("its events are followed", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
+    let workers = h.debug_workers().await;
+    let old = workers["workers"].as_array().unwrap().iter().find(|w| w["name"] == "old").unwrap();
+    assert_eq!(old["ranks"][0]["events"]["publish"], format!("tcp://127.0.0.1:{publish}"), "{old}");
     h.shutdown().await;
     extra.shutdown();
 }

@@ -3,8 +3,10 @@
 //!
 //! ```text
 //! GET    /admin/workers          the registry (same shape as /debug/workers)
-//! POST   /admin/workers          {"name", "url", "engine": "vllm"|"sglang", "model",
-//!                                 "role"?, "unlabeled_stores"?, "max_running_requests"?}
+//! POST   /admin/workers          {"name", "url", "engine": "vllm"|"sglang", "model", "role"?,
+//!                                 "unlabeled_stores"?, "max_running_requests"?, "bootstrap_port"?,
+//!                                 "events"?: {"publish_port_base", "replay_port_base"?, "topic"?,
+//!                                 "dp_size"?}}; any other key is refused
 //! DELETE /admin/workers/{name}
 //! POST   /admin/cache/flush[?worker=NAME]   each worker's answer, the ledger before and after
 //! GET    /debug/workers          each worker's configuration, discovery, verdicts, ledger, load
@@ -22,12 +24,12 @@ use std::sync::Arc;
 use cortex_hash::Engine;
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 
 use crate::auth::Token;
 use crate::error::{Body, ProxyError};
-use crate::gateway::{Gateway, json_response, read_body};
-use crate::registry::{WorkerConfig, parse_role, parse_unlabeled_stores};
+use crate::gateway::{Gateway, json_response, read_body, request_id};
+use crate::registry::{EventsOverride, WorkerConfig, parse_role, parse_unlabeled_stores};
 
 /// The admin service.
 #[derive(Clone)]
@@ -55,9 +57,17 @@ impl Admin {
     /// # Errors
     /// Never: errors become responses.
     pub async fn serve(self, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+        // The public listener's contract: the client's `x-request-id` (else a fresh one) on
+        // every answer, errors included.
+        let rid = request_id(req.headers());
         Ok(match self.handle(req).await {
-            Ok(r) => r,
-            Err(e) => e.into_response("admin"),
+            Ok(mut r) => {
+                if !r.headers().contains_key("x-request-id") {
+                    crate::upstream::set_header(r.headers_mut(), "x-request-id", &rid);
+                }
+                r
+            }
+            Err(e) => e.into_response(&rid),
         })
     }
 
@@ -77,13 +87,6 @@ impl Admin {
                 let worker = query.split('&').find_map(|kv| kv.strip_prefix("worker="));
                 Ok(json_response(StatusCode::OK, &crate::fanout::flush(control, worker).await?))
             }
-            (m, "/debug/route") => Err(ProxyError::MethodNotAllowed {
-                method: m.to_string(),
-                allowed: "/debug/route takes a POST whose body is a chat, completion or /generate request",
-            }),
-            (m, "/admin/cache/flush") => {
-                Err(ProxyError::MethodNotAllowed { method: m.to_string(), allowed: "use POST" })
-            }
             (Method::POST, "/admin/workers") => {
                 let body = read_body(req.into_body(), self.gateway.limits()).await?;
                 let v: Value =
@@ -101,16 +104,105 @@ impl Admin {
                 control.leave(w.id);
                 Ok(json_response(StatusCode::OK, &json!({"removed": name})))
             }
-            (m, _) => Err(ProxyError::NotFound { method: m.to_string(), path }),
+            (m, p) => Err(match allowed(p) {
+                Some((allow, note)) => ProxyError::MethodNotAllowed { method: m.to_string(), allow, note },
+                None => ProxyError::NotFound { method: m.to_string(), path },
+            }),
         }
     }
 }
 
-/// Parses a worker from the admin API's JSON.
+/// The methods an admin path takes (its `Allow` header) and a note for the 405's message;
+/// `None` for a path the admin listener does not serve.
+fn allowed(path: &str) -> Option<(&'static str, &'static str)> {
+    match path {
+        "/admin/workers" => Some(("GET, POST", "")),
+        "/debug/workers" => Some(("GET", "")),
+        "/admin/cache/flush" => Some(("POST", "")),
+        "/debug/route" => Some(("POST", ", whose body is a chat, completion or /generate request")),
+        p if p.strip_prefix("/admin/workers/").is_some_and(|name| !name.is_empty()) => Some(("DELETE", "")),
+        _ => None,
+    }
+}
+
+/// The fields of `POST /admin/workers`.
+const WORKER_FIELDS: [&str; 9] = [
+    "name",
+    "url",
+    "engine",
+    "model",
+    "role",
+    "max_running_requests",
+    "bootstrap_port",
+    "unlabeled_stores",
+    "events",
+];
+
+/// The fields of its `events`.
+const EVENTS_FIELDS: [&str; 4] = ["publish_port_base", "replay_port_base", "topic", "dp_size"];
+
+/// Refuses the keys of `obj` that are not `known`, naming them (a misspelt key is never
+/// silently dropped).
+fn only_known(obj: &Map<String, Value>, known: &[&str], what: &str) -> Result<(), ProxyError> {
+    let unknown: Vec<String> =
+        obj.keys().filter(|k| !known.contains(&k.as_str())).map(|k| format!("`{k}`")).collect();
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    Err(ProxyError::InvalidRequest(format!(
+        "unknown field{} {} in {what}, which takes {}",
+        if unknown.len() == 1 { "" } else { "s" },
+        unknown.join(", "),
+        known.join(", ")
+    )))
+}
+
+/// A worker's `events` (the configuration file's `workers[].events`).
+fn events_override(v: &Value) -> Result<EventsOverride, ProxyError> {
+    let obj = v.as_object().ok_or_else(|| {
+        ProxyError::InvalidRequest(format!("`events` must be an object with {}", EVENTS_FIELDS.join(", ")))
+    })?;
+    only_known(obj, &EVENTS_FIELDS, "`events`")?;
+    let port = |k: &str| match obj.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(n) => n
+            .as_u64()
+            .and_then(|n| u16::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| ProxyError::InvalidRequest(format!("`events.{k}` must be a port number"))),
+    };
+    let o = EventsOverride {
+        publish_port_base: port("publish_port_base")?
+            .ok_or_else(|| ProxyError::InvalidRequest("`events.publish_port_base` is required".into()))?,
+        replay_port_base: port("replay_port_base")?,
+        topic: match obj.get("topic") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(t)) => t.clone(),
+            Some(_) => return Err(ProxyError::InvalidRequest("`events.topic` must be a string".into())),
+        },
+        dp_size: match obj.get("dp_size") {
+            None | Some(Value::Null) => 1,
+            Some(n) => n.as_u64().and_then(|n| u16::try_from(n).ok()).ok_or_else(|| {
+                ProxyError::InvalidRequest("`events.dp_size` must be a positive integer".into())
+            })?,
+        },
+    };
+    o.validate().map_err(|(field, why)| ProxyError::InvalidRequest(format!("`events.{field}` {why}")))?;
+    Ok(o)
+}
+
+/// Parses a worker from the admin API's JSON: the configuration file's `workers[]` keys.
 ///
 /// # Errors
-/// [`ProxyError::InvalidRequest`] naming the field.
+/// [`ProxyError::InvalidRequest`] naming the field (an unknown one included).
 pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
+    let obj = v.as_object().ok_or_else(|| {
+        ProxyError::InvalidRequest(format!(
+            "the body must be a JSON object with {}",
+            WORKER_FIELDS.join(", ")
+        ))
+    })?;
+    only_known(obj, &WORKER_FIELDS, "a worker")?;
     let s = |k: &str| {
         v.get(k)
             .and_then(Value::as_str)
@@ -152,7 +244,10 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
         model: s("model")?,
         role,
         max_running_requests,
-        events: None,
+        events: match v.get("events") {
+            None | Some(Value::Null) => None,
+            Some(e) => Some(events_override(e)?),
+        },
         unlabeled_stores_unknown,
         bootstrap_port,
     })
@@ -183,6 +278,60 @@ mod tests {
         for bad in [json!(0), json!(-1), json!("64"), json!(1.5)] {
             capped["max_running_requests"] = bad;
             assert!(worker_config(&capped).unwrap_err().to_string().contains("max_running_requests"));
+        }
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_by_name_and_events_are_read() {
+        let base = json!({"name": "a", "url": "u", "engine": "vllm", "model": "m"});
+        let mut typo = base.clone();
+        typo["max_running_request"] = json!(64);
+        let err = worker_config(&typo).unwrap_err().to_string();
+        assert!(
+            err.contains("unknown field `max_running_request`") && err.contains("max_running_requests"),
+            "{err}"
+        );
+        let mut two = typo.clone();
+        two["evnets"] = json!({});
+        let err = worker_config(&two).unwrap_err().to_string();
+        assert!(
+            err.contains("unknown fields")
+                && err.contains("`evnets`")
+                && err.contains("`max_running_request`")
+        );
+        assert!(worker_config(&json!(["a"])).unwrap_err().to_string().contains("JSON object"));
+        assert_eq!(worker_config(&base).unwrap().events, None);
+        let mut with = base.clone();
+        with["events"] =
+            json!({"publish_port_base": 5557, "replay_port_base": 5657, "topic": "kv", "dp_size": 2});
+        assert_eq!(
+            worker_config(&with).unwrap().events,
+            Some(EventsOverride {
+                publish_port_base: 5557,
+                replay_port_base: Some(5657),
+                topic: "kv".into(),
+                dp_size: 2
+            })
+        );
+        with["events"] = json!({"publish_port_base": 5557});
+        let e = worker_config(&with).unwrap().events.unwrap();
+        assert_eq!((e.replay_port_base, e.topic.as_str(), e.dp_size), (None, "", 1));
+        for (events, says) in [
+            (json!({"publish_port_base": 5557, "dp_size": 0}), "`events.dp_size` must be at least 1"),
+            (json!({"publish_port_base": 0}), "`events.publish_port_base` must be a port number"),
+            (json!({"publish_port_base": 70000}), "`events.publish_port_base` must be a port number"),
+            (
+                json!({"publish_port_base": 65535, "dp_size": 2}),
+                "`events.publish_port_base` 65535 leaves rank 1",
+            ),
+            (json!({"replay_port_base": 5657}), "`events.publish_port_base` is required"),
+            (json!({"publish_port_base": 5557, "topic": 3}), "`events.topic`"),
+            (json!({"publish_port_base": 5557, "port": 1}), "unknown field `port` in `events`"),
+            (json!(5557), "`events` must be an object"),
+        ] {
+            with["events"] = events;
+            let err = worker_config(&with).unwrap_err().to_string();
+            assert!(err.contains(says), "{}: {err}", with["events"]);
         }
     }
 

@@ -115,15 +115,17 @@ pub enum ProxyError {
         /// Request path.
         path: String,
     },
-    /// The route exists but not with this method.
-    #[error("method {method} not allowed here: {allowed}")]
+    /// The route exists but not with this method (405, with the route's methods in `Allow`).
+    #[error("method {method} not allowed here: use {allow}{note}")]
     MethodNotAllowed {
         /// The request's method.
         method: String,
-        /// What the route takes instead.
-        allowed: &'static str,
+        /// The methods the route takes, as the `Allow` header lists them (`GET, POST`).
+        allow: &'static str,
+        /// More on what the route takes, appended to the message (empty, or `, whose body …`).
+        note: &'static str,
     },
-    /// Missing or wrong bearer token (admin API).
+    /// Missing or wrong bearer token (answered with `WWW-Authenticate: Bearer`).
     #[error("unauthorized")]
     Unauthorized,
     /// Too many requests in flight and the queue is full.
@@ -276,8 +278,8 @@ impl ProxyError {
         self.into_response_in(request_id, ErrorFormat::OpenAi)
     }
 
-    /// The HTTP response for this error in `format`, carrying `x-request-id` (and
-    /// `retry-after: 1` when sending it again is safe).
+    /// The HTTP response for this error in `format`, carrying `x-request-id`, `retry-after: 1`
+    /// when sending it again is safe, `www-authenticate: Bearer` on a 401 and `allow` on a 405.
     #[must_use]
     pub fn into_response_in(self, request_id: &str, format: ErrorFormat) -> Response<Body> {
         let body = Bytes::from(self.json_in(format).to_string());
@@ -290,6 +292,15 @@ impl ProxyError {
         }
         if self.retry_safe() {
             h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        match self {
+            ProxyError::Unauthorized => {
+                h.insert(http::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            ProxyError::MethodNotAllowed { allow, .. } => {
+                h.insert(http::header::ALLOW, HeaderValue::from_static(allow));
+            }
+            _ => {}
         }
         resp
     }
@@ -468,6 +479,36 @@ mod tests {
         let (_, v) =
             body_of(refusal(StatusCode::BAD_REQUEST, HeaderMap::new(), b"", None, ErrorFormat::OpenAi));
         assert_eq!(v["error"]["message"], "the worker answered 400 Bad Request");
+        // The codes of ordinary refusals, as xrouter.md lists them: a status without a code of its
+        // own is kept, with `upstream_refused`.
+        for (status, code) in [
+            (400, "invalid_request"),
+            (422, "invalid_request"),
+            (401, "unauthorized"),
+            (403, "forbidden"),
+            (404, "not_found"),
+            (413, "request_too_large"),
+            (405, "upstream_refused"),
+            (409, "upstream_refused"),
+            (415, "upstream_refused"),
+        ] {
+            let status = StatusCode::from_u16(status).unwrap();
+            let (kept, v) = body_of(refusal(status, HeaderMap::new(), b"no", None, ErrorFormat::OpenAi));
+            assert_eq!((kept, v["error"]["code"].as_str()), (status, Some(code)));
+        }
+    }
+
+    #[test]
+    fn a_401_and_a_405_carry_their_headers() {
+        let r = ProxyError::Unauthorized.into_response("rid-1");
+        assert_eq!(r.headers()[http::header::WWW_AUTHENTICATE], "Bearer");
+        assert_eq!(r.headers()["x-request-id"], "rid-1");
+        let e = ProxyError::MethodNotAllowed { method: "PUT".into(), allow: "GET, POST", note: "" };
+        assert_eq!(e.to_string(), "method PUT not allowed here: use GET, POST");
+        let r = e.into_response("rid-2");
+        assert_eq!(r.status().as_u16(), 405);
+        assert_eq!(r.headers()[http::header::ALLOW], "GET, POST");
+        assert!(ProxyError::Overloaded.into_response("x").headers().get(http::header::ALLOW).is_none());
     }
 
     /// The bytes of a response built from [`full`].

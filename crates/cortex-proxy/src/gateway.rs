@@ -312,13 +312,7 @@ impl Gateway {
                 if e.status().is_server_error() {
                     tracing::warn!(request_id = %rid, error = %e, "request failed");
                 }
-                let unauthorized = matches!(e, ProxyError::Unauthorized);
-                let mut resp = e.into_response_in(&rid, format);
-                if unauthorized {
-                    resp.headers_mut()
-                        .insert(http::header::WWW_AUTHENTICATE, http::HeaderValue::from_static("Bearer"));
-                }
-                resp
+                e.into_response_in(&rid, format)
             }
         };
         Ok(resp)
@@ -339,10 +333,10 @@ impl Gateway {
             (&Method::GET, "/health/ready") => Ok(self.ready()),
             (&Method::GET, "/metrics") => Ok(self.metrics()),
             (_, "/v1/chat/completions" | "/v1/completions" | "/generate" | "/tokenize") => {
-                Err(ProxyError::MethodNotAllowed { method: method.to_string(), allowed: "use POST" })
+                Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow: "POST", note: "" })
             }
             (_, "/v1/models" | "/health/live" | "/health/ready" | "/metrics") => {
-                Err(ProxyError::MethodNotAllowed { method: method.to_string(), allowed: "use GET" })
+                Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow: "GET", note: "" })
             }
             _ => Err(ProxyError::NotFound { method: method.to_string(), path: path.to_owned() }),
         }
@@ -500,8 +494,8 @@ pub(crate) async fn read_body(body: Incoming, limits: &Limits) -> Result<Bytes, 
     }
 }
 
-/// The request's `x-request-id`, or a fresh one.
-fn request_id(h: &HeaderMap) -> String {
+/// The request's `x-request-id` (at most 128 bytes), or a fresh one; both listeners answer with it.
+pub(crate) fn request_id(h: &HeaderMap) -> String {
     match h.get("x-request-id").and_then(|v| v.to_str().ok()) {
         Some(v) if !v.is_empty() && v.len() <= 128 => v.to_owned(),
         _ => format!("cortex-{:016x}{:016x}", fastrand::u64(..), fastrand::u64(..)),

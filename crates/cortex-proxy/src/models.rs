@@ -238,8 +238,12 @@ impl ModelTable {
 
     /// Serves the LoRA adapter `name` (loaded from `path` on the workers) of `base`: requests
     /// naming the adapter are routed among `base`'s workers within the adapter's namespace.
-    /// Returns false if `base` is not served.
+    /// Returns false, and serves nothing new, if `base` is not served or `name` already is (a
+    /// model or another adapter keeps its route).
     pub fn add_adapter(&mut self, name: &str, path: &str, base: &str) -> bool {
+        if self.by_name.contains_key(name) {
+            return false;
+        }
         let Some(b) = self.by_name.get(base) else { return false };
         let lora = (name.to_owned(), path.to_owned());
         let route = ModelRoute::new(b.spec.clone(), Some(lora), Arc::clone(&b.cache), b.max_token_id);

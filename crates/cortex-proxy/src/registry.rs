@@ -92,6 +92,35 @@ pub struct EventsOverride {
     pub dp_size: u16,
 }
 
+impl EventsOverride {
+    /// Refuses endpoints no rank can have: no rank (`dp_size` 0), port 0, or a rank whose port
+    /// (`base + rank`) is beyond 65535.
+    ///
+    /// # Errors
+    /// The field (`dp_size`, `publish_port_base` or `replay_port_base`) and what is wrong with it.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        if self.dp_size == 0 {
+            return Err(("dp_size", "must be at least 1".to_owned()));
+        }
+        let last = self.dp_size - 1;
+        for (field, base) in
+            [("publish_port_base", Some(self.publish_port_base)), ("replay_port_base", self.replay_port_base)]
+        {
+            let Some(base) = base else { continue };
+            if base == 0 {
+                return Err((field, "must be a port number, not 0".to_owned()));
+            }
+            if u32::from(base) + u32::from(last) > u32::from(u16::MAX) {
+                return Err((
+                    field,
+                    format!("{base} leaves rank {last} no port (rank r uses {field} + r, at most 65535)"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Where one rank of a worker publishes its KV events.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RankEndpoints {

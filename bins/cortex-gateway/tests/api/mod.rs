@@ -200,9 +200,24 @@ async fn call(
     token: Option<&str>,
     body: Option<&Value>,
 ) -> Reply {
+    call_with(client, method, url, token, body, &[]).await
+}
+
+/// [`call`] with more request headers.
+async fn call_with(
+    client: &crate::common::Harness,
+    method: &str,
+    url: &str,
+    token: Option<&str>,
+    body: Option<&Value>,
+    headers: &[(&str, &str)],
+) -> Reply {
     let mut b = Request::builder().method(method).uri(url).header("content-type", "application/json");
     if let Some(t) = token {
         b = b.header("authorization", format!("Bearer {t}"));
+    }
+    for (k, v) in headers {
+        b = b.header(*k, *v);
     }
     let req = b.body(Full::new(body.map_or_else(Bytes::new, |v| Bytes::from(v.to_string())))).unwrap();
     let resp = client.client.request(req).await.unwrap();
@@ -226,10 +241,38 @@ async fn debug_lives_on_the_admin_listener_behind_its_token() {
             let r = call(&h, method, &format!("http://{admin}{path}"), token, body).await;
             assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{path} with {token:?}");
             assert_eq!(openai_error(&r)["code"], "unauthorized");
+            // xrouter.md's header contract holds on the admin listener too.
+            assert_eq!(r.header("www-authenticate"), "Bearer", "{path} with {token:?}");
+            assert!(r.header("x-request-id").starts_with("cortex-"), "{path} with {token:?}");
         }
         let r = call(&h, method, &format!("http://{admin}{path}"), Some(ADMIN_TOKEN), body).await;
         assert_eq!(r.status, StatusCode::OK, "{path}: {}", r.body);
+        assert!(r.header("x-request-id").starts_with("cortex-"), "{path}");
+        // A client's own id is kept, on successes and errors alike.
+        let url = format!("http://{admin}{path}");
+        let mine = [("x-request-id", "admin-call-7")];
+        let r = call_with(&h, method, &url, Some(ADMIN_TOKEN), body, &mine).await;
+        assert_eq!((r.status, r.header("x-request-id")), (StatusCode::OK, "admin-call-7"), "{path}");
+        let r = call_with(&h, method, &url, None, body, &mine).await;
+        assert_eq!((r.status, r.header("x-request-id")), (StatusCode::UNAUTHORIZED, "admin-call-7"));
     }
+    // A known admin path with another method: 405 with the path's methods in `Allow`.
+    for (method, path, allow) in [
+        ("PUT", "/admin/workers", "GET, POST"),
+        ("DELETE", "/admin/workers", "GET, POST"),
+        ("POST", "/debug/workers", "GET"),
+        ("GET", "/debug/route", "POST"),
+        ("GET", "/admin/cache/flush", "POST"),
+        ("GET", "/admin/workers/w0", "DELETE"),
+    ] {
+        let r = call(&h, method, &format!("http://{admin}{path}"), Some(ADMIN_TOKEN), None).await;
+        assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED, "{method} {path}: {}", r.body);
+        assert_eq!(openai_error(&r)["code"], "method_not_allowed", "{method} {path}");
+        assert_eq!(r.header("allow"), allow, "{method} {path}");
+        assert!(r.header("x-request-id").starts_with("cortex-"), "{method} {path}");
+    }
+    let r = call(&h, "GET", &format!("http://{admin}/admin/nope"), Some(ADMIN_TOKEN), None).await;
+    assert_eq!((r.status, openai_error(&r)["code"].as_str()), (StatusCode::NOT_FOUND, Some("not_found")));
     h.shutdown().await;
 }
 
