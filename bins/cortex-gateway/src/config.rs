@@ -1059,6 +1059,9 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
                 "scheduler.breaker_open_for has no effect with breaker_failures: 0, which disables the breaker"
             ),
             Some(0) => None,
+            _ if s.breaker_open_for.is_some_and(|v| v.0.is_zero()) => bail!(
+                "scheduler.breaker_open_for must be positive: an open breaker would let the next request through at once (breaker_failures: 0 turns the breaker off)"
+            ),
             n => Some(BreakerConfig {
                 failure_threshold: n.unwrap_or(BreakerConfig::default().failure_threshold),
                 open_for: s.breaker_open_for.map_or(BreakerConfig::default().open_for, |v| v.0),
@@ -1532,6 +1535,7 @@ mod tests {
             ("scheduler: {load_report_max_age: 0s}\n", "scheduler.load_report_max_age"),
             ("scheduler: {load_signals: booked, load_report_max_age: 5s}\n", "scheduler.load_report_max_age"),
             ("scheduler: {breaker_failures: 0, breaker_open_for: 60s}\n", "scheduler.breaker_open_for"),
+            ("scheduler: {breaker_open_for: 0s}\n", "scheduler.breaker_open_for"),
             ("ledger: {byte_budget: 0}\n", "ledger.byte_budget"),
             ("ledger: {byte_budget: 0MiB}\n", "ledger.byte_budget"),
             (

@@ -84,8 +84,9 @@ impl Admin {
             (Method::POST, "/debug/route") => self.gateway.debug_route(req).await,
             (Method::POST, "/admin/cache/flush") => {
                 let query = req.uri().query().unwrap_or_default();
-                let worker = query.split('&').find_map(|kv| kv.strip_prefix("worker="));
-                Ok(json_response(StatusCode::OK, &crate::fanout::flush(control, worker).await?))
+                let worker = query.split('&').find_map(|kv| kv.strip_prefix("worker=")).map(percent_decoded);
+                let worker = worker.transpose()?;
+                Ok(json_response(StatusCode::OK, &crate::fanout::flush(control, worker.as_deref()).await?))
             }
             (Method::POST, "/admin/workers") => {
                 let body = read_body(req.into_body(), self.gateway.limits()).await?;
@@ -96,7 +97,8 @@ impl Admin {
                 Ok(json_response(StatusCode::CREATED, &json!({"id": id.0})))
             }
             (Method::DELETE, p) if p.starts_with("/admin/workers/") => {
-                let name = &p["/admin/workers/".len()..];
+                let name = percent_decoded(&p["/admin/workers/".len()..])?;
+                let name = name.as_str();
                 let w = control
                     .registry()
                     .by_name(name)
@@ -110,6 +112,24 @@ impl Admin {
             }),
         }
     }
+}
+
+/// A worker's name as a path segment or a query value carries it: `%XX` escapes decoded (a name
+/// may hold any character), `+` kept as itself.
+fn percent_decoded(s: &str) -> Result<String, ProxyError> {
+    let bad = || ProxyError::InvalidRequest(format!("`{s}` is not a valid percent-encoded worker name"));
+    let mut out = Vec::with_capacity(s.len());
+    let mut bytes = s.bytes();
+    while let Some(b) = bytes.next() {
+        if b == b'%' {
+            let hex = [bytes.next().ok_or_else(bad)?, bytes.next().ok_or_else(bad)?];
+            let hex = std::str::from_utf8(&hex).map_err(|_| bad())?;
+            out.push(u8::from_str_radix(hex, 16).map_err(|_| bad())?);
+        } else {
+            out.push(b);
+        }
+    }
+    String::from_utf8(out).map_err(|_| bad())
 }
 
 /// The methods an admin path takes (its `Allow` header) and a note for the 405's message;
@@ -256,6 +276,16 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn worker_names_are_percent_decoded() {
+        assert_eq!(percent_decoded("gpu%20node%2F1").unwrap(), "gpu node/1");
+        assert_eq!(percent_decoded("a+b").unwrap(), "a+b");
+        assert_eq!(percent_decoded("w%C3%A9").unwrap(), "wé");
+        for bad in ["a%2", "a%zz", "%FF"] {
+            assert!(matches!(percent_decoded(bad), Err(ProxyError::InvalidRequest(_))), "{bad}");
+        }
+    }
 
     #[test]
     fn worker_json() {
