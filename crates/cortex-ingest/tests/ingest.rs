@@ -339,6 +339,42 @@ fn a_long_burst_keeps_order_and_counts_across_hand_off_groups() {
     assert_eq!(synthetic_overlap(&s.ledger, h, N as u32), N as u32, "every block, in order");
 }
 
+/// Several holders, bursts of every size around one socket drain (1, 511, 512, 513, 1,024,
+/// 1,536) sent to one holder while the others are idle, then to all at once: each holder's last
+/// batch must arrive with nothing after it to wake its socket. A socket whose queued or new
+/// messages could sit unannounced while the socket thread waits makes a wait time out.
+#[test]
+fn bursts_of_every_size_on_several_holders_all_arrive() {
+    let s = setup(IngestConfig { lanes: 2, ..IngestConfig::default() });
+    let engines: Vec<FakeEngine> = (0..4).map(|_| FakeEngine::new("", None)).collect();
+    let hs: Vec<HolderId> = (0..4).map(|w| holder(40 + w, 0)).collect();
+    for (e, &h) in engines.iter().zip(&hs) {
+        follow(&s, e, h);
+    }
+    let mut next = [0u64; 4];
+    let send = |e: &FakeEngine, next: &mut u64, n: u64| {
+        for _ in 0..n {
+            e.send_live(*next, &vllm_block_batch(*next));
+            *next += 1;
+        }
+    };
+    for (round, size) in [1u64, 511, 512, 513, 1_024, 2, 1_536, 7].into_iter().enumerate() {
+        let k = round % 4;
+        send(&engines[k], &mut next[k], size);
+        wait_seq(&s, hs[k], next[k] - 1);
+        for (j, e) in engines.iter().enumerate() {
+            send(e, &mut next[j], (size + j as u64 * 97) % 600 + 1);
+        }
+        for (j, &h) in hs.iter().enumerate() {
+            wait_seq(&s, h, next[j] - 1);
+        }
+    }
+    for (j, &h) in hs.iter().enumerate() {
+        let st = s.ingest.status(h).unwrap();
+        assert_eq!((st.batches, st.clears, st.transitions(Reason::Gap)), (next[j], 0, 0), "holder {j}");
+    }
+}
+
 #[test]
 fn malformed_payload_is_counted_and_the_stream_continues() {
     let s = setup(IngestConfig::default());
