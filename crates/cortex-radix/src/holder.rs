@@ -559,8 +559,13 @@ pub(crate) struct Private {
     pub(crate) dirty: Vec<u64>,
     /// Orphans' extra data, by engine hash.
     pub(crate) orphans: Map<OrphanInfo>,
-    /// Orphans waiting on a parent engine hash: parent → children.
+    /// Orphans waiting on a parent engine hash: parent → children. Changed only through the
+    /// `waiting_*` methods, which keep `waiting_list_bytes`.
     pub(crate) waiting: Map<Vec<u64>>,
+    /// Heap bytes of `waiting`'s lists (8 per element of capacity), kept as they change: summing
+    /// them cost every write time in proportion to the orphans held (after a clear, up to every
+    /// block the engine stores).
+    pub(crate) waiting_list_bytes: usize,
     /// Namespaces seen by this (deterministic) holder; entries refer to them by index.
     pub(crate) namespaces: Vec<u64>,
     /// The next store stamp.
@@ -632,6 +637,47 @@ impl Gone {
 }
 
 impl Private {
+    /// `engine` waits on `parent`.
+    pub(crate) fn waiting_push(&mut self, parent: u64, engine: u64) {
+        let list = self.waiting.entry(parent).or_default();
+        let before = list.capacity();
+        list.push(engine);
+        self.waiting_list_bytes += (list.capacity() - before) * 8;
+        self.check_waiting_bytes();
+    }
+
+    /// The orphans waiting on `parent`, no longer waiting.
+    pub(crate) fn waiting_take(&mut self, parent: u64) -> Option<Vec<u64>> {
+        let list = self.waiting.remove(&parent)?;
+        self.waiting_list_bytes -= list.capacity() * 8;
+        self.check_waiting_bytes();
+        Some(list)
+    }
+
+    /// `list` waits on `parent` instead of what did.
+    pub(crate) fn waiting_put(&mut self, parent: u64, list: Vec<u64>) {
+        self.waiting_list_bytes += list.capacity() * 8;
+        if let Some(old) = self.waiting.insert(parent, list) {
+            self.waiting_list_bytes -= old.capacity() * 8;
+        }
+        self.check_waiting_bytes();
+    }
+
+    /// Nothing waits any more.
+    pub(crate) fn waiting_clear(&mut self) {
+        self.waiting = Map::default();
+        self.waiting_list_bytes = 0;
+    }
+
+    /// Tests (debug builds): the kept byte count is the lists' sum.
+    fn check_waiting_bytes(&self) {
+        debug_assert_eq!(
+            self.waiting_list_bytes,
+            self.waiting.values().map(|v| v.capacity() * 8).sum::<usize>(),
+            "waiting_list_bytes drifted from the lists"
+        );
+    }
+
     /// The next stamp, renumbering every entry's stamp by rank when the counter would wrap.
     pub(crate) fn next_stamp(&mut self) -> u32 {
         if self.tick == u32::MAX {
@@ -684,7 +730,7 @@ impl Private {
             + self.dirty.capacity() * 8
             + map_bytes(&self.orphans)
             + map_bytes(&self.waiting)
-            + self.waiting.values().map(|v| v.capacity() * 8).sum::<usize>()
+            + self.waiting_list_bytes
             + self.namespaces.capacity() * 8
             + self.gone.heap_bytes()
     }

@@ -543,9 +543,9 @@ impl Apply<'_> {
             }
         }
         if left.is_empty() {
-            p.waiting.remove(&gr.parent);
+            p.waiting_take(gr.parent);
         } else {
-            p.waiting.insert(gr.parent, left);
+            p.waiting_put(gr.parent, left);
         }
     }
 
@@ -590,7 +590,7 @@ impl Apply<'_> {
         }
         let mut stack = vec![(parent, how)];
         while let Some((par, how)) = stack.pop() {
-            let Some(children) = p.waiting.remove(&par) else { continue };
+            let Some(children) = p.waiting_take(par) else { continue };
             for c in children {
                 let Some(info) = p.orphans.remove(&c) else { continue };
                 if self.me.cfg.content_deterministic {
@@ -728,7 +728,7 @@ impl Apply<'_> {
                     e.ns = ns;
                     p.insert_entry(engine, &e);
                     p.orphans.insert(engine, info);
-                    p.waiting.entry(info.parent).or_default().push(engine);
+                    p.waiting_push(info.parent, engine);
                     self.out.orphaned += 1;
                     if self.me.cfg.content_deterministic {
                         self.shared.det.wait(info.ns, info.parent, self.me.slot);
@@ -811,7 +811,8 @@ impl Apply<'_> {
         let same_ns_left = self.me.cfg.content_deterministic
             && list.iter().any(|c| p.orphans.get(c).is_some_and(|o| o.ns == info.ns));
         if empty {
-            p.waiting.remove(&info.parent);
+            // `retain` above kept the list's capacity: the byte count changes only here.
+            p.waiting_take(info.parent);
         }
         if self.me.cfg.content_deterministic && !same_ns_left {
             self.shared.det.unwait(info.ns, info.parent, self.me.slot);
@@ -894,7 +895,7 @@ impl Apply<'_> {
         }
         p.entries.clear_all();
         p.orphans = Default::default();
-        p.waiting = Default::default();
+        p.waiting_clear();
         p.countable = 0;
         self.out.cleared += 1;
     }
