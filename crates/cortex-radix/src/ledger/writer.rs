@@ -445,12 +445,19 @@ impl Apply<'_> {
 
     /// Publishes the cuts of the runs whose offsets changed.
     fn flush(&self, p: &mut Private) {
-        for key in std::mem::take(&mut p.dirty) {
+        // The list goes back empty with its capacity: taking it left a new one to allocate on
+        // the next write.
+        let mut dirty = std::mem::take(&mut p.dirty);
+        for &key in &dirty {
             let Some(hr) = p.runs.get_mut(key) else { continue };
             let (old, cuts) = (hr.published, hr.cuts());
             hr.published = cuts;
             // SAFETY: the holder has the run (`hr`), so it holds a reference to it.
             self.publish(unsafe { Run::from_bits(key) }, old, cuts);
+        }
+        dirty.clear();
+        if p.dirty.is_empty() {
+            p.dirty = dirty;
         }
     }
 
