@@ -605,7 +605,7 @@ impl SocketThread {
                 }
             }
             if wake {
-                while self.wake.recv_msg(zmq::DONTWAIT).is_ok() {}
+                while recv_msg(&self.wake, zmq::DONTWAIT).is_ok() {}
                 self.wake_hot = false;
                 if !self.run_commands(shared) {
                     return;
@@ -702,7 +702,11 @@ impl SocketThread {
         let h = &mut self.holders[i];
         let parts = &mut self.frames;
         let mut group = Vec::new();
-        while group.len() < BURST && recv_parts(&h.sub, parts).is_ok() {
+        // Every message counts toward `BURST`, the ones skipped too: a flood of malformed ones
+        // must not keep the thread on one socket.
+        let mut received = 0;
+        while received < BURST && recv_parts(&h.sub, parts).is_ok() {
+            received += 1;
             if parts.len() != 3 {
                 tracing::warn!(holder = %h.holder, frames = parts.len(), "ingest: ignoring a message that is not [topic, seq, payload]");
                 continue;
@@ -712,7 +716,7 @@ impl SocketThread {
             group.push(Input::Live { seq, payload });
         }
         // Stopped at `BURST`: the rest is already queued, and nothing will announce it.
-        h.hot.sub = group.len() >= BURST;
+        h.hot.sub = received >= BURST;
         if !group.is_empty() {
             shared.deliver(h.lane, h.holder, group, &h.decoder);
         }
@@ -724,7 +728,9 @@ impl SocketThread {
         let parts = &mut self.frames;
         let mut group = Vec::new();
         let mut finished = false;
-        while !finished && group.len() < BURST && recv_parts(dealer, parts).is_ok() {
+        let mut received = 0;
+        while !finished && received < BURST && recv_parts(dealer, parts).is_ok() {
+            received += 1;
             // vLLM ≥ 0.26 and SGLang: ["", topic, seq, payload]; vLLM ≤ 0.25: ["", seq, payload].
             let seq = match parts.len() {
                 4 if parts[0].is_empty() => seq_of(&parts[2]),
@@ -747,7 +753,7 @@ impl SocketThread {
             };
             group.push(input);
         }
-        h.hot.dealer = !finished && group.len() >= BURST;
+        h.hot.dealer = !finished && received >= BURST;
         if !group.is_empty() {
             shared.deliver(h.lane, h.holder, group, &h.decoder);
         }
@@ -774,11 +780,24 @@ impl SocketThread {
 /// Receives the next message, if one is ready, into `parts` (its frames; the vector is reused).
 fn recv_parts(socket: &zmq::Socket, parts: &mut Vec<zmq::Message>) -> Result<(), zmq::Error> {
     parts.clear();
-    parts.push(socket.recv_msg(zmq::DONTWAIT)?);
+    parts.push(recv_msg(socket, zmq::DONTWAIT)?);
     while socket.get_rcvmore()? {
-        parts.push(socket.recv_msg(0)?);
+        parts.push(recv_msg(socket, 0)?);
     }
     Ok(())
+}
+
+/// One frame, the receive retried when a signal interrupts it. An interrupted receive may
+/// already have processed the socket's commands, and with them the wake-up of its descriptor:
+/// stopping there would leave what is queued unannounced (and a message's later frames to be
+/// read as a message of their own).
+fn recv_msg(socket: &zmq::Socket, flags: i32) -> Result<zmq::Message, zmq::Error> {
+    loop {
+        match socket.recv_msg(flags) {
+            Err(zmq::Error::EINTR) => {}
+            r => return r,
+        }
+    }
 }
 
 fn seq_of(frame: &[u8]) -> Option<u64> {
