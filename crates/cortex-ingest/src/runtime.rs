@@ -296,8 +296,7 @@ impl Ingest {
         let sockets = SocketThread {
             ctx,
             id,
-            wake_fd: wake_rx.get_fd()?,
-            wake_hot: true,
+            wake_watch: Watch::of(&wake_rx)?,
             wake: wake_rx,
             commands: cmd_rx,
             holders: Vec::new(),
@@ -475,15 +474,13 @@ struct SockHolder {
     lane: usize,
     sub: zmq::Socket,
     monitor: zmq::Socket,
-    /// `sub`'s, `monitor`'s and `dealer`'s signalling descriptors (`ZMQ_FD`; `dealer_fd` only
-    /// while `dealer` is set).
-    fds: SockFds,
-    /// Which of them may hold messages their descriptor will not announce (see the module docs).
-    hot: Hot,
+    sub_watch: Watch,
+    monitor_watch: Watch,
     /// The `inproc` endpoint `monitor` reads the SUB's events from.
     monitor_endpoint: String,
     replay_endpoint: Option<String>,
-    dealer: Option<zmq::Socket>,
+    /// The replay in progress: its socket and how to wait on it.
+    dealer: Option<(zmq::Socket, Watch)>,
     decoder: Decoder,
 }
 
@@ -508,10 +505,7 @@ struct SocketThread {
     ctx: zmq::Context,
     id: u64,
     wake: zmq::Socket,
-    /// `wake`'s signalling descriptor.
-    wake_fd: RawFd,
-    /// Whether `wake` may hold a message its descriptor will not announce.
-    wake_hot: bool,
+    wake_watch: Watch,
     commands: Receiver<SockCmd>,
     holders: Vec<SockHolder>,
     next_monitor: u64,
@@ -519,20 +513,20 @@ struct SocketThread {
     frames: Vec<zmq::Message>,
 }
 
-/// A holder's sockets' signalling descriptors.
+/// How the socket thread waits on one socket: its signalling descriptor (`ZMQ_FD`), and whether
+/// the socket may hold messages the descriptor will not announce (`hot`: look without waiting;
+/// see the module docs).
 #[derive(Clone, Copy)]
-struct SockFds {
-    sub: RawFd,
-    monitor: RawFd,
-    dealer: RawFd,
+struct Watch {
+    fd: RawFd,
+    hot: bool,
 }
 
-/// Which of a holder's sockets to look at without waiting for its descriptor.
-#[derive(Clone, Copy)]
-struct Hot {
-    sub: bool,
-    monitor: bool,
-    dealer: bool,
+impl Watch {
+    /// A new socket's: hot, since what it already has was never announced.
+    fn of(socket: &zmq::Socket) -> Result<Watch, zmq::Error> {
+        Ok(Watch { fd: socket.get_fd()?, hot: true })
+    }
 }
 
 /// Which socket a poll item belongs to.
@@ -555,27 +549,21 @@ impl SocketThread {
                     slots.push(Slot::Dealer(i));
                 }
             }
-            // A hot socket is looked at whatever its descriptor says, so the wait must not block.
-            let hot = |s: &Slot| match *s {
-                Slot::Wake => self.wake_hot,
-                Slot::Sub(i) => self.holders[i].hot.sub,
-                Slot::Monitor(i) => self.holders[i].hot.monitor,
-                Slot::Dealer(i) => self.holders[i].hot.dealer,
+            let watch = |s: &Slot| match *s {
+                Slot::Wake => self.wake_watch,
+                Slot::Sub(i) => self.holders[i].sub_watch,
+                Slot::Monitor(i) => self.holders[i].monitor_watch,
+                // A dealer slot exists only while the replay does.
+                Slot::Dealer(i) => {
+                    self.holders[i].dealer.as_ref().map_or(Watch { fd: -1, hot: false }, |d| d.1)
+                }
             };
+            let hot = |s: &Slot| watch(s).hot;
+            // A hot socket is looked at whatever its descriptor says, so the wait must not block.
             let timeout = if slots.iter().any(hot) { 0 } else { -1 };
             let ready: Vec<bool> = {
-                let mut items: Vec<zmq::PollItem<'_>> = slots
-                    .iter()
-                    .map(|s| {
-                        let fd = match *s {
-                            Slot::Wake => self.wake_fd,
-                            Slot::Sub(i) => self.holders[i].fds.sub,
-                            Slot::Monitor(i) => self.holders[i].fds.monitor,
-                            Slot::Dealer(i) => self.holders[i].fds.dealer,
-                        };
-                        zmq::PollItem::from_fd(fd, zmq::POLLIN)
-                    })
-                    .collect();
+                let mut items: Vec<zmq::PollItem<'_>> =
+                    slots.iter().map(|s| zmq::PollItem::from_fd(watch(s).fd, zmq::POLLIN)).collect();
                 if let Err(e) = zmq::poll(&mut items, timeout) {
                     if e == zmq::Error::EINTR {
                         continue;
@@ -606,7 +594,7 @@ impl SocketThread {
             }
             if wake {
                 while recv_msg(&self.wake, zmq::DONTWAIT).is_ok() {}
-                self.wake_hot = false;
+                self.wake_watch.hot = false;
                 if !self.run_commands(shared) {
                     return;
                 }
@@ -656,15 +644,15 @@ impl SocketThread {
         monitor.connect(&endpoint)?;
         sub.set_subscribe(topic.as_bytes())?;
         sub.connect(publish)?;
-        let fds = SockFds { sub: sub.get_fd()?, monitor: monitor.get_fd()?, dealer: -1 };
+        let (sub_watch, monitor_watch) = (Watch::of(&sub)?, Watch::of(&monitor)?);
         tracing::info!(%holder, endpoint = publish, topic, "ingest: subscribed");
         Ok(SockHolder {
             holder,
             lane,
             sub,
             monitor,
-            fds,
-            hot: Hot { sub: true, monitor: true, dealer: false },
+            sub_watch,
+            monitor_watch,
             monitor_endpoint: endpoint,
             replay_endpoint: replay,
             dealer: None,
@@ -677,7 +665,6 @@ impl SocketThread {
         let Some(endpoint) = h.replay_endpoint.clone() else { return };
         // A fresh socket per request: replies to an abandoned request die with the old one.
         h.dealer = None;
-        (h.fds.dealer, h.hot.dealer) = (-1, false);
         let dealer = (|| -> Result<zmq::Socket, zmq::Error> {
             let d = self.ctx.socket(zmq::DEALER)?;
             d.set_linger(0)?;
@@ -686,12 +673,11 @@ impl SocketThread {
             d.send_multipart([&[][..], &from.to_be_bytes()[..]], 0)?;
             Ok(d)
         })();
-        match dealer.and_then(|d| d.get_fd().map(|fd| (d, fd))) {
-            Ok((d, fd)) => {
+        // Just sent on (hot): its replies may come without the descriptor firing.
+        match dealer.and_then(|d| Watch::of(&d).map(|w| (d, w))) {
+            Ok(d) => {
                 tracing::info!(%holder, from, endpoint, "ingest: replay requested");
                 h.dealer = Some(d);
-                // Just sent on: its replies may come without the descriptor firing.
-                (h.fds.dealer, h.hot.dealer) = (fd, true);
             }
             // The lane's replay deadline turns this into a cold rebuild.
             Err(e) => tracing::warn!(%holder, error = %e, "ingest: cannot request replay"),
@@ -716,7 +702,7 @@ impl SocketThread {
             group.push(Input::Live { seq, payload });
         }
         // Stopped at `BURST`: the rest is already queued, and nothing will announce it.
-        h.hot.sub = received >= BURST;
+        h.sub_watch.hot = received >= BURST;
         if !group.is_empty() {
             shared.deliver(h.lane, h.holder, group, &h.decoder);
         }
@@ -724,7 +710,7 @@ impl SocketThread {
 
     fn drain_dealer(&mut self, shared: &Shared, i: usize) {
         let h = &mut self.holders[i];
-        let Some(dealer) = h.dealer.as_ref() else { return };
+        let Some((dealer, _)) = h.dealer.as_ref() else { return };
         let parts = &mut self.frames;
         let mut group = Vec::new();
         let mut finished = false;
@@ -753,19 +739,19 @@ impl SocketThread {
             };
             group.push(input);
         }
-        h.hot.dealer = !finished && received >= BURST;
         if !group.is_empty() {
             shared.deliver(h.lane, h.holder, group, &h.decoder);
         }
         if finished {
             h.dealer = None;
-            h.fds.dealer = -1;
+        } else if let Some((_, w)) = h.dealer.as_mut() {
+            w.hot = received >= BURST;
         }
     }
 
     fn drain_monitor(&mut self, shared: &Shared, i: usize) {
         let h = &mut self.holders[i];
-        h.hot.monitor = false;
+        h.monitor_watch.hot = false;
         let parts = &mut self.frames;
         while recv_parts(&h.monitor, parts).is_ok() {
             let event = parts.first().filter(|p| p.len() >= 2).map(|p| u16::from_le_bytes([p[0], p[1]]));

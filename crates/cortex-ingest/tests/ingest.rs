@@ -178,28 +178,39 @@ fn vllm_golden_blockpool_stream() {
     assert_eq!(s.ingest.status(h).unwrap().blocks_removed, 4);
 }
 
-#[test]
-fn gap_is_filled_by_replay() {
+/// Worker `w`'s rank 0 on an engine with a replay socket: batches 0–2 arrive, the next `lost`
+/// are lost on the wire, and the one after them reveals the gap, which the replay fills: every
+/// block is back, in order. Returns the setup and the holder.
+fn gap_filled_by_replay(w: u32, lost: u64) -> (Setup, HolderId) {
     let s = setup(IngestConfig::default());
     let mut engine = FakeEngine::new("kv-events", Some(ReplayFraming::WithTopic));
-    let h = holder(3, 0);
+    let h = holder(w, 0);
     follow(&s, &engine, h);
     // Added: the holder asks for everything buffered (nothing yet) and is READY.
     assert_eq!(engine.serve_replay(), 0);
     publish_vllm(&mut engine, 0..3);
     wait_seq(&s, h, 2);
-    // Batches 3 and 4 are lost on the wire; 5 arrives and reveals the gap.
-    engine.record_only(3, &vllm_block_batch(3));
-    engine.record_only(4, &vllm_block_batch(4));
-    engine.publish(5, &vllm_block_batch(5));
-    assert_eq!(engine.serve_replay(), 3);
-    wait_seq(&s, h, 5);
-    assert_eq!(synthetic_overlap(&s.ledger, h, 6), 6, "every block is back, in order");
+    let last = 3 + lost;
+    for seq in 3..last {
+        engine.record_only(seq, &vllm_block_batch(seq));
+    }
+    engine.publish(last, &vllm_block_batch(last));
+    assert_eq!(engine.serve_replay(), 3, "asked from the first lost batch");
+    wait_seq(&s, h, last);
+    let blocks = u32::try_from(last + 1).unwrap();
+    assert_eq!(synthetic_overlap(&s.ledger, h, blocks), blocks, "every block is back, in order");
     let st = s.ingest.status(h).unwrap();
     assert_eq!(st.transitions(Reason::Gap), 1);
     assert_eq!(st.transitions(Reason::ReplayOk), 2, "the start replay and the gap's");
     assert_eq!(st.clears, 0);
-    assert!(st.duplicates >= 1, "batch 5 came live and replayed");
+    (s, h)
+}
+
+#[test]
+fn gap_is_filled_by_replay() {
+    // Batches 3 and 4 are lost on the wire; 5 arrives and reveals the gap.
+    let (s, h) = gap_filled_by_replay(3, 2);
+    assert!(s.ingest.status(h).unwrap().duplicates >= 1, "batch 5 came live and replayed");
 }
 
 /// A replay longer than one drain of the socket (`BURST`, 512 messages): the replies the socket
@@ -207,25 +218,7 @@ fn gap_is_filled_by_replay() {
 /// drain stopped at `BURST` waits for the socket's descriptor instead of reading on.
 #[test]
 fn a_replay_longer_than_one_drain_is_read_to_its_end() {
-    let s = setup(IngestConfig::default());
-    let mut engine = FakeEngine::new("kv-events", Some(ReplayFraming::WithTopic));
-    let h = holder(9, 0);
-    follow(&s, &engine, h);
-    assert_eq!(engine.serve_replay(), 0);
-    publish_vllm(&mut engine, 0..3);
-    wait_seq(&s, h, 2);
-    // 1,500 batches lost on the wire, then one that reveals the gap.
-    for seq in 3..1_503 {
-        engine.record_only(seq, &vllm_block_batch(seq));
-    }
-    engine.publish(1_503, &vllm_block_batch(1_503));
-    assert_eq!(engine.serve_replay(), 3, "asked from the first lost batch");
-    wait_seq(&s, h, 1_503);
-    assert_eq!(synthetic_overlap(&s.ledger, h, 1_504), 1_504, "every block is back, in order");
-    let st = s.ingest.status(h).unwrap();
-    assert_eq!(st.transitions(Reason::Gap), 1);
-    assert_eq!(st.transitions(Reason::ReplayOk), 2, "the start replay and the gap's");
-    assert_eq!(st.clears, 0);
+    gap_filled_by_replay(9, 1_500);
 }
 
 #[test]

@@ -559,8 +559,9 @@ pub(crate) struct Private {
     pub(crate) dirty: Vec<u64>,
     /// Orphans' extra data, by engine hash.
     pub(crate) orphans: Map<OrphanInfo>,
-    /// Orphans waiting on a parent engine hash: parent → children. Changed only through the
-    /// `waiting_*` methods, which keep `waiting_list_bytes`.
+    /// Orphans waiting on a parent engine hash: parent → children. Lists are added, grown,
+    /// replaced and removed only through the `waiting_*` methods, which keep
+    /// `waiting_list_bytes` (a `retain` in place keeps a list's capacity).
     pub(crate) waiting: Map<Vec<u64>>,
     /// Heap bytes of `waiting`'s lists (8 per element of capacity), kept as they change: summing
     /// them cost every write time in proportion to the orphans held (after a clear, up to every
