@@ -460,7 +460,7 @@ mod tests {
     use serde_json::Value;
 
     /// docs/observability.md lists every metric (the constants of telemetry.rs and of the
-    /// binary's discovery), every panel of the dashboard and every alert.
+    /// binary's discovery and log pipe), every panel of the dashboard and every alert.
     #[test]
     fn the_doc_lists_every_metric_panel_and_alert() {
         let root = crate::workspace_root();
@@ -468,7 +468,11 @@ mod tests {
         let doc = read("docs/observability.md");
         let mut missing = Vec::new();
         let mut names = 0;
-        for file in ["crates/cortex-proxy/src/telemetry.rs", "bins/cortex-gateway/src/discovery/mod.rs"] {
+        for file in [
+            "crates/cortex-proxy/src/telemetry.rs",
+            "bins/cortex-gateway/src/discovery/mod.rs",
+            "bins/cortex-gateway/src/log_pipe.rs",
+        ] {
             for line in read(file).lines().filter(|l| l.contains(": &str = \"cortex_")) {
                 let name = line.split('"').nth(1).unwrap_or_default();
                 names += 1;

@@ -14,6 +14,7 @@
 pub mod config;
 pub mod demo;
 pub mod discovery;
+pub mod log_pipe;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

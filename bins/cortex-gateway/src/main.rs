@@ -14,10 +14,12 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Parser;
+use cortex_gateway::log_pipe::{self, LogPipe, Stream};
 use cortex_gateway::{config::Config, demo, start};
 
 /// Cortex: a KV-cache-aware gateway for SGLang and vLLM workers.
@@ -59,12 +61,27 @@ struct Cli {
     /// wake-ups between a request's tasks (see docs/perf.md, gateway overhead).
     #[arg(long, value_name = "N", env = "CORTEX_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..))]
     worker_threads: Option<u16>,
+    /// Bytes of log lines held for a reader that falls behind (per stream: stderr, and stdout's
+    /// JSON access log). Past it, lines are dropped and counted
+    /// (`cortex_log_lines_dropped_total`), never waited for.
+    #[arg(long, value_name = "BYTES", env = "CORTEX_LOG_BUFFER_BYTES", default_value_t = log_pipe::DEFAULT_BUFFER_BYTES as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    log_buffer_bytes: u64,
 }
+
+/// The log pipes, flushed before the process exits.
+static PIPES: OnceLock<Vec<LogPipe>> = OnceLock::new();
+
+/// How long the exit waits for a log reader.
+const LOG_FLUSH: Duration = Duration::from_secs(1);
 
 #[allow(clippy::print_stdout, clippy::print_stderr)]
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(cli) {
+    let result = run(cli);
+    for pipe in PIPES.get().into_iter().flatten() {
+        pipe.flush(LOG_FLUSH);
+    }
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("cortex-gateway: {e:#}");
@@ -74,26 +91,36 @@ fn main() -> ExitCode {
 }
 
 /// The log subscriber: `--log`'s filter on stderr; with a JSON access log, its lines on stdout
-/// whatever `--log` says (and not on stderr).
-fn init_logging(log: &str, access_json: bool) -> Result<()> {
+/// whatever `--log` says (and not on stderr). Both through a [`LogPipe`] of `buffer` bytes, so
+/// that a reader that stops reading costs log lines, never a request's time; colours only on a
+/// terminal.
+fn init_logging(log: &str, access_json: bool, buffer: usize) -> Result<()> {
+    use std::io::IsTerminal;
     use tracing_subscriber::Layer;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_new(log).context("--log")?;
+    let stderr = LogPipe::start(Stream::Stderr, buffer).context("starting the log writer")?;
     // stdout is the command's output (the --check-config summary, the demo's URL and curl).
-    let main = tracing_subscriber::fmt::layer().with_target(false).with_writer(std::io::stderr);
+    let main = tracing_subscriber::fmt::layer()
+        .with_target(false)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_writer(stderr.clone());
     if access_json {
+        let stdout = LogPipe::start(Stream::Stdout, buffer).context("starting the access log writer")?;
         let target = cortex_proxy::observe::ACCESS_TARGET;
         let filter = filter.add_directive(format!("{target}=off").parse().context("--log")?);
         let access = tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stdout)
+            .with_writer(stdout.clone())
             .event_format(MessageOnly)
             .with_filter(
                 tracing_subscriber::filter::Targets::new().with_target(target, tracing::Level::INFO),
             );
         tracing_subscriber::registry().with(main.with_filter(filter)).with(access).init();
+        let _ = PIPES.set(vec![stderr, stdout]);
     } else {
         tracing_subscriber::registry().with(main.with_filter(filter)).init();
+        let _ = PIPES.set(vec![stderr]);
     }
     Ok(())
 }
@@ -135,7 +162,7 @@ fn run(cli: Cli) -> Result<()> {
         _ => None,
     };
     let access_json = loaded.as_ref().is_some_and(|(c, _)| c.access_log.format.as_deref() == Some("json"));
-    init_logging(&cli.log, access_json)?;
+    init_logging(&cli.log, access_json, usize::try_from(cli.log_buffer_bytes).unwrap_or(usize::MAX))?;
     if let Some(path) = &cli.check_config {
         let (cfg, base) = Config::load(path)?;
         let s = cfg.into_settings(&base)?;
@@ -156,6 +183,7 @@ fn run(cli: Cli) -> Result<()> {
         .install_recorder()
         .context("installing the metrics recorder")?;
     cortex_proxy::telemetry::describe();
+    log_pipe::describe();
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = cli.worker_threads {
         runtime.worker_threads(usize::from(n));

@@ -157,13 +157,14 @@ fn the_pd_demo_serves_its_printed_request_disaggregated() {
     assert!(lower.contains("x-cortex-assigned-worker: sim-vllm-decode-0"), "{r}");
 }
 
-/// With `access_log: {format: json}` every generation request gets one JSON line on stdout, even
-/// when `--log` turns the access target off (the other logs stay on stderr).
-#[test]
-fn the_json_access_log_goes_to_stdout_whatever_log_says() {
+/// A gateway started from a configuration file with a JSON access log and no worker (every
+/// generation request answers 503 at once), its stdout and stderr piped; `args` before
+/// `--config`. Returns it, its address (from the start-up log line on stderr, which is then no
+/// longer read) and the directory of its file.
+fn json_access_gateway(args: &[&str]) -> (Running, String, std::path::PathBuf) {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let qwen = root.join("golden/models/qwen3");
-    let dir = std::env::temp_dir().join(format!("cortex-access-log-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("cortex-access-log-{}-{}", std::process::id(), args.len()));
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("cortex.yaml");
     std::fs::write(
@@ -177,7 +178,8 @@ fn the_json_access_log_goes_to_stdout_whatever_log_says() {
     )
     .unwrap();
     let child = Command::new(BIN)
-        .args(["--log", "info,cortex::access=off", "--config"])
+        .args(args)
+        .arg("--config")
         .arg(&file)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -185,10 +187,13 @@ fn the_json_access_log_goes_to_stdout_whatever_log_says() {
         .unwrap();
     let mut running = Running(child);
     let stderr = running.0.stderr.take().unwrap();
-    // The bound address, from the start-up log line on stderr.
+    let mut reader = BufReader::new(stderr);
     let mut addr = None;
-    for line in BufReader::new(stderr).lines() {
-        let line = line.unwrap();
+    let mut line = String::new();
+    while {
+        line.clear();
+        reader.read_line(&mut line).unwrap() > 0
+    } {
         if line.contains("cortex-gateway serving") {
             let at = line.find("127.0.0.1:").expect("the address is logged");
             let port: String = line[at + 10..].chars().take_while(char::is_ascii_digit).collect();
@@ -196,18 +201,33 @@ fn the_json_access_log_goes_to_stdout_whatever_log_says() {
             break;
         }
     }
-    let addr = addr.expect("the gateway logs its address");
-    let body = r#"{"model":"m","prompt":"hello","max_tokens":1}"#;
-    let mut s = TcpStream::connect(&addr).unwrap();
+    // Kept open, never read again.
+    running.0.stderr = Some(reader.into_inner());
+    (running, addr.expect("the gateway logs its address"), dir)
+}
+
+/// One request on its own connection; the whole response.
+fn send(addr: &str, head: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nhost: {addr}\r\nx-request-id: cli-access-1\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
+    write!(s, "{head}\r\nhost: {addr}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len())
+        .unwrap();
     let mut r = String::new();
     s.read_to_string(&mut r).unwrap();
+    r
+}
+
+/// With `access_log: {format: json}` every generation request gets one JSON line on stdout, even
+/// when `--log` turns the access target off (the other logs stay on stderr).
+#[test]
+fn the_json_access_log_goes_to_stdout_whatever_log_says() {
+    let (mut running, addr, dir) = json_access_gateway(&["--log", "info,cortex::access=off"]);
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":1}"#;
+    let r = send(
+        &addr,
+        "POST /v1/completions HTTP/1.1\r\nx-request-id: cli-access-1\r\ncontent-type: application/json",
+        body,
+    );
     assert!(r.starts_with("HTTP/1.1 503"), "no worker: {r}");
     let stdout = running.0.stdout.take().unwrap();
     let line = BufReader::new(stdout).lines().next().expect("an access line").unwrap();
@@ -218,4 +238,28 @@ fn the_json_access_log_goes_to_stdout_whatever_log_says() {
     assert_eq!(v["route"], "completions", "{v}");
     assert_eq!(v["status"], 503, "{v}");
     assert_eq!(v["outcome"], "error", "{v}");
+}
+
+/// A log reader that stops reading costs log lines, not requests: with stdout (the JSON access
+/// log) and stderr never read past start-up, far more requests than a pipe's 64 KiB of access
+/// lines are all answered, and the lines dropped are counted.
+#[test]
+fn a_log_reader_that_stops_reading_never_stalls_requests() {
+    let (running, addr, dir) = json_access_gateway(&["--log", "info", "--log-buffer-bytes", "4096"]);
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":1}"#;
+    let head = "POST /v1/completions HTTP/1.1\r\ncontent-type: application/json";
+    // Each access line is about 300 bytes: 1,000 of them are 4.5 pipes' worth.
+    for i in 0..1000 {
+        let r = send(&addr, head, body);
+        assert!(r.starts_with("HTTP/1.1 503"), "request {i}: {r}");
+    }
+    let metrics = send(&addr, "GET /metrics HTTP/1.1", "");
+    let _ = std::fs::remove_dir_all(&dir);
+    let dropped: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("cortex_log_lines_dropped_total{stream=\"stdout\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no dropped-lines series for stdout: {metrics}"));
+    assert!(dropped >= 500.0, "dropped {dropped}");
+    drop(running);
 }
