@@ -56,10 +56,14 @@ struct Queue {
     closed: bool,
 }
 
+/// How long the writer sleeps when it finds nothing to write: a line waits at most this long
+/// unless the queue is half full, so that logging a line never wakes another thread.
+const WRITE_EVERY: Duration = Duration::from_millis(25);
+
 struct Shared {
     queue: Mutex<Queue>,
-    /// Signalled when a line is queued (the writer waits on it) and when the writer has written
-    /// what it took (flushes wait on it).
+    /// Signalled when the queue is half full, on a flush or close (the writer waits on it), and
+    /// when the writer has written what it took (flushes wait on it).
     changed: Condvar,
     capacity: usize,
     dropped: AtomicU64,
@@ -123,6 +127,8 @@ impl LogPipe {
     pub fn flush(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         let mut q = self.shared.queue.lock().unwrap_or_else(PoisonError::into_inner);
+        // Wakes the writer now rather than at its next round.
+        self.shared.changed.notify_all();
         while !q.lines.is_empty() || q.writing > 0 {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -148,8 +154,11 @@ impl LogPipe {
         if fits && !q.closed {
             q.bytes += line.len();
             q.lines.push_back(line);
+            let urgent = q.bytes > self.shared.capacity / 2;
             drop(q);
-            self.shared.changed.notify_all();
+            if urgent {
+                self.shared.changed.notify_all();
+            }
         } else {
             drop(q);
             // Relaxed: a counter; the writer reports it when it can write again.
@@ -171,7 +180,7 @@ fn write_loop(shared: &Shared, mut out: Box<dyn Write + Send>) {
                 if q.closed {
                     return;
                 }
-                q = shared.changed.wait(q).unwrap_or_else(PoisonError::into_inner);
+                q = shared.changed.wait_timeout(q, WRITE_EVERY).unwrap_or_else(PoisonError::into_inner).0;
             }
             q.writing = q.lines.len();
             q.bytes = 0;
