@@ -62,6 +62,34 @@ def chat_and_completions(client):
     check(listed == set(MODELS), f"/v1/models lists {listed}")
 
 
+def tool_calling(client):
+    # The follow-up turn of a tool call, built the way SDK users build it: the assistant message
+    # as the SDK returns it (content None, arguments a JSON string), then the tool's answer. Sent
+    # twice: the second time the gateway must predict the cache hit, which it can only do if it
+    # rendered the turn exactly as the engine did.
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Zürich", "unit": "c"})}}
+    messages = [
+        {"role": "user", "content": "What is the weather in Zürich? Answer after checking the tool, please."},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": json.dumps({"temp": 21.5, "sky": "clear"})},
+    ]
+    for model in MODELS:
+        modes = []
+        for _ in range(2):
+            raw = client.chat.completions.with_raw_response.create(
+                model=model, messages=messages, tools=tools, max_tokens=8
+            )
+            r = raw.parse()
+            check(r.choices[0].message.content, f"{model} tool follow-up: no content")
+            modes.append((raw.headers.get("x-cortex-match-mode"), raw.headers.get("x-cortex-cache-hit-tokens")))
+            time.sleep(0.3)
+        check(modes[1][0] == "exact_kv_events" and int(modes[1][1]) > 0,
+              f"{model} tool follow-up: the second send must hit the cache exactly: {modes}")
+
+
 def typed_errors(client):
     for model in MODELS:
         # Beyond the workers' 32k context: refused by the worker, classified by Cortex.
@@ -176,6 +204,7 @@ def main():
     client = openai.OpenAI(base_url=f"{a.base}/v1", api_key="unused", max_retries=0)
     chat_and_completions(client)
     typed_errors(client)
+    tool_calling(client)
     asyncio.run(concurrent(a.base))
     generate(a.base)
     broken_stream(client, a.admin, a.token)

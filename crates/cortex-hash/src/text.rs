@@ -119,6 +119,61 @@ impl ChatTemplate {
     }
 }
 
+/// A chat message the engines do not prepare alike for their template: what it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct MessageNotReproducible(pub &'static str);
+
+/// Prepares one OpenAI chat message for the template as vLLM and SGLang do before they render
+/// it: a missing or `null` `content` becomes `""` (an assistant turn that only calls tools), and
+/// each assistant tool call's `arguments` — a JSON string in the OpenAI API, an object in the
+/// templates — becomes the object the string encodes (`{}` when absent, `null` or empty). An
+/// object already there is kept. List-shaped content is the caller's to join.
+///
+/// ```
+/// use cortex_hash::text::normalize_chat_message;
+///
+/// let mut m = serde_json::json!({"role": "assistant", "content": null, "tool_calls": [
+///     {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": 2}"}}]});
+/// normalize_chat_message(m.as_object_mut().unwrap()).unwrap();
+/// assert_eq!(m["content"], "");
+/// assert_eq!(m["tool_calls"][0]["function"]["arguments"], serde_json::json!({"b": 1, "a": 2}));
+/// ```
+///
+/// # Errors
+/// [`MessageNotReproducible`] where the engines part ways: arguments that are not JSON or not a
+/// JSON object (vLLM renders `{}` in their place, SGLang refuses the request or renders the
+/// value), or a tool call without a `function` object (vLLM refuses, SGLang renders it).
+pub fn normalize_chat_message(
+    m: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<(), MessageNotReproducible> {
+    use serde_json::Value as J;
+    if m.get("content").is_none_or(J::is_null) {
+        m.insert("content".into(), J::String(String::new()));
+    }
+    if m.get("role").and_then(J::as_str) != Some("assistant") {
+        return Ok(());
+    }
+    let Some(J::Array(calls)) = m.get_mut("tool_calls") else { return Ok(()) };
+    for call in calls {
+        let Some(J::Object(function)) = call.get_mut("function") else {
+            return Err(MessageNotReproducible("a tool call without a `function` object"));
+        };
+        let parsed = match function.get("arguments") {
+            None | Some(J::Null) => J::Object(serde_json::Map::new()),
+            Some(J::String(s)) if s.is_empty() => J::Object(serde_json::Map::new()),
+            Some(J::String(s)) => match serde_json::from_str::<J>(s) {
+                Ok(v @ J::Object(_)) => v,
+                _ => return Err(MessageNotReproducible("tool call arguments that are not a JSON object")),
+            },
+            Some(J::Object(_)) => continue,
+            Some(_) => return Err(MessageNotReproducible("tool call arguments that are not a JSON object")),
+        };
+        function.insert("arguments".into(), parsed);
+    }
+    Ok(())
+}
+
 /// Which encoder turns a tokenizer's text into ids.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Encoder {
@@ -819,6 +874,90 @@ mod tests {
                 tok.encode(text, SpecialTokens::Omit).unwrap()
             );
         }
+    }
+
+    /// The golden tool-calling conversations, sent as the OpenAI SDK sends them (`content: null`
+    /// on the assistant turn that calls a tool, `arguments` a JSON string, no `content` key at
+    /// all in another copy), render exactly as transformers rendered the dict form, once each
+    /// message is prepared as the engines prepare it.
+    #[test]
+    fn sdk_shaped_tool_calls_render_as_transformers_renders_them() {
+        let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../golden/chat-templates");
+        let mut checked = 0;
+        for (model, file) in [
+            ("qwen3", "Qwen-Qwen3-0.6B.jinja"),
+            ("qwen25", "Qwen-Qwen2.5-7B-Instruct.jinja"),
+            ("llama31", "meta-llama-Llama-3.1-8B-Instruct.jinja"),
+        ] {
+            let tpl = ChatTemplate::new(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap();
+            let read = |name: String| -> serde_json::Value {
+                serde_json::from_slice(&std::fs::read(dir.join(name)).unwrap()).unwrap()
+            };
+            let cases = read(format!("cases_{model}.json"));
+            let expected = read(format!("expected_transformers_{model}.json"));
+            for (case, want) in cases.as_array().unwrap().iter().zip(expected.as_array().unwrap()) {
+                if !case.to_string().contains("tool_calls") {
+                    continue;
+                }
+                for drop_content in [false, true] {
+                    let mut sdk = case.clone();
+                    for m in sdk["messages"].as_array_mut().unwrap() {
+                        let m = m.as_object_mut().unwrap();
+                        let Some(calls) = m.get_mut("tool_calls").and_then(serde_json::Value::as_array_mut)
+                        else {
+                            continue;
+                        };
+                        for c in calls {
+                            let args = c["function"]["arguments"].to_string();
+                            c["function"]["arguments"] = serde_json::Value::String(args);
+                        }
+                        if m.get("content").is_some_and(|c| c == "") {
+                            if drop_content {
+                                m.remove("content");
+                            } else {
+                                m.insert("content".into(), serde_json::Value::Null);
+                            }
+                        }
+                    }
+                    if model == "qwen3" && !drop_content {
+                        // Qwen3's template tests `'<tool_response>' in content`: `null` fails.
+                        assert!(tpl.render(&sdk).is_err(), "the raw SDK shape does not render");
+                    }
+                    for m in sdk["messages"].as_array_mut().unwrap() {
+                        normalize_chat_message(m.as_object_mut().unwrap()).unwrap();
+                    }
+                    assert_eq!(tpl.render(&sdk).unwrap(), want.as_str().unwrap(), "{model}");
+                    checked += 1;
+                }
+            }
+        }
+        assert!(checked >= 2, "{checked} tool-calling renders checked");
+    }
+
+    #[test]
+    fn arguments_the_engines_render_differently_are_refused() {
+        for args in [
+            serde_json::json!("not json"),
+            serde_json::json!("[1, 2]"),
+            serde_json::json!("42"),
+            serde_json::json!([1]),
+        ] {
+            let mut m = serde_json::json!({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": args}}]});
+            assert!(normalize_chat_message(m.as_object_mut().unwrap()).is_err(), "{args}");
+        }
+        let mut m = serde_json::json!({"role": "assistant", "tool_calls": [{"type": "function"}]});
+        assert!(normalize_chat_message(m.as_object_mut().unwrap()).is_err());
+        // Absent, null and empty arguments are `{}`; a user turn's calls are not touched.
+        for args in [serde_json::Value::Null, serde_json::json!("")] {
+            let mut m = serde_json::json!({"role": "assistant", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": args}}]});
+            normalize_chat_message(m.as_object_mut().unwrap()).unwrap();
+            assert_eq!(m["tool_calls"][0]["function"]["arguments"], serde_json::json!({}));
+        }
+        let mut u = serde_json::json!({"role": "user", "content": null, "tool_calls": "x"});
+        normalize_chat_message(u.as_object_mut().unwrap()).unwrap();
+        assert_eq!(u, serde_json::json!({"role": "user", "content": "", "tool_calls": "x"}));
     }
 
     #[test]

@@ -207,6 +207,9 @@ fn chat_prompt(obj: &Map<String, Value>) -> Result<Prompt, ProxyError> {
             }
             m.insert("content".into(), Value::String(texts.join("\n")));
         }
+        if let Err(e) = cortex_hash::text::normalize_chat_message(&mut m) {
+            return Ok(Prompt::Unreproducible(e.0));
+        }
         normalized.push(Value::Object(m));
     }
     let mut ctx = Map::new();
@@ -318,6 +321,25 @@ mod tests {
         assert_eq!(ctx["messages"][0]["content"], "a\nb");
         assert_eq!(ctx["enable_thinking"], false);
         assert_eq!(ctx["add_generation_prompt"], true);
+    }
+
+    /// The OpenAI SDK's tool-calling follow-up (`content: null` next to `tool_calls`, arguments
+    /// as a JSON string) is prepared as the engines prepare it, so the template renders it; where
+    /// the engines part ways the prompt is routed by load, never refused.
+    #[test]
+    fn tool_calling_turns_are_prepared_as_the_engines_prepare_them() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"id":"c1","type":"function","function":{"name":"f","arguments":"{\"b\":1,\"a\":2}"}}]},{"role":"tool","tool_call_id":"c1","content":"42"},{"role":"assistant","tool_calls":[]}]}"#;
+        let f = parse(Route::ChatCompletions, body).unwrap();
+        let Prompt::Chat(ctx) = f.prompt else { panic!("chat: {:?}", f.prompt) };
+        assert_eq!(ctx["messages"][1]["content"], "");
+        assert_eq!(
+            ctx["messages"][1]["tool_calls"][0]["function"]["arguments"],
+            serde_json::json!({"b": 1, "a": 2})
+        );
+        assert_eq!(ctx["messages"][3]["content"], "", "a missing content is empty too");
+        let odd = br#"{"model":"m","messages":[{"role":"user","content":"hi"},{"role":"assistant","content":null,"tool_calls":[{"type":"function","function":{"name":"f","arguments":"{oops"}}]}]}"#;
+        let f = parse(Route::ChatCompletions, odd).unwrap();
+        assert!(matches!(f.prompt, Prompt::Unreproducible(_)), "{:?}", f.prompt);
     }
 
     #[test]
