@@ -180,6 +180,7 @@ impl Forwarder {
                     let mut relay =
                         RelayBody::new(incoming, booking, self.clock, sse, self.idle_timeout, on_complete)
                             .holding(permit)
+                            .after_attempts(attempts)
                             .in_format(ErrorFormat::of(out.route))
                             .tapped(out.watch.tap());
                     if let Some(s) = span {

@@ -257,6 +257,24 @@ pub type OnComplete = Box<dyn FnOnce(Completion) + Send>;
 
 /// Bytes kept from the end of a stream to find its final usage.
 const SSE_TAIL: usize = 16 * 1024;
+/// Most bytes of one event a stream's relay holds back waiting for its end (see
+/// [`RelayBody::releasable`]); engines send events of a few KiB.
+const SSE_HOLD_MAX: usize = 1 << 20;
+
+/// Where the last complete event of `data` ends: just past its last blank line (`\n\n`,
+/// `\n\r\n` or `\r\r`), `None` without one.
+fn last_event_end(data: &[u8]) -> Option<usize> {
+    let mut i = data.len();
+    while i >= 2 {
+        match (data[i - 2], data[i - 1]) {
+            (b'\n', b'\n') | (b'\r', b'\r') => return Some(i),
+            (b'\r', b'\n') if i >= 3 && data[i - 3] == b'\n' => return Some(i),
+            _ => i -= 1,
+        }
+    }
+    None
+}
+
 /// Largest non-streamed body parsed for usage.
 const JSON_MAX: usize = 1 << 20;
 
@@ -295,6 +313,15 @@ pub struct RelayBody {
     format: ErrorFormat,
     /// Where the request's observer learns how the relay ended.
     tap: Option<crate::observe::Tap>,
+    /// A stream's bytes after its last complete event, held until the event completes: a stream
+    /// that breaks mid-event then ends with whole events and Cortex's error event, never with
+    /// the error glued onto half a line.
+    partial: BytesMut,
+    /// Whether what reached the client ends at an event boundary (a held event that outgrew
+    /// [`SSE_HOLD_MAX`] was sent incomplete).
+    at_boundary: bool,
+    /// Attempts this request made, the one relayed included (for the error event's message).
+    attempts: u32,
 }
 
 impl RelayBody {
@@ -326,6 +353,9 @@ impl RelayBody {
             learn: true,
             format: ErrorFormat::OpenAi,
             tap: None,
+            partial: BytesMut::new(),
+            at_boundary: true,
+            attempts: 1,
         }
     }
 
@@ -369,6 +399,9 @@ impl RelayBody {
             learn: true,
             format: ErrorFormat::OpenAi,
             tap: None,
+            partial: BytesMut::new(),
+            at_boundary: true,
+            attempts: 1,
         }
     }
 
@@ -376,6 +409,13 @@ impl RelayBody {
     #[must_use]
     pub fn in_format(mut self, format: ErrorFormat) -> Self {
         self.format = format;
+        self
+    }
+
+    /// The request's attempts, this one included (1 by default).
+    #[must_use]
+    pub fn after_attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts.max(1);
         self
     }
 
@@ -440,15 +480,65 @@ impl RelayBody {
             tap.failed();
         }
         if self.sse {
-            let err = ProxyError::Upstream { class, attempts: 1, message };
+            let err = ProxyError::Upstream { class, attempts: self.attempts, message };
             self.state = RelayState::Done;
-            Poll::Ready(Some(Ok(Frame::data(err.sse_event(self.format)))))
+            // The held partial event is dropped; an event sent incomplete is ended first.
+            self.partial.clear();
+            let event = err.sse_event(self.format);
+            if self.at_boundary {
+                return Poll::Ready(Some(Ok(Frame::data(event))));
+            }
+            let mut out = BytesMut::with_capacity(event.len() + 2);
+            out.extend_from_slice(b"\n\n");
+            out.extend_from_slice(&event);
+            Poll::Ready(Some(Ok(Frame::data(out.freeze()))))
         } else {
             // A JSON body cannot be ended well-formed: fail the body, so hyper aborts the
             // connection and the client sees a broken response, never a silently short one.
             self.state = RelayState::Done;
             Poll::Ready(Some(Err(message.into())))
         }
+    }
+
+    /// What of `data` (after the held bytes) can go to the client now: a stream's complete
+    /// events, the rest held; a JSON body's bytes as they are. `end`: nothing follows, so the
+    /// held bytes go too.
+    fn releasable(&mut self, data: Bytes, end: bool) -> Bytes {
+        if !self.sse {
+            return data;
+        }
+        let out = if self.partial.is_empty() {
+            match last_event_end(&data) {
+                _ if end => data,
+                Some(cut) if cut == data.len() => data,
+                Some(cut) => {
+                    self.partial.extend_from_slice(&data[cut..]);
+                    data.slice(..cut)
+                }
+                None => {
+                    self.partial.extend_from_slice(&data);
+                    Bytes::new()
+                }
+            }
+        } else {
+            self.partial.extend_from_slice(&data);
+            match last_event_end(&self.partial) {
+                _ if end => self.partial.split().freeze(),
+                Some(cut) => self.partial.split_to(cut).freeze(),
+                None => Bytes::new(),
+            }
+        };
+        if self.partial.len() > SSE_HOLD_MAX {
+            // Not a stream of events after all (or one larger than any engine sends): relay it.
+            let mut all = BytesMut::from(&out[..]);
+            all.extend_from_slice(&self.partial.split());
+            self.at_boundary = false;
+            return all.freeze();
+        }
+        if !out.is_empty() {
+            self.at_boundary = last_event_end(&out) == Some(out.len());
+        }
+        out
     }
 
     fn finish(&mut self) {
@@ -488,54 +578,74 @@ impl HttpBody for RelayBody {
                 Self::first(this.learn, this.sse, b, this.clock);
             }
             this.keep_tail(&prefix);
-            if this.inner.as_ref().is_none_or(HttpBody::is_end_stream) {
+            let end = this.inner.as_ref().is_none_or(HttpBody::is_end_stream);
+            if end {
                 this.state = RelayState::Done;
                 this.finish();
             }
-            return Poll::Ready(Some(Ok(Frame::data(prefix))));
+            let out = this.releasable(prefix, end);
+            if !out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(out))));
+            }
         }
-        let Some(polled) = this.inner.as_mut().map(|inner| Pin::new(inner).poll_frame(cx)) else {
-            this.state = RelayState::Done;
-            this.finish();
-            return Poll::Ready(None);
-        };
-        match polled {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    if this.first_frame && !data.is_empty() {
-                        this.first_frame = false;
-                        if let Some(b) = this.booking.as_mut() {
-                            Self::first(this.learn, this.sse, b, this.clock);
-                        }
-                    }
-                    let data = data.clone();
-                    this.keep_tail(&data);
-                }
-                let deadline = tokio::time::Instant::now() + this.idle_timeout;
-                this.idle.as_mut().reset(deadline);
-                if this.inner.as_ref().is_some_and(HttpBody::is_end_stream) {
+        loop {
+            let Some(polled) = this.inner.as_mut().map(|inner| Pin::new(inner).poll_frame(cx)) else {
+                this.state = RelayState::Done;
+                this.finish();
+                return Poll::Ready(None);
+            };
+            return match polled {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let deadline = tokio::time::Instant::now() + this.idle_timeout;
+                    this.idle.as_mut().reset(deadline);
                     // A body of known length is complete with its last byte: hyper will not poll
                     // again, so the relay ends here.
+                    let end = this.inner.as_ref().is_some_and(HttpBody::is_end_stream);
+                    let frame = match frame.into_data() {
+                        Ok(data) => {
+                            if this.first_frame && !data.is_empty() {
+                                this.first_frame = false;
+                                if let Some(b) = this.booking.as_mut() {
+                                    Self::first(this.learn, this.sse, b, this.clock);
+                                }
+                            }
+                            this.keep_tail(&data);
+                            let out = this.releasable(data, end);
+                            if out.is_empty() && !end {
+                                // Only part of an event so far: wait for the rest.
+                                continue;
+                            }
+                            Frame::data(out)
+                        }
+                        Err(frame) => frame,
+                    };
+                    if end {
+                        this.state = RelayState::Done;
+                        this.finish();
+                    }
+                    Poll::Ready(Some(Ok(frame)))
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.fail(FailureClass::ServerError, format!("worker stream broke: {e}"))
+                }
+                Poll::Ready(None) => {
                     this.state = RelayState::Done;
                     this.finish();
+                    if this.partial.is_empty() {
+                        Poll::Ready(None)
+                    } else {
+                        // The worker ended without a last blank line: its bytes, as sent.
+                        Poll::Ready(Some(Ok(Frame::data(this.partial.split().freeze()))))
+                    }
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                this.fail(FailureClass::ServerError, format!("worker stream broke: {e}"))
-            }
-            Poll::Ready(None) => {
-                this.state = RelayState::Done;
-                this.finish();
-                Poll::Ready(None)
-            }
-            Poll::Pending => match this.idle.as_mut().poll(cx) {
-                Poll::Ready(()) => {
-                    let t = this.idle_timeout;
-                    this.fail(FailureClass::Timeout, format!("worker sent nothing for {t:?}"))
-                }
-                Poll::Pending => Poll::Pending,
-            },
+                Poll::Pending => match this.idle.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        let t = this.idle_timeout;
+                        this.fail(FailureClass::Timeout, format!("worker sent nothing for {t:?}"))
+                    }
+                    Poll::Pending => Poll::Pending,
+                },
+            };
         }
     }
 
@@ -838,6 +948,17 @@ mod tests {
         assert_eq!(s(500, ""), "worker answered 500 Internal Server Error");
         let long = s(500, &"é".repeat(400));
         assert!(long.ends_with('…') && long.chars().filter(|&c| c == 'é').count() == 300, "{long}");
+    }
+
+    #[test]
+    fn an_event_ends_at_its_blank_line_whatever_the_line_ends() {
+        assert_eq!(last_event_end(b"data: a\n\n"), Some(9));
+        assert_eq!(last_event_end(b"data: a\n\ndata: b"), Some(9));
+        assert_eq!(last_event_end(b"data: a\r\n\r\ndata: b\r\n"), Some(11));
+        assert_eq!(last_event_end(b"data: a\r\rdata"), Some(9));
+        assert_eq!(last_event_end(b"data: a\ndata: b\n"), None);
+        assert_eq!(last_event_end(b""), None);
+        assert_eq!(last_event_end(b"\n\n"), Some(2));
     }
 
     #[test]

@@ -457,6 +457,30 @@ async fn streams_are_relayed_untouched_and_a_broken_one_ends_with_an_error_event
     assert!(text.starts_with("data: {\"error\""), "{text}");
     assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
     h.shutdown().await;
+    // Broken in the middle of an event, after a whole one (a fresh gateway: the break cooled
+    // the worker down): the client gets whole events only — the first, then the error event
+    // (the half event is dropped, never glued to the error).
+    let h = start(Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)])).await;
+    h.fakes[0].hold();
+    h.fakes[0].break_stream_mid_event_after(1);
+    let resp = h
+        .client
+        .request(h.request("POST", "/v1/completions", &[], Bytes::from(body.to_string())))
+        .await
+        .unwrap();
+    let mut rest = resp.into_body();
+    let mut text =
+        String::from_utf8(rest.frame().await.unwrap().unwrap().into_data().unwrap().to_vec()).unwrap();
+    h.fakes[0].release();
+    text.push_str(std::str::from_utf8(&rest.collect().await.unwrap().to_bytes()).unwrap());
+    let events: Vec<&str> = text.split_inclusive("\n\n").collect();
+    assert_eq!(events.len(), 3, "the first event, the error, [DONE]: {text}");
+    assert!(events[0].starts_with("data: {\"object\"") && events[0].contains("\"text\":\"o\""), "{text}");
+    let error: serde_json::Value =
+        serde_json::from_str(events[1].trim().trim_start_matches("data: ")).unwrap();
+    assert_eq!(error["error"]["code"], "server_error", "{text}");
+    assert_eq!(events[2], "data: [DONE]\n\n");
+    h.shutdown().await;
 }
 
 /// With the public API's own token on, Cortex's token is Cortex's: it is checked and removed,

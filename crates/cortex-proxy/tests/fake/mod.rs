@@ -196,6 +196,8 @@ struct Shared {
     gate: Semaphore,
     /// Stream chunks after which the next stream breaks (0: never).
     break_after: AtomicU32,
+    /// The break sends the first half of the next event before it.
+    break_mid_event: AtomicBool,
     loads_max_running: AtomicU32,
     healthy: AtomicBool,
     cache: Mutex<HashMap<u16, HashSet<SeqHash>>>,
@@ -222,6 +224,7 @@ impl Fake {
             holding: AtomicBool::new(false),
             gate: Semaphore::new(0),
             break_after: AtomicU32::new(0),
+            break_mid_event: AtomicBool::new(false),
             loads_max_running: AtomicU32::new(0),
             healthy: AtomicBool::new(true),
             cache: Mutex::new(HashMap::new()),
@@ -281,6 +284,12 @@ impl Fake {
 
     /// The next stream breaks after `n` chunks.
     pub(crate) fn break_stream_after(&self, n: u32) {
+        self.shared.break_after.store(n, Ordering::SeqCst);
+    }
+
+    /// The next stream breaks after `n` chunks and half of the next one.
+    pub(crate) fn break_stream_mid_event_after(&self, n: u32) {
+        self.shared.break_mid_event.store(true, Ordering::SeqCst);
         self.shared.break_after.store(n, Ordering::SeqCst);
     }
 
@@ -508,6 +517,7 @@ impl Shared {
         }
         events.push(Bytes::from_static(b"data: [DONE]\n\n"));
         let break_after = self.break_after.swap(0, Ordering::SeqCst) as usize;
+        let mid_event = self.break_mid_event.swap(false, Ordering::SeqCst);
         let holding = self.holding.load(Ordering::SeqCst);
         let (tx, rx) = mpsc::channel(8);
         let shared = Arc::clone(self);
@@ -517,6 +527,11 @@ impl Shared {
                     let _ = shared.gate.acquire().await.map(tokio::sync::SemaphorePermit::forget);
                 }
                 if break_after > 0 && i == break_after {
+                    if mid_event {
+                        let _ = tx.send(Ok(e.slice(..e.len() / 2))).await;
+                        // Time for the half event to leave before the break aborts the connection.
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
                     let _ = tx.send(Err(std::io::Error::other("scripted break"))).await;
                     return;
                 }
