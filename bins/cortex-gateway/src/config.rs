@@ -478,6 +478,8 @@ pub struct LimitsFile {
     pub upstream_head_timeout: Option<Dur>,
     /// Longest silence inside a worker's response.
     pub upstream_idle_timeout: Option<Dur>,
+    /// Longest a client may leave a response unread.
+    pub client_write_timeout: Option<Dur>,
     /// Requests processed at once.
     pub max_concurrent: Option<usize>,
     /// Requests waiting for a slot.
@@ -710,6 +712,7 @@ impl Config {
             body_read_timeout: l.body_read_timeout.map_or(d.limits.body_read_timeout, |v| v.0),
             upstream_head_timeout: l.upstream_head_timeout.map_or(d.limits.upstream_head_timeout, |v| v.0),
             upstream_idle_timeout: l.upstream_idle_timeout.map_or(d.limits.upstream_idle_timeout, |v| v.0),
+            client_write_timeout: l.client_write_timeout.map_or(d.limits.client_write_timeout, |v| v.0),
             max_concurrent: l.max_concurrent.unwrap_or(d.limits.max_concurrent),
             max_queue: l.max_queue.unwrap_or(d.limits.max_queue),
             queue_timeout: l.queue_timeout.map_or(d.limits.queue_timeout, |v| v.0),
@@ -747,6 +750,11 @@ impl Config {
                 "upstream_idle_timeout",
                 limits.upstream_idle_timeout,
                 "every response would be cut at its first pause",
+            ),
+            (
+                "client_write_timeout",
+                limits.client_write_timeout,
+                "every answer would be given up as soon as it is handed to the client",
             ),
         ] {
             if d.is_zero() {
@@ -1529,6 +1537,7 @@ mod tests {
             ("limits: {body_read_timeout: 0s}\n", "limits.body_read_timeout"),
             ("limits: {upstream_head_timeout: 0s}\n", "limits.upstream_head_timeout"),
             ("limits: {upstream_idle_timeout: 0ms}\n", "limits.upstream_idle_timeout"),
+            ("limits: {client_write_timeout: 0s}\n", "limits.client_write_timeout"),
             ("probes: {timeout: 0s}\n", "probes.timeout"),
             ("ingest: {replay_timeout: 0s}\n", "ingest.replay_timeout"),
             ("ingest: {silence_timeout: 0s}\n", "ingest.silence_timeout"),

@@ -49,6 +49,10 @@ pub struct Limits {
     pub upstream_head_timeout: Duration,
     /// Longest silence allowed between two chunks of a worker's response body.
     pub upstream_idle_timeout: Duration,
+    /// Longest a client may leave a response unread: a relay that handed the server a chunk
+    /// and is not asked for the next within this is given up (its slot, booking and worker
+    /// request released; see `stall.rs`).
+    pub client_write_timeout: Duration,
     /// Requests processed at once, counted from the moment their body has been read.
     pub max_concurrent: usize,
     /// Requests allowed to wait for a slot (429 beyond).
@@ -69,6 +73,7 @@ impl Default for Limits {
             body_read_timeout: Duration::from_secs(30),
             upstream_head_timeout: Duration::from_secs(600),
             upstream_idle_timeout: Duration::from_secs(300),
+            client_write_timeout: Duration::from_secs(60),
             max_concurrent: 1024,
             max_queue: 4096,
             queue_timeout: Duration::from_secs(30),

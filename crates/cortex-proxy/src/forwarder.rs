@@ -35,6 +35,7 @@ use crate::observe::{SpanGuard, Watch};
 use crate::planner::{Plan, RANK_HEADER};
 use crate::registry::{Registry, WorkerRecord};
 use crate::request::{self, RequestFacts, Route};
+use crate::stall::{Stalls, Watched};
 use crate::telemetry as t;
 use crate::upstream::{self, Answer, Failure, RelayBody, UpstreamClient};
 
@@ -66,6 +67,8 @@ pub struct Forwarder {
     clock: MonotonicClock,
     verifier: Arc<Verifier>,
     pd: cortex_pd::PdConfig,
+    /// Every relay in flight, given up when its client stops reading.
+    stalls: Arc<Stalls>,
 }
 
 /// One try of a request on one holder.
@@ -94,6 +97,7 @@ impl Forwarder {
             clock,
             verifier,
             pd: cfg.pd,
+            stalls: Stalls::new(cfg.limits.client_write_timeout),
         }
     }
 
@@ -119,6 +123,16 @@ impl Forwarder {
 
     pub(crate) fn idle_timeout(&self) -> Duration {
         self.idle_timeout
+    }
+
+    /// Watches `relay` for a client that stops reading (see `stall.rs`).
+    pub(crate) fn watch(&self, relay: RelayBody) -> Watched {
+        self.stalls.watch(relay)
+    }
+
+    /// Gives up the relays whose client stopped reading; returns how many.
+    pub(crate) fn sweep_stalled(&self) -> usize {
+        self.stalls.sweep()
     }
 
     pub(crate) fn pd(&self) -> &cortex_pd::PdConfig {
@@ -187,7 +201,7 @@ impl Forwarder {
                         // The attempt's span lasts as long as its answer is relayed.
                         relay = relay.guarding(Box::new(s));
                     }
-                    let mut resp = Response::new(relay.boxed_unsync());
+                    let mut resp = Response::new(self.watch(relay).boxed_unsync());
                     *resp.status_mut() = up.status;
                     *resp.headers_mut() = headers;
                     return Ok(resp);

@@ -110,6 +110,10 @@ impl Admission {
 /// How often the `manual` policy's idle assignments are swept (SGLang: every 60 s).
 pub const STICKY_SWEEP_EVERY: Duration = Duration::from_secs(60);
 
+/// How often the answers whose client stopped reading are looked for: a stalled answer is given
+/// up between `client_write_timeout` and that plus this.
+pub const STALL_SWEEP_EVERY: Duration = Duration::from_millis(250);
+
 /// How often every holder's ledger state is mirrored into the scheduler (and at once after an
 /// alignment verdict changed).
 const LEDGER_SYNC_EVERY: Duration = Duration::from_millis(50);
@@ -224,7 +228,8 @@ impl Gateway {
     }
 
     /// Starts the maintenance loop: every holder's ledger state mirrored into the scheduler
-    /// (every 50 ms, and at once when an alignment verdict changed), and the `manual` policy's
+    /// (every 50 ms, and at once when an alignment verdict changed), the answers whose client
+    /// stopped reading given up (checked every [`STALL_SWEEP_EVERY`]), and the `manual` policy's
     /// idle assignments swept every [`STICKY_SWEEP_EVERY`].
     pub fn start_background(self: &Arc<Self>) {
         let gw = Arc::downgrade(self);
@@ -233,6 +238,7 @@ impl Gateway {
             let mut tick = tokio::time::interval(LEDGER_SYNC_EVERY);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             let mut swept = tokio::time::Instant::now();
+            let mut stalls_swept = swept;
             loop {
                 tokio::select! {
                     _ = tick.tick() => {}
@@ -243,6 +249,10 @@ impl Gateway {
                     return;
                 }
                 gw.control.sync_ledger_states();
+                if stalls_swept.elapsed() >= STALL_SWEEP_EVERY {
+                    stalls_swept = tokio::time::Instant::now();
+                    gw.forwarder.sweep_stalled();
+                }
                 if swept.elapsed() >= STICKY_SWEEP_EVERY {
                     swept = tokio::time::Instant::now();
                     let n = gw.planner.sweep_sticky(gw.control.clock().now());

@@ -39,6 +39,7 @@ pub mod registry;
 pub mod request;
 mod scrape;
 pub mod server;
+mod stall;
 pub mod telemetry;
 pub mod tls;
 pub mod trace;

@@ -958,6 +958,7 @@ impl Forwarder {
         if !guards.is_empty() {
             relay = relay.guarding(Box::new(guards));
         }
+        let relay = self.watch(relay);
         let body: Body = match merge_from {
             Some(prefill) => MergeLogprobs::new(relay, prefill).boxed_unsync(),
             None => relay.boxed_unsync(),

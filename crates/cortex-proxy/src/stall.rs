@@ -1,0 +1,170 @@
+//! Answers a client stopped reading: a relay handed a frame to the server and not asked for
+//! another within `client_write_timeout` is given up — dropped as if the client had left, which
+//! releases its admission slot and booking and closes the worker's connection (the engine aborts
+//! the request). The client's stream is then reset (or its connection closed) at its next write.
+//!
+//! Key decision: the relay cannot notice this itself — a server whose client does not read
+//! (HTTP/2 flow control, a full socket) stops polling the body, so no code of the body runs. Each
+//! relay is therefore kept in a shared cell that a sweeper of the gateway's maintenance loop
+//! can empty; the relay's own poll takes the cell's uncontended lock once per frame.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use hyper::body::{Body as HttpBody, Frame, SizeHint};
+
+use crate::error::BodyError;
+use crate::upstream::RelayBody;
+
+/// `since` of a relay that is not waiting for the client (waiting for the worker, or done).
+const NOT_WAITING: u64 = u64::MAX;
+
+/// A relay in its cell.
+struct Cell {
+    relay: Mutex<Option<RelayBody>>,
+    /// Milliseconds since [`Stalls::base`] when the relay last handed over a frame, while the
+    /// server has not asked for the next one; [`NOT_WAITING`] otherwise.
+    since: AtomicU64,
+}
+
+/// The relays in flight and the sweep that gives up those whose client stopped reading.
+pub(crate) struct Stalls {
+    timeout: Duration,
+    base: Instant,
+    /// Relays in flight; a slot is reused once its relay ends.
+    cells: Mutex<Slots>,
+}
+
+#[derive(Default)]
+struct Slots {
+    cells: Vec<Option<Arc<Cell>>>,
+    free: Vec<usize>,
+}
+
+impl std::fmt::Debug for Stalls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stalls").field("timeout", &self.timeout).finish_non_exhaustive()
+    }
+}
+
+impl Stalls {
+    /// Relays whose client does not read for `timeout` are given up.
+    pub(crate) fn new(timeout: Duration) -> Arc<Stalls> {
+        Arc::new(Stalls { timeout, base: Instant::now(), cells: Mutex::new(Slots::default()) })
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.base.elapsed().as_millis()).unwrap_or(NOT_WAITING - 1)
+    }
+
+    /// `relay`, watched.
+    pub(crate) fn watch(self: &Arc<Self>, relay: RelayBody) -> Watched {
+        let cell = Arc::new(Cell { relay: Mutex::new(Some(relay)), since: AtomicU64::new(NOT_WAITING) });
+        let mut slots = lock(&self.cells);
+        let slot = match slots.free.pop() {
+            Some(i) => {
+                slots.cells[i] = Some(Arc::clone(&cell));
+                i
+            }
+            None => {
+                slots.cells.push(Some(Arc::clone(&cell)));
+                slots.cells.len() - 1
+            }
+        };
+        Watched { cell, slot, stalls: Arc::clone(self) }
+    }
+
+    /// Gives up every relay that has waited for its client longer than the timeout; returns how
+    /// many. A relay being polled right now is not waiting.
+    pub(crate) fn sweep(&self) -> usize {
+        let now = self.now_ms();
+        let limit = u64::try_from(self.timeout.as_millis()).unwrap_or(u64::MAX);
+        let stalled: Vec<Arc<Cell>> = {
+            let slots = lock(&self.cells);
+            slots
+                .cells
+                .iter()
+                .flatten()
+                // Relaxed: a timestamp; the relay's lock below decides.
+                .filter(|c| {
+                    let since = c.since.load(Ordering::Relaxed);
+                    since != NOT_WAITING && now.saturating_sub(since) > limit
+                })
+                .cloned()
+                .collect()
+        };
+        let mut given_up = 0;
+        for cell in stalled {
+            let relay = cell.relay.try_lock().ok().and_then(|mut r| {
+                // Relaxed: as above; checked again under the lock, where the relay's poll writes it.
+                let since = cell.since.load(Ordering::Relaxed);
+                (since != NOT_WAITING && now.saturating_sub(since) > limit).then(|| r.take()).flatten()
+            });
+            if let Some(relay) = relay {
+                given_up += 1;
+                metrics::counter!(crate::telemetry::CLIENT_WRITE_TIMEOUTS).increment(1);
+                tracing::info!(timeout = ?self.timeout, "a client stopped reading its answer: given up");
+                // Dropped here, outside every lock: as if the client had left.
+                drop(relay);
+            }
+        }
+        given_up
+    }
+}
+
+/// A relay the sweeper can give up (see the module docs).
+pub(crate) struct Watched {
+    cell: Arc<Cell>,
+    slot: usize,
+    stalls: Arc<Stalls>,
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        let mut slots = lock(&self.stalls.cells);
+        slots.cells[self.slot] = None;
+        slots.free.push(self.slot);
+    }
+}
+
+impl HttpBody for Watched {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = &*self;
+        let mut relay = lock(&this.cell.relay);
+        let Some(r) = relay.as_mut() else {
+            let t = this.stalls.timeout;
+            return Poll::Ready(Some(Err(format!("the client read nothing for {t:?}").into())));
+        };
+        let polled = Pin::new(r).poll_frame(cx);
+        let since = match &polled {
+            Poll::Ready(Some(Ok(_))) => this.stalls.now_ms(),
+            _ => NOT_WAITING,
+        };
+        // Relaxed: read by the sweeper, which takes this lock before it acts.
+        this.cell.since.store(since, Ordering::Relaxed);
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        lock(&self.cell.relay).as_ref().is_some_and(HttpBody::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        lock(&self.cell.relay).as_ref().map_or_else(SizeHint::default, HttpBody::size_hint)
+    }
+}
+
+/// The lock, whatever a panic left behind (the cells hold no invariant a panic could break).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
