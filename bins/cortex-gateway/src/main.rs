@@ -212,8 +212,13 @@ fn run(cli: Cli) -> Result<()> {
             println!("{}", demo::banner(running.addr, admin, &admin_token, &sims));
         }
         shutdown_signal().await;
-        tracing::info!("shutting down: not ready at once, new connections refused after shutdown_delay, in-flight streams may finish");
-        running.shutdown().await;
+        tracing::info!("shutting down: not ready at once, new connections refused after shutdown_delay, in-flight streams may finish (a second signal exits at once)");
+        tokio::select! {
+            () = running.shutdown() => {}
+            () = shutdown_signal() => {
+                tracing::warn!("a second signal: exiting now, in-flight requests cut");
+            }
+        }
         drop(sims);
         Ok(())
     })

@@ -405,12 +405,18 @@ async fn overload_is_refused_with_429_or_503_and_passes() {
     h.shutdown().await;
 }
 
-/// Invariant: SIGTERM to the gateway's process stops it accepting at once, lets the streams in
-/// flight finish whole (no error event), and the process exits 0.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_lets_streams_in_flight_finish() {
+/// The gateway binary in front of `sim` with a 30 s shutdown grace, serving and ready: the
+/// process, its address, its configuration file and a client.
+async fn gateway_process(
+    sim: &SimProcess,
+    name: &str,
+) -> (
+    Killed,
+    std::net::SocketAddr,
+    std::path::PathBuf,
+    hyper_util::client::legacy::Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>,
+) {
     use std::io::BufRead;
-    let sim = SimProcess::start(process::slow_sim("vllm"));
     let qwen = cortex_gateway::demo::repo_root().join("golden/models/qwen3");
     let yaml = format!(
         "listen: '127.0.0.1:0'\nshutdown_grace: 30s\nmodels:\n  - {{name: {MODEL}, engine: vllm, tokenizer: '{}', tokenizer_config: '{}', block_size: 16}}\nworkers:\n  - {{name: w0, url: '{}', engine: vllm, model: {MODEL}}}\n",
@@ -418,7 +424,7 @@ async fn sigterm_lets_streams_in_flight_finish() {
         qwen.join("tokenizer_config.json").display(),
         sim.base_url()
     );
-    let path = std::env::temp_dir().join(format!("cortex-faults-sigterm-{}.yaml", std::process::id()));
+    let path = std::env::temp_dir().join(format!("cortex-faults-{name}-{}.yaml", std::process::id()));
     std::fs::write(&path, yaml).unwrap();
     let mut child = Killed(
         std::process::Command::new(env!("CARGO_BIN_EXE_cortex-gateway"))
@@ -442,36 +448,85 @@ async fn sigterm_lets_streams_in_flight_finish() {
     let addr: std::net::SocketAddr = rx.recv_timeout(common::WAIT).unwrap().parse().unwrap();
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build(hyper_util::client::legacy::connect::HttpConnector::new());
-    let ready = |client: &hyper_util::client::legacy::Client<_, Full<Bytes>>| {
-        let req = Request::get(format!("http://{addr}/health/ready")).body(Full::new(Bytes::new())).unwrap();
-        client.request(req)
-    };
     let deadline = tokio::time::Instant::now() + common::WAIT;
-    while !ready(&client).await.is_ok_and(|r| r.status() == StatusCode::OK) {
+    loop {
+        let req = Request::get(format!("http://{addr}/health/ready")).body(Full::new(Bytes::new())).unwrap();
+        if client.request(req).await.is_ok_and(|r| r.status() == StatusCode::OK) {
+            break;
+        }
         assert!(tokio::time::Instant::now() < deadline, "the gateway never became ready");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let body = json!({"model": MODEL, "prompt": "a long answer", "max_tokens": 40, "stream": true});
+    (child, addr, path, client)
+}
+
+/// Sends `signal` to `child`.
+fn signal(child: &Killed, signal: &str) {
+    let status =
+        std::process::Command::new("kill").args([signal, &child.0.id().to_string()]).status().unwrap();
+    assert!(status.success());
+}
+
+/// Waits for `child` to exit (at most `within`): its status.
+async fn exit_of(child: &mut Killed, within: Duration) -> std::process::ExitStatus {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            return s;
+        }
+        assert!(std::time::Instant::now() < deadline, "the gateway did not exit within {within:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A streamed completion of at most `max_tokens` through `addr`: its answer's head.
+async fn stream(
+    client: &hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        Full<Bytes>,
+    >,
+    addr: std::net::SocketAddr,
+    max_tokens: u32,
+) -> hyper::Response<hyper::body::Incoming> {
+    let body = json!({"model": MODEL, "prompt": "a long answer", "max_tokens": max_tokens, "stream": true});
     let req = Request::post(format!("http://{addr}/v1/completions"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
         .unwrap();
     let resp = client.request(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
-    let status =
-        std::process::Command::new("kill").args(["-TERM", &child.0.id().to_string()]).status().unwrap();
-    assert!(status.success());
+    resp
+}
+
+/// Invariant: SIGTERM to the gateway's process stops it accepting at once, lets the streams in
+/// flight finish whole (no error event), and the process exits 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_streams_in_flight_finish() {
+    let sim = SimProcess::start(process::slow_sim("vllm"));
+    let (mut child, addr, path, client) = gateway_process(&sim, "sigterm").await;
+    let resp = stream(&client, addr, 40).await;
+    signal(&child, "-TERM");
     let whole = rest(resp).await;
     assert!(!whole.contains("\"error\""), "{whole}");
     assert!(whole.ends_with("data: [DONE]\n\n"), "{whole}");
-    let deadline = std::time::Instant::now() + common::WAIT;
-    let exit = loop {
-        if let Some(s) = child.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(std::time::Instant::now() < deadline, "the gateway did not exit");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let exit = exit_of(&mut child, common::WAIT).await;
+    assert!(exit.success(), "{exit:?}");
+    let _ = std::fs::remove_file(&path);
+    drop(sim);
+}
+
+/// Invariant: a second signal during the shutdown grace exits at once (an operator's second
+/// Ctrl-C), cutting a stream that would have run far longer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_signal_exits_at_once() {
+    let sim = SimProcess::start(process::slow_sim("vllm"));
+    let (mut child, addr, path, client) = gateway_process(&sim, "second-signal").await;
+    let _long = stream(&client, addr, 4000).await;
+    signal(&child, "-TERM");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(child.0.try_wait().unwrap().is_none(), "the first signal waits for the stream");
+    signal(&child, "-INT");
+    let exit = exit_of(&mut child, Duration::from_secs(5)).await;
     assert!(exit.success(), "{exit:?}");
     let _ = std::fs::remove_file(&path);
     drop(sim);

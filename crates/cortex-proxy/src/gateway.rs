@@ -339,13 +339,19 @@ impl Gateway {
             (&Method::GET, "/v1/models") => {
                 Ok(json_response(StatusCode::OK, &crate::fanout::models(&self.control).await))
             }
-            (&Method::GET, "/health/live") => Ok(json_response(StatusCode::OK, &json!({"status": "live"}))),
-            (&Method::GET, "/health/ready") => Ok(self.ready()),
+            // HEAD too, for load balancers that probe with it (hyper sends the head alone).
+            (&Method::GET | &Method::HEAD, "/health/live") => {
+                Ok(json_response(StatusCode::OK, &json!({"status": "live"})))
+            }
+            (&Method::GET | &Method::HEAD, "/health/ready") => Ok(self.ready()),
             (&Method::GET, "/metrics") => Ok(self.metrics()),
             (_, "/v1/chat/completions" | "/v1/completions" | "/generate" | "/tokenize") => {
                 Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow: "POST", note: "" })
             }
-            (_, "/v1/models" | "/health/live" | "/health/ready" | "/metrics") => {
+            (_, "/health/live" | "/health/ready") => {
+                Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow: "GET, HEAD", note: "" })
+            }
+            (_, "/v1/models" | "/metrics") => {
                 Err(ProxyError::MethodNotAllowed { method: method.to_string(), allow: "GET", note: "" })
             }
             _ => Err(ProxyError::NotFound { method: method.to_string(), path: path.to_owned() }),

@@ -369,6 +369,13 @@ async fn bodies_over_the_limits_and_wrong_methods_get_client_errors() {
     );
     let r = h.get("/v1/completions").await;
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    // Probes may use HEAD: the head alone.
+    for path in ["/health/live", "/health/ready"] {
+        let r = h.send(h.request("HEAD", path, &[], Bytes::new())).await;
+        assert_eq!((r.status, r.body.len()), (StatusCode::OK, 0), "HEAD {path}");
+        let r = h.send(h.request("POST", path, &[], Bytes::new())).await;
+        assert_eq!((r.status, r.header("allow")), (StatusCode::METHOD_NOT_ALLOWED, "GET, HEAD"), "{path}");
+    }
     let r = h.get("/debug/route").await;
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
     let msg = r.json()["error"]["message"].as_str().unwrap_or_default().to_owned();
