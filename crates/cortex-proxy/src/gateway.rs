@@ -499,6 +499,13 @@ impl Gateway {
 
 /// Reads a body under the size and time limits.
 pub(crate) async fn read_body(body: Incoming, limits: &Limits) -> Result<Bytes, ProxyError> {
+    // A declared length beyond the limit is refused before a byte is read (and before hyper
+    // answers an `Expect: 100-continue`).
+    if usize::try_from(hyper::body::Body::size_hint(&body).lower())
+        .map_or(true, |n| n > limits.max_body_bytes)
+    {
+        return Err(ProxyError::BodyTooLarge { limit: limits.max_body_bytes });
+    }
     let limited = http_body_util::Limited::new(body, limits.max_body_bytes);
     match tokio::time::timeout(limits.body_read_timeout, limited.collect()).await {
         Err(_) => Err(ProxyError::BodyTimeout(limits.body_read_timeout)),

@@ -357,6 +357,19 @@ async fn bodies_over_the_limits_and_wrong_methods_get_client_errors() {
         (r.status, r.json()["error"]["code"].as_str()),
         (StatusCode::PAYLOAD_TOO_LARGE, Some("request_too_large"))
     );
+    // A declared length beyond the limit is refused at once: no `100 Continue` is sent, and a
+    // client that waits for one before its body gets the 413 without sending it.
+    let mut c = TcpStream::connect(h.addr).await.unwrap();
+    c.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 41943040\r\nexpect: 100-continue\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = [0u8; 512];
+    let n = tokio::time::timeout(Duration::from_millis(150), c.read(&mut head))
+        .await
+        .expect("answered at once")
+        .unwrap();
+    let head = String::from_utf8_lossy(&head[..n]);
+    assert!(head.starts_with("HTTP/1.1 413"), "{head}");
     let r = h.send(h.request("POST", "/v1/completions", &[], Bytes::from_static(b"{\"model\": "))).await;
     assert_eq!(
         (r.status, r.json()["error"]["code"].as_str()),
