@@ -190,11 +190,12 @@ impl Running {
 /// holder removed and added again (a worker that left and came back) counts from zero under a
 /// new incarnation, and the final counts of the one removed (taken from
 /// [`Ingest::take_retired`]) are added first, so no transition is lost and none counted twice.
+/// The apply-lag gauges are set for the holders followed now, of workers still registered.
 fn event_metrics(ingest: Arc<Ingest>) -> cortex_proxy::ScrapeHook {
     use cortex_proxy::telemetry as t;
     type Seen = (u64, HashMap<&'static str, u64>);
     let last: std::sync::Mutex<HashMap<HolderId, Seen>> = std::sync::Mutex::default();
-    Box::new(move |registry| {
+    Box::new(move |registry, gauges| {
         let mut last = last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let retired = ingest.take_retired();
         let live = ingest.statuses();
@@ -222,8 +223,9 @@ fn event_metrics(ingest: Arc<Ingest>) -> cortex_proxy::ScrapeHook {
                 advance(kind, st.decode_errors[i], c);
             }
             if is_live {
-                metrics::gauge!(t::EVENT_APPLY_LAG, &labels).set(st.apply_lag_us as f64 / 1e6);
-                metrics::gauge!(t::EVENT_APPLY_LAG_MAX, &labels).set(st.apply_lag_max_us as f64 / 1e6);
+                let labels = [("worker", name.as_str()), ("rank", rank.as_str())];
+                gauges.set(t::EVENT_APPLY_LAG, &labels, st.apply_lag_us as f64 / 1e6);
+                gauges.set(t::EVENT_APPLY_LAG_MAX, &labels, st.apply_lag_max_us as f64 / 1e6);
             }
         }
         // Holders no longer followed: their final counts were taken above.

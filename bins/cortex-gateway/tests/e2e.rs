@@ -487,6 +487,53 @@ async fn admin_api_takes_the_events_of_a_worker_that_does_not_advertise_them() {
     extra.shutdown();
 }
 
+/// A worker whose `/v1/models` lacks its configured model would refuse each of its requests
+/// (vLLM's 404 "The model `m` does not exist."): it stays out of the pool with the reason in
+/// `/debug/workers`, every request goes to the worker that serves the model, and it joins once a
+/// later discovery finds the model served (restarted on its port with the right one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_serving_another_model_stays_out_until_it_serves_the_configured_one() {
+    let h = harness("vllm", vec![sim("vllm")], &[]).await;
+    let mut wrong = sim("vllm");
+    wrong.model_name = "zzz".to_owned();
+    let wrong = SimWorker::start(wrong).unwrap();
+    let new = json!({"name": "wrong", "url": wrong.base_url(), "engine": "vllm", "model": MODEL});
+    let req = Request::post(format!("http://{}/admin/workers", h.admin_addr()))
+        .header("authorization", format!("Bearer {}", common::ADMIN_TOKEN))
+        .body(Full::new(Bytes::from(new.to_string())))
+        .unwrap();
+    assert_eq!(h.client.request(req).await.unwrap().status(), StatusCode::CREATED);
+    let last_error =
+        |dbg: &Value| worker_entry(dbg, "wrong")["last_error"].as_str().unwrap_or_default().to_owned();
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    loop {
+        let dbg = h.debug_workers().await;
+        if last_error(&dbg) == "configured with model `m`, but the worker serves `zzz`" {
+            assert_ne!(worker_entry(&dbg, "wrong")["phase"], "live", "{dbg}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the model conflict was never reported: {dbg}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(h.live_workers(), 1);
+    for i in 0..8 {
+        let r = h.post("/v1/chat/completions", &chat(&format!("which model {i}"), false)).await;
+        assert_eq!(r.status, StatusCode::OK, "request {i}: {}", r.body);
+        assert_eq!(r.header("x-cortex-assigned-worker"), "w0", "request {i}");
+    }
+    // Restarted on its port serving the configured model: the next discovery lets it in.
+    let port = wrong.http_addr().port();
+    wrong.shutdown();
+    let mut right = sim("vllm");
+    right.http_port = port;
+    let right = SimWorker::start(right).unwrap();
+    h.wait("the worker joins once it serves the model", || h.live_workers() == 2).await;
+    let dbg = h.debug_workers().await;
+    assert_eq!(worker_entry(&dbg, "wrong")["last_error"], Value::Null, "{dbg}");
+    h.shutdown().await;
+    right.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_worker_leaves_the_pool_and_comes_back_with_its_ledger_replayed() {
     let h = harness("vllm", vec![sim("vllm"), sim("vllm")], &[]).await;

@@ -271,10 +271,23 @@ pub fn vllm_kv_event_sources(v: &Value, worker_host: &str) -> Vec<RankEndpoints>
     out
 }
 
-/// The first served model of an OpenAI `/v1/models` answer.
+/// Every model an OpenAI `/v1/models` answer lists (vLLM: each `--served-model-name`, then the
+/// LoRA adapters), in its order.
 #[must_use]
-pub fn served_model(v: &Value) -> Option<String> {
-    v["data"][0]["id"].as_str().map(str::to_owned)
+pub fn served_models(v: &Value) -> Vec<String> {
+    v["data"].as_array().into_iter().flatten().filter_map(|m| m["id"].as_str().map(str::to_owned)).collect()
+}
+
+/// Why a worker configured to serve `configured` cannot answer its requests: it names the models
+/// it serves (`served`: vLLM's `/v1/models`, SGLang's `served_model_name`) and `configured` is
+/// not one of them. `None` when it serves it or names none (the profile check then says the
+/// model is unconfirmed).
+#[must_use]
+pub fn model_conflict(configured: &str, served: &[String]) -> Option<String> {
+    (!served.is_empty() && !served.iter().any(|m| m == configured)).then(|| {
+        let names: Vec<String> = served.iter().map(|m| format!("`{m}`")).collect();
+        format!("configured with model `{configured}`, but the worker serves {}", names.join(", "))
+    })
 }
 
 /// Every sample of `metric` in a Prometheus text exposition: its labels and value.
@@ -604,9 +617,29 @@ vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 0.0\nvllm:kv_cache_usag
         assert_eq!(m.loads[1].rank, DpRank(1));
         assert_eq!(reported_max_running(&m.loads), None, "vLLM reports no running-request limit");
         assert_eq!(
-            served_model(&json!({"object": "list", "data": [{"id": "m", "object": "model"}]})),
-            Some("m".into())
+            served_models(&json!({"object": "list", "data": [{"id": "m", "object": "model"}]})),
+            ["m"]
         );
+    }
+
+    /// A worker that names the models it serves must name the configured one; one that names
+    /// none is not refused (its profile is unconfirmed instead).
+    #[test]
+    fn a_worker_must_serve_its_configured_model() {
+        let models = json!({"object": "list", "data": [
+            {"id": "alias", "object": "model", "parent": null},
+            {"id": "m", "object": "model", "parent": null},
+            {"id": "sql-lora", "object": "model", "parent": "alias"},
+        ]});
+        let served = served_models(&models);
+        assert_eq!(served, ["alias", "m", "sql-lora"]);
+        assert_eq!(model_conflict("m", &served), None);
+        assert_eq!(model_conflict("m", &[]), None);
+        assert_eq!(
+            model_conflict("m", &["zzz".into()]).as_deref(),
+            Some("configured with model `m`, but the worker serves `zzz`")
+        );
+        assert!(served_models(&json!({"data": "nope"})).is_empty());
     }
 
     #[test]

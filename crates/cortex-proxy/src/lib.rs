@@ -54,5 +54,5 @@ pub use gateway::{Gateway, GatewayParts};
 pub use models::{ModelRoute, ModelTable};
 pub use planner::{Ask, PdPlan, Plan, Planner};
 pub use registry::{EventsOverride, RankEndpoints, RegistryEvent, WorkerConfig};
-pub use scrape::ScrapeHook;
+pub use scrape::{ScrapeHook, WorkerGauges};
 pub use tls::{Tls, TlsConfig};

@@ -118,15 +118,21 @@ impl Probes {
     /// route of the worker's model).
     ///
     /// # Errors
-    /// What failed, for the worker's `last_error`.
+    /// What failed, for the worker's `last_error`: also a worker that cannot serve as configured
+    /// (an SGLang `disaggregation_mode` contradicting its role, or a worker naming the models it
+    /// serves without its configured one), which then stays out of the pool until a later
+    /// discovery finds it right.
     pub async fn discover(
         &self,
         w: &WorkerRecord,
         model: Option<&Arc<ModelRoute>>,
     ) -> Result<Discovery, String> {
+        let served: Vec<String>;
         let mut d = match w.config.engine {
             Engine::Sglang => {
-                discovery::sglang_server_info(&self.get_json(w, "/server_info").await?, &w.host)
+                let d = discovery::sglang_server_info(&self.get_json(w, "/server_info").await?, &w.host);
+                served = d.facts.model.iter().cloned().collect();
+                d
             }
             _ => {
                 let metrics = self.get_ok(w, "/metrics").await?;
@@ -138,12 +144,21 @@ impl Probes {
                         None
                     }
                 };
-                let served =
-                    self.get_json(w, "/v1/models").await.ok().and_then(|v| discovery::served_model(&v));
-                discovery::vllm_discovery(&metrics, sources.as_ref(), served, &w.host)
+                served = self
+                    .get_json(w, "/v1/models")
+                    .await
+                    .map(|v| discovery::served_models(&v))
+                    .unwrap_or_default();
+                // Under several names (`--served-model-name a b`), the configured one is the fact.
+                let model = served.iter().find(|m| **m == w.config.model).or(served.first()).cloned();
+                discovery::vllm_discovery(&metrics, sources.as_ref(), model, &w.host)
             }
         };
         if let Some(conflict) = d.pd.role_conflict(w.config.role) {
+            return Err(conflict);
+        }
+        // It would refuse every request for the model (vLLM's 404), or answer them with another.
+        if let Some(conflict) = discovery::model_conflict(&w.config.model, &served) {
             return Err(conflict);
         }
         if let Some(o) = &w.config.events {

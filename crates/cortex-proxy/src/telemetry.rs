@@ -10,7 +10,8 @@
 //! values are all known are registered at zero by [`register_zeros`], so a rate over them exists
 //! before the first event; gauges that mirror other components' state (ledger, holders, workers)
 //! are refreshed when `/metrics` is scraped, and each worker's counters are registered at its
-//! first scrape.
+//! first scrape. A worker's gauges exist only while it is registered (rendered at each scrape,
+//! outside the recorder); its counters stay after it left, as Prometheus counters do.
 
 /// Histogram: seconds from request parsed to ranking ready (tokenization excluded).
 pub const ROUTING_SECONDS: &str = "cortex_routing_decision_seconds";
@@ -143,6 +144,15 @@ pub struct Metric {
     pub labels: &'static [&'static str],
     /// What it means.
     pub help: &'static str,
+}
+
+impl Metric {
+    /// A gauge with a `worker` label: rendered from the registered workers at each scrape,
+    /// never stored in the recorder (which cannot delete a departed worker's series).
+    #[must_use]
+    pub fn per_worker_gauge(&self) -> bool {
+        self.kind == Kind::Gauge && self.labels.contains(&"worker")
+    }
 }
 
 /// Routing decisions take microseconds.
@@ -547,10 +557,11 @@ pub fn prometheus_builder() -> metrics_exporter_prometheus::PrometheusBuilder {
     b
 }
 
-/// Registers descriptions for every metric (call once after installing a recorder), and every
-/// counter whose label values are all known at zero.
+/// Registers descriptions for every metric the recorder renders (call once after installing a
+/// recorder), and every counter whose label values are all known at zero. The per-worker gauges
+/// are described where they are rendered, at each scrape.
 pub fn describe() {
-    for m in METRICS {
+    for m in METRICS.iter().filter(|m| !m.per_worker_gauge()) {
         let unit = match m.unit {
             "seconds" => Some(metrics::Unit::Seconds),
             "bytes" => Some(metrics::Unit::Bytes),

@@ -464,3 +464,89 @@ async fn pd_legs_are_traced_vllm() {
 async fn pd_legs_are_traced_sglang() {
     pd_legs_are_traced("sglang").await;
 }
+
+/// The values of every sample of `name` whose `worker` label is `worker`, in Prometheus text.
+fn samples(text: &str, name: &str, worker: &str) -> Vec<f64> {
+    let label = format!("worker=\"{worker}\"");
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter(|(series, _)| series.split_once('{').is_some_and(|(n, l)| n == name && l.contains(&label)))
+        .filter_map(|(_, v)| v.parse().ok())
+        .collect()
+}
+
+/// A worker removed through the admin API takes its gauges out of `/metrics` (its counters
+/// stay): the remaining worker's are there and say it is not admissible, so the largest
+/// `cortex_worker_admissible` of the instance is 0, as `CortexNoAdmissibleWorker` needs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_workers_gauges_leave_metrics() {
+    let h = harness_with("vllm", vec![sim("vllm")], &[], |_| {}, Some(prometheus())).await;
+    // Named by no other test of this binary: they share the recorder.
+    let gone = "gone-x5";
+    let extra = cortex_sim::SimWorker::start(sim("vllm")).unwrap();
+    let admin = |method: &str, path: &str, body: Option<Value>| {
+        Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", h.admin_addr()))
+            .header("authorization", format!("Bearer {}", crate::common::ADMIN_TOKEN))
+            .body(Full::new(body.map_or_else(Bytes::new, |v| Bytes::from(v.to_string()))))
+            .unwrap()
+    };
+    let new = json!({"name": gone, "url": extra.base_url(), "engine": "vllm", "model": MODEL});
+    let resp = h.client.request(admin("POST", "/admin/workers", Some(new))).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::CREATED);
+    h.wait("the added worker is live", || h.live_workers() == 2).await;
+    let deadline = tokio::time::Instant::now() + crate::common::WAIT;
+    loop {
+        let text = scrape(&h).await;
+        let ready = metric(&text, "cortex_ledger_state", &[("worker", gone), ("state", "ready")]);
+        if samples(&text, "cortex_worker_admissible", gone) == [1.0]
+            && samples(&text, "cortex_worker_live", gone) == [1.0]
+            && ready == 1.0
+            && !samples(&text, "cortex_worker_inflight_requests", gone).is_empty()
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the added worker's gauges never showed it ready:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let resp = h.client.request(admin("DELETE", &format!("/admin/workers/{gone}"), None)).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    h.wait("the removed worker left the pool", || h.live_workers() == 1).await;
+    // The remaining worker leaves the live pool too: no worker can take a request.
+    h.worker("w0").set_healthy(false);
+    h.wait("w0 left the live pool", || h.live_workers() == 0).await;
+    let text = scrape(&h).await;
+    let series: Vec<&str> =
+        text.lines().filter(|l| !l.starts_with('#') && l.contains(&format!("worker=\"{gone}\""))).collect();
+    assert!(
+        series.iter().all(|l| l.split(['{', ' ']).next().is_some_and(|n| n.ends_with("_total"))),
+        "{text}"
+    );
+    assert!(
+        series.iter().any(|l| l.starts_with("cortex_prompt_tokens_total{")),
+        "its counters stay:\n{text}"
+    );
+    assert_eq!(samples(&text, "cortex_worker_admissible", "w0"), [0.0], "{text}");
+    assert_eq!(samples(&text, "cortex_worker_live", "w0"), [0.0], "{text}");
+    assert_eq!(samples(&text, "cortex_worker_aligned", "w0").len(), 1, "{text}");
+    assert_eq!(samples(&text, "cortex_ledger_state", "w0").len(), 4, "{text}");
+    let admissible: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with("cortex_worker_admissible{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.parse().ok())
+        .collect();
+    assert_eq!(admissible, [0.0], "max by (instance) (cortex_worker_admissible) must be 0:\n{text}");
+    // Each per-worker gauge is described once, before its samples.
+    for name in ["cortex_worker_admissible", "cortex_ledger_state"] {
+        assert_eq!(text.matches(&format!("# TYPE {name} gauge\n")).count(), 1, "{text}");
+        assert_eq!(text.matches(&format!("# HELP {name} ")).count(), 1, "{text}");
+    }
+    h.shutdown().await;
+    extra.shutdown();
+}
