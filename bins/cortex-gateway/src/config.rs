@@ -36,18 +36,33 @@ use crate::discovery::WorkerTemplate;
 use crate::discovery::kubernetes::{ApiAccess, KubernetesSettings, PodGroup};
 use crate::discovery::pods::{PodReading, PortSpec};
 
-/// A duration written as `250ms`, `30s`, `5m` or `1h`.
+/// A duration written as `250ms`, `30s`, `5m` or `1h`, at most [`MAX_DURATION`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dur(pub Duration);
 
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        parse_duration(&s).map(Dur).map_err(serde::de::Error::custom)
+        // Parsed inside the visitor, so the YAML reader's error names the key (`limits.x: …`).
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Dur;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a duration like 250ms, 30s, 5m")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Dur, E> {
+                parse_duration(s).map(Dur).map_err(E::custom)
+            }
+        }
+        d.deserialize_str(Visitor)
     }
 }
 
-/// Parses `250ms`, `30s`, `5m`, `1h`, `1.5s`.
+/// The longest duration the file takes: one year (8760h). Every duration is added to an
+/// `Instant` somewhere (a deadline, a timer), which panics on overflow; a year is far beyond any
+/// useful timeout and far below any platform's `Instant` range.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Parses `250ms`, `30s`, `5m`, `1h`, `1.5s`; refuses a duration above [`MAX_DURATION`].
 ///
 /// # Errors
 /// A message saying what is wrong.
@@ -66,6 +81,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("`{s}` is not a valid duration"));
+    }
+    // Checked before the conversion, which panics beyond `Duration::MAX`.
+    if secs > MAX_DURATION.as_secs_f64() {
+        return Err(format!("`{s}` is too long: a duration is at most 8760h (one year)"));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -1306,6 +1325,56 @@ mod tests {
         assert_eq!(parse_size("32MiB"), Ok(32 << 20));
         assert_eq!(parse_size("1024"), Ok(1024));
         assert!(parse_size("3MB").is_err());
+    }
+
+    #[test]
+    fn durations_beyond_a_year_are_refused_by_key() {
+        assert_eq!(parse_duration("8760h"), Ok(MAX_DURATION));
+        for long in ["8761h", "10000000000000000000s", "99999999999999999999999999h"] {
+            let err = parse_duration(long).unwrap_err();
+            assert!(err.contains("at most 8760h"), "{long}: {err}");
+        }
+        // Every duration key of the file goes through the same type: each is refused by name.
+        let too_long = "10000000000000000000s";
+        for (section, key) in [
+            ("", "shutdown_grace"),
+            ("", "shutdown_delay"),
+            ("limits", "header_read_timeout"),
+            ("limits", "http2_keep_alive_interval"),
+            ("limits", "http2_keep_alive_timeout"),
+            ("limits", "body_read_timeout"),
+            ("limits", "upstream_head_timeout"),
+            ("limits", "upstream_idle_timeout"),
+            ("limits", "queue_timeout"),
+            ("retry", "budget"),
+            ("scheduler", "watermark_queue_latency"),
+            ("scheduler", "load_report_max_age"),
+            ("scheduler", "cooldown_rate_limited"),
+            ("scheduler", "cooldown_server_error"),
+            ("scheduler", "cooldown_timeout"),
+            ("scheduler", "cooldown_quota_exhausted"),
+            ("scheduler", "breaker_open_for"),
+            ("probes", "health_interval"),
+            ("probes", "load_interval"),
+            ("probes", "timeout"),
+            ("alignment", "settle"),
+            ("ingest", "replay_timeout"),
+            ("ingest", "silence_timeout"),
+            ("tls", "reload_interval"),
+            ("discovery.kubernetes", "resync"),
+        ] {
+            let yaml = match section {
+                "" => minimal(&format!("{key}: {too_long}\n")),
+                "tls" => minimal(&format!("tls: {{cert: c, key: k, {key}: {too_long}}}\n")),
+                "discovery.kubernetes" => {
+                    minimal(&format!("discovery: {{kubernetes: {{{key}: {too_long}}}}}\n"))
+                }
+                s => minimal(&format!("{s}: {{{key}: {too_long}}}\n")),
+            };
+            let err = format!("{:#}", Config::parse(&yaml).unwrap_err());
+            let path = if section.is_empty() { key.to_owned() } else { format!("{section}.{key}") };
+            assert!(err.contains(&path) && err.contains("at most 8760h"), "{path}: {err}");
+        }
     }
 
     #[test]
