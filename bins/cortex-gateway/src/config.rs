@@ -285,10 +285,28 @@ fn token_from_env(key: &str, var: &str) -> Result<Token> {
         .ok()
         .filter(|t| !t.is_empty())
         .with_context(|| format!("{key}: the environment variable `{var}` is not set or empty"))?;
-    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        bail!("{key}: the token in `{var}` contains whitespace, which no client can send in a bearer header");
+    bearer_token(key, var, &token)
+}
+
+/// `token`, read from `var` for `key`, if clients can send it.
+fn bearer_token(key: &str, var: &str, token: &str) -> Result<Token> {
+    // A bearer token is compared byte for byte with what clients send: only visible ASCII
+    // (0x21–0x7E) goes through every client and proxy unchanged.
+    if let Some(c) = token.chars().find(|c| !matches!(c, '\x21'..='\x7e')) {
+        let what = if c.is_whitespace() {
+            "whitespace"
+        } else if c.is_ascii_control() {
+            "a control character"
+        } else {
+            "a non-ASCII character"
+        };
+        bail!(
+            "{key}: the token in `{var}` contains {what} ({}); a bearer token must be visible ASCII \
+             (0x21 to 0x7E), which clients send unchanged",
+            c.escape_unicode()
+        );
     }
-    Ok(Token::new(&token))
+    Ok(Token::new(token))
 }
 
 /// A listener's TLS settings, checked by loading the pair once (`key` names the section).
@@ -1536,6 +1554,25 @@ mod tests {
             assert!(err.contains(key) && err.contains(says), "{extra}: {err}");
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_bearer_token_must_be_visible_ascii() {
+        assert_eq!(bearer_token("auth.token_env", "T", "a-Z_0~!").unwrap(), Token::new("a-Z_0~!"));
+        for (token, says) in [
+            ("tok en", "whitespace (\\u{20})"),
+            ("tok\ten", "whitespace (\\u{9})"),
+            ("tok\x01en", "a control character (\\u{1})"),
+            ("tok\x7fen", "a control character (\\u{7f})"),
+            ("tokén", "a non-ASCII character (\\u{e9})"),
+            ("tok\u{a0}en", "whitespace (\\u{a0})"),
+        ] {
+            let err = format!("{:#}", bearer_token("admin.token_env", "ADMIN_TOKEN", token).unwrap_err());
+            assert!(
+                err.contains("admin.token_env") && err.contains("`ADMIN_TOKEN`") && err.contains(says),
+                "{token:?}: {err}"
+            );
+        }
     }
 
     /// A valid file of one vLLM model `m`, then `extra`; paths relative to the repository root.
