@@ -23,7 +23,7 @@ use cortex_proxy::config::{
     AlignmentConfig, Limits, MIN_HEADER_BYTES, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy,
 };
 use cortex_proxy::observe::AccessLog;
-use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
+use cortex_proxy::registry::{Registry, parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, Tls, TlsConfig, Token, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
@@ -914,11 +914,14 @@ impl Config {
             }
         }
         let mut workers = Vec::new();
+        // The workers are added to a registry of their own: the checks of the admin API's
+        // (name, URL, a name or address taken) on the file's, at start and by --check-config.
+        let registry = Registry::new();
         for (i, w) in self.workers.into_iter().enumerate() {
             if models.get(Some(&w.model)).is_none() {
                 bail!("workers[{i}].model `{}` is not a configured model", w.model);
             }
-            workers.push(WorkerConfig {
+            let w = WorkerConfig {
                 name: w.name,
                 url: w.url,
                 engine: w.engine.into(),
@@ -952,7 +955,10 @@ impl Config {
                     Some(0) => bail!("workers[{i}].bootstrap_port must not be 0"),
                     p => p,
                 },
-            });
+            };
+            w.check_model(&models).with_context(|| format!("workers[{i}].engine"))?;
+            registry.add(w.clone()).with_context(|| format!("workers[{i}]"))?;
+            workers.push(w);
         }
         let di = IngestConfig::default();
         let ingest = IngestConfig {
@@ -1707,6 +1713,56 @@ mod tests {
             let err =
                 format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
             assert!(err.contains(key), "{extra}: {err}");
+        }
+    }
+
+    #[test]
+    fn workers_are_checked_as_the_admin_api_checks_them() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let workers = |list: &[&str]| {
+            let entries: Vec<String> = list.iter().map(|w| format!("  - {{{w}, model: m}}\n")).collect();
+            Config::parse(&minimal(&format!("workers:\n{}", entries.concat())))
+                .unwrap()
+                .into_settings(&base)
+                .map(|s| s.workers.len())
+                .map_err(|e| format!("{e:#}"))
+        };
+        assert_eq!(
+            workers(&[
+                "name: a, url: 'http://h:1/', engine: vllm",
+                "name: b, url: 'http://h:2', engine: vllm"
+            ]),
+            Ok(2)
+        );
+        for (list, says) in [
+            (
+                &["name: '', url: 'http://h:1', engine: vllm"][..],
+                "workers[0]: worker name \"\" must not be empty",
+            ),
+            (
+                &["name: 'a b', url: 'http://h:1', engine: vllm"],
+                "workers[0]: worker name \"a b\" must not contain",
+            ),
+            (
+                &["name: a, url: 'http://h:1', engine: sglang"],
+                "workers[0].engine: worker `a` runs sglang, but its model `m` is configured for vllm",
+            ),
+            (
+                &["name: a, url: 'http://h:1/v1', engine: vllm"],
+                "workers[0]: worker `a`: invalid url `http://h:1/v1`",
+            ),
+            (&["name: a, url: 'http://h:1?x=1', engine: vllm"], "the engine's base URL"),
+            (
+                &["name: a, url: 'http://h:1', engine: vllm", "name: b, url: 'http://H:1/', engine: vllm"],
+                "workers[1]: worker `b`: `http://H:1/` is the address of worker `a` already",
+            ),
+            (
+                &["name: a, url: 'http://h:1', engine: vllm", "name: a, url: 'http://h:2', engine: vllm"],
+                "workers[1]: a worker named `a` already exists",
+            ),
+        ] {
+            let err = workers(list).unwrap_err();
+            assert!(err.contains(says), "{list:?}: {err}");
         }
     }
 

@@ -277,6 +277,33 @@ async fn debug_lives_on_the_admin_listener_behind_its_token() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_refuses_a_worker_that_could_never_serve() {
+    let h = harness("sglang", vec![sim("sglang")], &[]).await;
+    let url = format!("http://{}/admin/workers", h.admin_addr());
+    let taken = h.worker("w0").base_url().to_owned();
+    let new = |name: &str, url: &str, engine: &str| json!({"name": name, "url": url, "engine": engine, "model": MODEL});
+    for (body, says) in [
+        (new("", "http://127.0.0.1:1", "sglang"), "worker name \"\" must not be empty"),
+        (new("a b", "http://127.0.0.1:1", "sglang"), "worker name \"a b\" must not contain whitespace"),
+        (
+            new("x", "http://127.0.0.1:1", "vllm"),
+            &format!("worker `x` runs vllm, but its model `{MODEL}` is configured for sglang"),
+        ),
+        (new("x", "http://127.0.0.1:1/v1", "sglang"), "must be the engine's base URL"),
+        (new("x", "http://127.0.0.1:1?a=b", "sglang"), "must be the engine's base URL"),
+        (new("x", &taken, "sglang"), "is the address of worker `w0` already"),
+    ] {
+        let r = call(&h, "POST", &url, Some(ADMIN_TOKEN), Some(&body)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.body);
+        let e = openai_error(&r);
+        assert_eq!(e["code"], "invalid_request", "{body}");
+        assert!(e["message"].as_str().unwrap().contains(says), "{body}: {}", r.body);
+    }
+    assert_eq!(h.gw.gateway.control().registry().snapshot().len(), 1, "nothing refused was added");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_public_api_requires_its_bearer_token_when_one_is_set() {
     let h = harness_with(
         "sglang",
