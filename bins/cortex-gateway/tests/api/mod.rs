@@ -542,6 +542,66 @@ async fn a_cache_flush_fans_out_and_the_ledger_empties() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_query_parameters_are_checked_and_unknown_workers_named() {
+    let h = harness("sglang", vec![slow_sim("sglang")], &[]).await;
+    let admin = h.admin_addr();
+    let r = h.post("/v1/chat/completions", &crate::common::chat(&long_prompt("typo"), false)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    h.wait("the ledger holds the prompt", || ledger_blocks(&h) > 0).await;
+    let route = json!({"model": MODEL, "prompt": "hi"});
+    for (method, path, body, says) in [
+        ("POST", "/admin/cache/flush?workers=w0", None, "query parameter `workers` is unknown"),
+        ("POST", "/admin/cache/flush?worker=", None, "query parameter `worker` must not be empty"),
+        ("POST", "/admin/cache/flush?worker=w0&worker=w0", None, "`worker` is given twice"),
+        (
+            "GET",
+            "/admin/workers?verbose=1",
+            None,
+            "`verbose` is unknown: /admin/workers takes no query parameter",
+        ),
+        ("GET", "/debug/workers?worker=w0", None, "`worker` is unknown"),
+        ("DELETE", "/admin/workers/w0?force=1", None, "`force` is unknown"),
+        (
+            "POST",
+            "/debug/route?rout=generate",
+            Some(&route),
+            "`rout` is unknown: /debug/route takes only `route`",
+        ),
+        (
+            "POST",
+            "/debug/route?route=bogus",
+            Some(&route),
+            "`route` must be generate, chat_completions, completions, not `bogus`",
+        ),
+    ] {
+        let r = call(&h, method, &format!("http://{admin}{path}"), Some(ADMIN_TOKEN), body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{method} {path}: {}", r.body);
+        let e = openai_error(&r);
+        assert_eq!(e["code"], "invalid_request", "{method} {path}");
+        assert!(e["message"].as_str().unwrap().contains(says), "{method} {path}: {}", r.body);
+    }
+    // Nothing was flushed and nothing removed by a refused call.
+    assert!(ledger_blocks(&h) > 0);
+    assert!(h.gw.gateway.control().registry().by_name("w0").is_some());
+    // The route given is the one the body is parsed as.
+    let url = format!("http://{admin}/debug/route?route=chat_completions");
+    let r = call(&h, "POST", &url, Some(ADMIN_TOKEN), Some(&route)).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "a completion body read as a chat: {}", r.body);
+    assert!(openai_error(&r)["message"].as_str().unwrap().contains("messages"), "{}", r.body);
+    let url = format!("http://{admin}/debug/route?route=completions");
+    assert_eq!(call(&h, "POST", &url, Some(ADMIN_TOKEN), Some(&route)).await.status, StatusCode::OK);
+    // A worker that does not exist is named, not reported as a missing route.
+    for (method, path) in [("DELETE", "/admin/workers/nope"), ("POST", "/admin/cache/flush?worker=nope")] {
+        let r = call(&h, method, &format!("http://{admin}{path}"), Some(ADMIN_TOKEN), None).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{method} {path}: {}", r.body);
+        let e = openai_error(&r);
+        assert_eq!(e["code"], "not_found");
+        assert_eq!(e["message"], "no worker named `nope` exists", "{method} {path}");
+    }
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vllm_flush_reports_the_dev_mode_route() {
     let mut dev = sim("vllm");
     if let cortex_sim::EngineConfig::Vllm(o) = &mut dev.engine {
