@@ -1294,8 +1294,17 @@ fn kubernetes(k: KubernetesFile, models: &ModelTable) -> Result<KubernetesSettin
                     "{key}.selector must select something: an empty selector matches every pod of the namespace"
                 );
             }
-            if models.get(Some(&e.model)).is_none() {
+            let Some(model) = models.get(Some(&e.model)) else {
                 bail!("{key}.model `{}` is not a configured model", e.model);
+            };
+            // As for `workers[]`: a worker of another engine than its model's is never confirmed.
+            let model_engine = model.spec().profile.engine();
+            if model_engine != Engine::from(e.engine) {
+                bail!(
+                    "{key}.engine is {}, but its model `{}` is configured for {model_engine}",
+                    Engine::from(e.engine),
+                    e.model
+                );
             }
             let port = match e.port {
                 PortFile::Number(0) => bail!("{key}.port must not be 0"),
@@ -1688,6 +1697,10 @@ mod tests {
             (
                 "discovery: {kubernetes: {workers: [{selector: ' ', port: 80, engine: vllm, model: m}]}}\n",
                 "discovery.kubernetes.workers[0].selector",
+            ),
+            (
+                "discovery: {kubernetes: {workers: [{selector: a=b, port: 80, engine: sglang, model: m}]}}\n",
+                "discovery.kubernetes.workers[0].engine is sglang, but its model `m` is configured for vllm",
             ),
             (
                 "discovery: {kubernetes: {workers: [{selector: a=b, port: 0, engine: vllm, model: m}]}}\n",
