@@ -23,7 +23,7 @@ use cortex_proxy::config::{
     AlignmentConfig, Limits, MIN_HEADER_BYTES, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy,
 };
 use cortex_proxy::observe::AccessLog;
-use cortex_proxy::registry::{parse_role, parse_unlabeled_stores};
+use cortex_proxy::registry::{Registry, parse_role, parse_unlabeled_stores};
 use cortex_proxy::{EventsOverride, ModelTable, Tls, TlsConfig, Token, WorkerConfig};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
@@ -36,18 +36,33 @@ use crate::discovery::WorkerTemplate;
 use crate::discovery::kubernetes::{ApiAccess, KubernetesSettings, PodGroup};
 use crate::discovery::pods::{PodReading, PortSpec};
 
-/// A duration written as `250ms`, `30s`, `5m` or `1h`.
+/// A duration written as `250ms`, `30s`, `5m` or `1h`, at most [`MAX_DURATION`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Dur(pub Duration);
 
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        parse_duration(&s).map(Dur).map_err(serde::de::Error::custom)
+        // Parsed inside the visitor, so the YAML reader's error names the key (`limits.x: …`).
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Dur;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a duration like 250ms, 30s, 5m")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Dur, E> {
+                parse_duration(s).map(Dur).map_err(E::custom)
+            }
+        }
+        d.deserialize_str(Visitor)
     }
 }
 
-/// Parses `250ms`, `30s`, `5m`, `1h`, `1.5s`.
+/// The longest duration the file takes: one year (8760h). Every duration is added to an
+/// `Instant` somewhere (a deadline, a timer), which panics on overflow; a year is far beyond any
+/// useful timeout and far below any platform's `Instant` range.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Parses `250ms`, `30s`, `5m`, `1h`, `1.5s`; refuses a duration above [`MAX_DURATION`].
 ///
 /// # Errors
 /// A message saying what is wrong.
@@ -66,6 +81,10 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     };
     if !secs.is_finite() || secs < 0.0 {
         return Err(format!("`{s}` is not a valid duration"));
+    }
+    // Checked before the conversion, which panics beyond `Duration::MAX`.
+    if secs > MAX_DURATION.as_secs_f64() {
+        return Err(format!("`{s}` is too long: a duration is at most 8760h (one year)"));
     }
     Ok(Duration::from_secs_f64(secs))
 }
@@ -266,10 +285,28 @@ fn token_from_env(key: &str, var: &str) -> Result<Token> {
         .ok()
         .filter(|t| !t.is_empty())
         .with_context(|| format!("{key}: the environment variable `{var}` is not set or empty"))?;
-    if token.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        bail!("{key}: the token in `{var}` contains whitespace, which no client can send in a bearer header");
+    bearer_token(key, var, &token)
+}
+
+/// `token`, read from `var` for `key`, if clients can send it.
+fn bearer_token(key: &str, var: &str, token: &str) -> Result<Token> {
+    // A bearer token is compared byte for byte with what clients send: only visible ASCII
+    // (0x21–0x7E) goes through every client and proxy unchanged.
+    if let Some(c) = token.chars().find(|c| !matches!(c, '\x21'..='\x7e')) {
+        let what = if c.is_whitespace() {
+            "whitespace"
+        } else if c.is_ascii_control() {
+            "a control character"
+        } else {
+            "a non-ASCII character"
+        };
+        bail!(
+            "{key}: the token in `{var}` contains {what} ({}); a bearer token must be visible ASCII \
+             (0x21 to 0x7E), which clients send unchanged",
+            c.escape_unicode()
+        );
     }
-    Ok(Token::new(&token))
+    Ok(Token::new(token))
 }
 
 /// A listener's TLS settings, checked by loading the pair once (`key` names the section).
@@ -885,11 +922,14 @@ impl Config {
             }
         }
         let mut workers = Vec::new();
+        // The workers are added to a registry of their own: the checks of the admin API's
+        // (name, URL, a name or address taken) on the file's, at start and by --check-config.
+        let registry = Registry::new();
         for (i, w) in self.workers.into_iter().enumerate() {
             if models.get(Some(&w.model)).is_none() {
                 bail!("workers[{i}].model `{}` is not a configured model", w.model);
             }
-            workers.push(WorkerConfig {
+            let w = WorkerConfig {
                 name: w.name,
                 url: w.url,
                 engine: w.engine.into(),
@@ -923,7 +963,10 @@ impl Config {
                     Some(0) => bail!("workers[{i}].bootstrap_port must not be 0"),
                     p => p,
                 },
-            });
+            };
+            w.check_model(&models).with_context(|| format!("workers[{i}].engine"))?;
+            registry.add(w.clone()).with_context(|| format!("workers[{i}]"))?;
+            workers.push(w);
         }
         let di = IngestConfig::default();
         let ingest = IngestConfig {
@@ -1259,8 +1302,17 @@ fn kubernetes(k: KubernetesFile, models: &ModelTable) -> Result<KubernetesSettin
                     "{key}.selector must select something: an empty selector matches every pod of the namespace"
                 );
             }
-            if models.get(Some(&e.model)).is_none() {
+            let Some(model) = models.get(Some(&e.model)) else {
                 bail!("{key}.model `{}` is not a configured model", e.model);
+            };
+            // As for `workers[]`: a worker of another engine than its model's is never confirmed.
+            let model_engine = model.spec().profile.engine();
+            if model_engine != Engine::from(e.engine) {
+                bail!(
+                    "{key}.engine is {}, but its model `{}` is configured for {model_engine}",
+                    Engine::from(e.engine),
+                    e.model
+                );
             }
             let port = match e.port {
                 PortFile::Number(0) => bail!("{key}.port must not be 0"),
@@ -1314,6 +1366,56 @@ mod tests {
         assert_eq!(parse_size("32MiB"), Ok(32 << 20));
         assert_eq!(parse_size("1024"), Ok(1024));
         assert!(parse_size("3MB").is_err());
+    }
+
+    #[test]
+    fn durations_beyond_a_year_are_refused_by_key() {
+        assert_eq!(parse_duration("8760h"), Ok(MAX_DURATION));
+        for long in ["8761h", "10000000000000000000s", "99999999999999999999999999h"] {
+            let err = parse_duration(long).unwrap_err();
+            assert!(err.contains("at most 8760h"), "{long}: {err}");
+        }
+        // Every duration key of the file goes through the same type: each is refused by name.
+        let too_long = "10000000000000000000s";
+        for (section, key) in [
+            ("", "shutdown_grace"),
+            ("", "shutdown_delay"),
+            ("limits", "header_read_timeout"),
+            ("limits", "http2_keep_alive_interval"),
+            ("limits", "http2_keep_alive_timeout"),
+            ("limits", "body_read_timeout"),
+            ("limits", "upstream_head_timeout"),
+            ("limits", "upstream_idle_timeout"),
+            ("limits", "queue_timeout"),
+            ("retry", "budget"),
+            ("scheduler", "watermark_queue_latency"),
+            ("scheduler", "load_report_max_age"),
+            ("scheduler", "cooldown_rate_limited"),
+            ("scheduler", "cooldown_server_error"),
+            ("scheduler", "cooldown_timeout"),
+            ("scheduler", "cooldown_quota_exhausted"),
+            ("scheduler", "breaker_open_for"),
+            ("probes", "health_interval"),
+            ("probes", "load_interval"),
+            ("probes", "timeout"),
+            ("alignment", "settle"),
+            ("ingest", "replay_timeout"),
+            ("ingest", "silence_timeout"),
+            ("tls", "reload_interval"),
+            ("discovery.kubernetes", "resync"),
+        ] {
+            let yaml = match section {
+                "" => minimal(&format!("{key}: {too_long}\n")),
+                "tls" => minimal(&format!("tls: {{cert: c, key: k, {key}: {too_long}}}\n")),
+                "discovery.kubernetes" => {
+                    minimal(&format!("discovery: {{kubernetes: {{{key}: {too_long}}}}}\n"))
+                }
+                s => minimal(&format!("{s}: {{{key}: {too_long}}}\n")),
+            };
+            let err = format!("{:#}", Config::parse(&yaml).unwrap_err());
+            let path = if section.is_empty() { key.to_owned() } else { format!("{section}.{key}") };
+            assert!(err.contains(&path) && err.contains("at most 8760h"), "{path}: {err}");
+        }
     }
 
     #[test]
@@ -1477,6 +1579,25 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    #[test]
+    fn a_bearer_token_must_be_visible_ascii() {
+        assert_eq!(bearer_token("auth.token_env", "T", "a-Z_0~!").unwrap(), Token::new("a-Z_0~!"));
+        for (token, says) in [
+            ("tok en", "whitespace (\\u{20})"),
+            ("tok\ten", "whitespace (\\u{9})"),
+            ("tok\x01en", "a control character (\\u{1})"),
+            ("tok\x7fen", "a control character (\\u{7f})"),
+            ("tokén", "a non-ASCII character (\\u{e9})"),
+            ("tok\u{a0}en", "whitespace (\\u{a0})"),
+        ] {
+            let err = format!("{:#}", bearer_token("admin.token_env", "ADMIN_TOKEN", token).unwrap_err());
+            assert!(
+                err.contains("admin.token_env") && err.contains("`ADMIN_TOKEN`") && err.contains(says),
+                "{token:?}: {err}"
+            );
+        }
+    }
+
     /// A valid file of one vLLM model `m`, then `extra`; paths relative to the repository root.
     fn minimal(extra: &str) -> String {
         format!(
@@ -1587,6 +1708,10 @@ mod tests {
                 "discovery.kubernetes.workers[0].selector",
             ),
             (
+                "discovery: {kubernetes: {workers: [{selector: a=b, port: 80, engine: sglang, model: m}]}}\n",
+                "discovery.kubernetes.workers[0].engine is sglang, but its model `m` is configured for vllm",
+            ),
+            (
                 "discovery: {kubernetes: {workers: [{selector: a=b, port: 0, engine: vllm, model: m}]}}\n",
                 "discovery.kubernetes.workers[0].port",
             ),
@@ -1610,6 +1735,56 @@ mod tests {
             let err =
                 format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
             assert!(err.contains(key), "{extra}: {err}");
+        }
+    }
+
+    #[test]
+    fn workers_are_checked_as_the_admin_api_checks_them() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let workers = |list: &[&str]| {
+            let entries: Vec<String> = list.iter().map(|w| format!("  - {{{w}, model: m}}\n")).collect();
+            Config::parse(&minimal(&format!("workers:\n{}", entries.concat())))
+                .unwrap()
+                .into_settings(&base)
+                .map(|s| s.workers.len())
+                .map_err(|e| format!("{e:#}"))
+        };
+        assert_eq!(
+            workers(&[
+                "name: a, url: 'http://h:1/', engine: vllm",
+                "name: b, url: 'http://h:2', engine: vllm"
+            ]),
+            Ok(2)
+        );
+        for (list, says) in [
+            (
+                &["name: '', url: 'http://h:1', engine: vllm"][..],
+                "workers[0]: worker name \"\" must not be empty",
+            ),
+            (
+                &["name: 'a b', url: 'http://h:1', engine: vllm"],
+                "workers[0]: worker name \"a b\" must not contain",
+            ),
+            (
+                &["name: a, url: 'http://h:1', engine: sglang"],
+                "workers[0].engine: worker `a` runs sglang, but its model `m` is configured for vllm",
+            ),
+            (
+                &["name: a, url: 'http://h:1/v1', engine: vllm"],
+                "workers[0]: worker `a`: invalid url `http://h:1/v1`",
+            ),
+            (&["name: a, url: 'http://h:1?x=1', engine: vllm"], "the engine's base URL"),
+            (
+                &["name: a, url: 'http://h:1', engine: vllm", "name: b, url: 'http://H:1/', engine: vllm"],
+                "workers[1]: worker `b`: `http://H:1/` is the address of worker `a` already",
+            ),
+            (
+                &["name: a, url: 'http://h:1', engine: vllm", "name: a, url: 'http://h:2', engine: vllm"],
+                "workers[1]: a worker named `a` already exists",
+            ),
+        ] {
+            let err = workers(list).unwrap_err();
+            assert!(err.contains(says), "{list:?}: {err}");
         }
     }
 

@@ -10,8 +10,12 @@
 //! DELETE /admin/workers/{name}
 //! POST   /admin/cache/flush[?worker=NAME]   each worker's answer, the ledger before and after
 //! GET    /debug/workers          each worker's configuration, discovery, verdicts, ledger, load
-//! POST   /debug/route[?route=generate]      the dry run of a request body
+//! POST   /debug/route[?route=ROUTE]         the dry run of a request body, parsed as ROUTE
+//!                                            (generate, chat_completions or completions)
 //! ```
+//!
+//! A query parameter a path does not take is refused (400), never ignored: a misspelt
+//! `?workers=` must not flush every worker.
 //!
 //! Key decisions: a separate listener (never the public one; `/debug/*` answers 404 there) and a
 //! constant-time token check ([`crate::auth`]), so that exposing the data plane never exposes
@@ -30,6 +34,7 @@ use crate::auth::Token;
 use crate::error::{Body, ProxyError};
 use crate::gateway::{Gateway, json_response, read_body, request_id};
 use crate::registry::{EventsOverride, WorkerConfig, parse_role, parse_unlabeled_stores};
+use crate::request::Route;
 
 /// The admin service.
 #[derive(Clone)]
@@ -79,16 +84,19 @@ impl Admin {
         let path = req.uri().path().to_owned();
         match (req.method().clone(), path.as_str()) {
             (Method::GET, "/admin/workers" | "/debug/workers") => {
+                query(req.uri(), None)?;
                 Ok(json_response(StatusCode::OK, &crate::debug::workers(control)))
             }
-            (Method::POST, "/debug/route") => self.gateway.debug_route(req).await,
+            (Method::POST, "/debug/route") => {
+                let route = query(req.uri(), Some("route"))?.map(|r| route_named(&r)).transpose()?;
+                self.gateway.debug_route(req, route).await
+            }
             (Method::POST, "/admin/cache/flush") => {
-                let query = req.uri().query().unwrap_or_default();
-                let worker = query.split('&').find_map(|kv| kv.strip_prefix("worker=")).map(percent_decoded);
-                let worker = worker.transpose()?;
+                let worker = query(req.uri(), Some("worker"))?;
                 Ok(json_response(StatusCode::OK, &crate::fanout::flush(control, worker.as_deref()).await?))
             }
             (Method::POST, "/admin/workers") => {
+                query(req.uri(), None)?;
                 let body = read_body(req.into_body(), self.gateway.limits()).await?;
                 let v: Value =
                     serde_json::from_slice(&body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
@@ -96,13 +104,14 @@ impl Admin {
                 let id = control.join(cfg)?;
                 Ok(json_response(StatusCode::CREATED, &json!({"id": id.0})))
             }
-            (Method::DELETE, p) if p.starts_with("/admin/workers/") => {
-                let name = percent_decoded(&p["/admin/workers/".len()..])?;
+            (Method::DELETE, p) if p.len() > "/admin/workers/".len() && p.starts_with("/admin/workers/") => {
+                query(req.uri(), None)?;
+                let name = percent_decoded(&p["/admin/workers/".len()..], "worker name")?;
                 let name = name.as_str();
                 let w = control
                     .registry()
                     .by_name(name)
-                    .ok_or_else(|| ProxyError::NotFound { method: "DELETE".into(), path: p.to_owned() })?;
+                    .ok_or_else(|| ProxyError::UnknownWorker(name.to_owned()))?;
                 control.leave(w.id);
                 Ok(json_response(StatusCode::OK, &json!({"removed": name})))
             }
@@ -114,10 +123,51 @@ impl Admin {
     }
 }
 
-/// A worker's name as a path segment or a query value carries it: `%XX` escapes decoded (a name
-/// may hold any character), `+` kept as itself.
-fn percent_decoded(s: &str) -> Result<String, ProxyError> {
-    let bad = || ProxyError::InvalidRequest(format!("`{s}` is not a valid percent-encoded worker name"));
+/// The routes `/debug/route?route=` names, as their metric labels spell them.
+const ROUTES: [Route; 3] = [Route::Generate, Route::ChatCompletions, Route::Completions];
+
+/// The route named by `/debug/route?route=`.
+fn route_named(name: &str) -> Result<Route, ProxyError> {
+    ROUTES.into_iter().find(|r| r.as_str() == name).ok_or_else(|| {
+        let names: Vec<&str> = ROUTES.iter().map(|r| r.as_str()).collect();
+        ProxyError::InvalidRequest(format!(
+            "query parameter `route` must be {}, not `{name}`",
+            names.join(", ")
+        ))
+    })
+}
+
+/// The value of the one query parameter an admin path `takes` (if any), percent-decoded; any
+/// other parameter, the parameter given twice or with an empty value is refused (400 naming it):
+/// an admin call never silently drops what it was given.
+fn query(uri: &http::Uri, takes: Option<&str>) -> Result<Option<String>, ProxyError> {
+    let mut found = None;
+    for pair in uri.query().unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let name = percent_decoded(name, "query parameter")?;
+        let refuse = |why: String| ProxyError::InvalidRequest(format!("query parameter `{name}` {why}"));
+        if takes != Some(name.as_str()) {
+            return Err(refuse(match takes {
+                None => format!("is unknown: {} takes no query parameter", uri.path()),
+                Some(t) => format!("is unknown: {} takes only `{t}`", uri.path()),
+            }));
+        }
+        if found.is_some() {
+            return Err(refuse("is given twice".to_owned()));
+        }
+        let value = percent_decoded(value, "query value")?;
+        if value.is_empty() {
+            return Err(refuse("must not be empty".to_owned()));
+        }
+        found = Some(value);
+    }
+    Ok(found)
+}
+
+/// A path segment or a query value (`what` it is, for the message): `%XX` escapes decoded (a
+/// worker's name may hold any character), `+` kept as itself.
+fn percent_decoded(s: &str, what: &str) -> Result<String, ProxyError> {
+    let bad = || ProxyError::InvalidRequest(format!("`{s}` is not a valid percent-encoded {what}"));
     let mut out = Vec::with_capacity(s.len());
     let mut bytes = s.bytes();
     while let Some(b) = bytes.next() {
@@ -279,12 +329,44 @@ mod tests {
 
     #[test]
     fn worker_names_are_percent_decoded() {
-        assert_eq!(percent_decoded("gpu%20node%2F1").unwrap(), "gpu node/1");
-        assert_eq!(percent_decoded("a+b").unwrap(), "a+b");
-        assert_eq!(percent_decoded("w%C3%A9").unwrap(), "wé");
+        assert_eq!(percent_decoded("gpu%20node%2F1", "name").unwrap(), "gpu node/1");
+        assert_eq!(percent_decoded("a+b", "name").unwrap(), "a+b");
+        assert_eq!(percent_decoded("w%C3%A9", "name").unwrap(), "wé");
         for bad in ["a%2", "a%zz", "%FF"] {
-            assert!(matches!(percent_decoded(bad), Err(ProxyError::InvalidRequest(_))), "{bad}");
+            assert!(matches!(percent_decoded(bad, "name"), Err(ProxyError::InvalidRequest(_))), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_query_parameter_a_path_does_not_take_is_refused_by_name() {
+        let q = |uri: &str, takes| query(&uri.parse().unwrap(), takes).map_err(|e| e.to_string());
+        assert_eq!(q("/admin/cache/flush", Some("worker")), Ok(None));
+        assert_eq!(q("/admin/cache/flush?", Some("worker")), Ok(None));
+        assert_eq!(q("/admin/cache/flush?worker=gpu%201", Some("worker")), Ok(Some("gpu 1".into())));
+        for (uri, takes, says) in [
+            (
+                "/admin/cache/flush?workers=w0",
+                Some("worker"),
+                "`workers` is unknown: /admin/cache/flush takes only `worker`",
+            ),
+            ("/admin/cache/flush?worker=w0&all", Some("worker"), "`all` is unknown"),
+            ("/admin/cache/flush?worker=", Some("worker"), "`worker` must not be empty"),
+            ("/admin/cache/flush?worker", Some("worker"), "`worker` must not be empty"),
+            ("/admin/cache/flush?worker=a&worker=b", Some("worker"), "`worker` is given twice"),
+            (
+                "/admin/workers?verbose=1",
+                None,
+                "`verbose` is unknown: /admin/workers takes no query parameter",
+            ),
+            ("/admin/cache/flush?worker=a%2", Some("worker"), "not a valid percent-encoded query value"),
+        ] {
+            let err = q(uri, takes).unwrap_err();
+            assert!(err.contains(says), "{uri}: {err}");
+        }
+        assert_eq!(route_named("generate").unwrap(), Route::Generate);
+        assert_eq!(route_named("chat_completions").unwrap(), Route::ChatCompletions);
+        let err = route_named("chat").unwrap_err().to_string();
+        assert!(err.contains("must be generate, chat_completions, completions, not `chat`"), "{err}");
     }
 
     #[test]

@@ -21,15 +21,16 @@ impl Token {
         Token(secret.into())
     }
 
-    /// Whether `headers` carry this token as `Authorization: Bearer <token>`.
+    /// Whether `headers` carry this token as `Authorization: Bearer <token>`. The scheme is
+    /// matched case-insensitively (`bearer`, `BEARER`: RFC 9110 §11.1), the token exactly and in
+    /// constant time.
     #[must_use]
     pub fn admits(&self, headers: &HeaderMap) -> bool {
         let given = headers
             .get(http::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
+            .and_then(|v| bearer_credentials(v.as_bytes()))
             .unwrap_or_default();
-        constant_time_eq(given.as_bytes(), self.0.as_bytes())
+        constant_time_eq(given, self.0.as_bytes())
     }
 }
 
@@ -43,6 +44,17 @@ impl PartialEq for Token {
     fn eq(&self, other: &Self) -> bool {
         constant_time_eq(self.0.as_bytes(), other.0.as_bytes())
     }
+}
+
+/// The credentials of an `Authorization` value of the `Bearer` scheme (any case), after the
+/// spaces that follow the scheme; `None` for another scheme.
+fn bearer_credentials(value: &[u8]) -> Option<&[u8]> {
+    const SCHEME: &[u8] = b"bearer";
+    let (scheme, rest) = value.split_at_checked(SCHEME.len())?;
+    if !scheme.eq_ignore_ascii_case(SCHEME) || rest.first() != Some(&b' ') {
+        return None;
+    }
+    Some(rest.trim_ascii_start())
 }
 
 /// Whether `given` is `secret`, in a time that depends on the secret's length only: every byte
@@ -81,8 +93,22 @@ mod tests {
             h.insert(http::header::AUTHORIZATION, v.parse().unwrap());
             h
         };
-        assert!(t.admits(&with("Bearer s3cret")));
-        for bad in ["Bearer s3cre", "Bearer s3cret!", "Bearer S3cret", "s3cret", "Basic s3cret", "Bearer "] {
+        // The scheme is case-insensitive (RFC 9110 §11.1); the token is not.
+        for good in ["Bearer s3cret", "bearer s3cret", "BEARER s3cret", "bEaReR  s3cret"] {
+            assert!(t.admits(&with(good)), "{good}");
+        }
+        for bad in [
+            "Bearer s3cre",
+            "Bearer s3cret!",
+            "Bearer S3cret",
+            "s3cret",
+            "Basic s3cret",
+            "Bearer ",
+            "Bearers3cret",
+            "Bearer\ts3cret",
+            "Beare s3cret",
+            "Bearer s3cret ",
+        ] {
             assert!(!t.admits(&with(bad)), "{bad}");
         }
         assert!(!t.admits(&HeaderMap::new()));

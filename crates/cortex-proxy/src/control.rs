@@ -193,14 +193,10 @@ impl Control {
     /// Adds a worker and starts its life in the background (discovery first).
     ///
     /// # Errors
-    /// [`ProxyError::InvalidRequest`] for a model not served, a bad URL or a duplicate name.
+    /// [`ProxyError::InvalidRequest`] for a model not served or of another engine, a bad name or
+    /// URL, a name taken or another worker's address ([`RegistryError`]).
     pub fn join(self: &Arc<Self>, config: WorkerConfig) -> Result<WorkerId, ProxyError> {
-        if self.models.get(Some(&config.model)).is_none() {
-            return Err(ProxyError::InvalidRequest(format!(
-                "worker `{}` serves `{}`, which is not a configured model",
-                config.name, config.model
-            )));
-        }
+        config.check_model(&self.models).map_err(|e| ProxyError::InvalidRequest(e.to_string()))?;
         let record = {
             let _m = self.lock();
             self.registry.add(config).map_err(|e: RegistryError| ProxyError::InvalidRequest(e.to_string()))?

@@ -19,14 +19,16 @@ use crate::planner::Explanation;
 use crate::registry::Registry;
 use crate::request::Route;
 
-/// The route a debug or `/tokenize` body is parsed as: `?route=generate`, or SGLang's `text` /
-/// `input_ids`, then `messages` (chat), else a completion.
+/// The route a debug or `/tokenize` body is parsed as: `given` (`/debug/route?route=`), else
+/// SGLang's `text` / `input_ids`, then `messages` (chat), else a completion.
 ///
 /// # Errors
 /// [`ProxyError::MalformedJson`] when the body is not JSON.
-pub(crate) fn route_of(query: &str, body: &[u8]) -> Result<Route, ProxyError> {
+pub(crate) fn route_of(given: Option<Route>, body: &[u8]) -> Result<Route, ProxyError> {
     let v: Value = serde_json::from_slice(body).map_err(|e| ProxyError::MalformedJson(e.to_string()))?;
-    Ok(if query.contains("route=generate") || v.get("text").is_some() || v.get("input_ids").is_some() {
+    Ok(if let Some(route) = given {
+        route
+    } else if v.get("text").is_some() || v.get("input_ids").is_some() {
         Route::Generate
     } else if v.get("messages").is_some() {
         Route::ChatCompletions

@@ -115,6 +115,9 @@ pub enum ProxyError {
         /// Request path.
         path: String,
     },
+    /// The admin API names a worker that does not exist (404 `not_found`).
+    #[error("no worker named `{0}` exists")]
+    UnknownWorker(String),
     /// The route exists but not with this method (405, with the route's methods in `Allow`).
     #[error("method {method} not allowed here: use {allow}{note}")]
     MethodNotAllowed {
@@ -169,6 +172,7 @@ impl ProxyError {
             | ProxyError::ModelRequired(_)
             | ProxyError::UnsupportedRoute { .. }
             | ProxyError::NotFound { .. }
+            | ProxyError::UnknownWorker(_)
             | ProxyError::MethodNotAllowed { .. }
             | ProxyError::Unauthorized => Blame::Client,
             ProxyError::Overloaded
@@ -205,7 +209,9 @@ impl ProxyError {
             | ProxyError::InvalidRequest(_)
             | ProxyError::ModelRequired(_)
             | ProxyError::UnsupportedRoute { .. } => StatusCode::BAD_REQUEST,
-            ProxyError::UnknownModel(_) | ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ProxyError::UnknownModel(_) | ProxyError::NotFound { .. } | ProxyError::UnknownWorker(_) => {
+                StatusCode::NOT_FOUND
+            }
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::Unauthorized => StatusCode::UNAUTHORIZED,
             ProxyError::Overloaded => StatusCode::TOO_MANY_REQUESTS,
@@ -248,7 +254,7 @@ impl ProxyError {
             ProxyError::UnknownModel(_) => "model_not_found",
             ProxyError::ModelRequired(_) => "model_required",
             ProxyError::UnsupportedRoute { .. } => "unsupported_route",
-            ProxyError::NotFound { .. } => "not_found",
+            ProxyError::NotFound { .. } | ProxyError::UnknownWorker(_) => "not_found",
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::Unauthorized => "unauthorized",
             ProxyError::Overloaded => "gateway_overloaded",
@@ -390,6 +396,7 @@ mod tests {
             (ProxyError::BodyTimeout(std::time::Duration::from_secs(1)), 408, Blame::Client),
             (ProxyError::MalformedJson("x".into()), 400, Blame::Client),
             (ProxyError::UnknownModel("m".into()), 404, Blame::Client),
+            (ProxyError::UnknownWorker("w".into()), 404, Blame::Client),
             (ProxyError::Overloaded, 429, Blame::Gateway),
             (ProxyError::QueueTimeout(std::time::Duration::from_secs(1)), 503, Blame::Gateway),
             (ProxyError::NoWorker("m".into()), 503, Blame::Gateway),

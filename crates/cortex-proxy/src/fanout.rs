@@ -74,7 +74,7 @@ fn flush_note(engine: Engine, status: StatusCode) -> Option<&'static str> {
 /// empties as the workers' clear events arrive).
 ///
 /// # Errors
-/// [`ProxyError::NotFound`] when `worker` names no worker.
+/// [`ProxyError::UnknownWorker`] when `worker` names no worker.
 pub(crate) async fn flush(c: &Control, worker: Option<&str>) -> Result<Value, ProxyError> {
     let mut targets: Vec<Arc<WorkerRecord>> = c
         .registry()
@@ -84,10 +84,7 @@ pub(crate) async fn flush(c: &Control, worker: Option<&str>) -> Result<Value, Pr
         .cloned()
         .collect();
     if let (Some(name), true) = (worker, targets.is_empty()) {
-        return Err(ProxyError::NotFound {
-            method: "POST".into(),
-            path: format!("/admin/cache/flush?worker={name}"),
-        });
+        return Err(ProxyError::UnknownWorker(name.to_owned()));
     }
     targets.sort_by_key(|w| w.id.0);
     let before = c.ledger().stats().blocks;

@@ -409,21 +409,24 @@ impl Gateway {
         let body = read_body(req.into_body(), &self.limits).await?;
         // Tokenizing costs what a routed request's planning does: it takes a slot too.
         let _permit = self.admission.acquire().await?;
-        let route = debug::route_of("", &body)?;
+        let route = debug::route_of(None, &body)?;
         let facts = Arc::new(request::parse(route, &body)?);
         let tokens = self.planner.tokenize(&facts).await?;
         Ok(json_response(StatusCode::OK, &json!({"count": tokens.len(), "tokens": tokens})))
     }
 
     /// `POST /debug/route` (on the admin listener): the dry run of the body (and headers) of a
-    /// chat, completion or `/generate` request; answers the ranked candidates with their score
-    /// breakdown and the excluded holders with why.
-    pub(crate) async fn debug_route(&self, req: Request<Incoming>) -> Result<Response<Body>, ProxyError> {
-        let query = req.uri().query().unwrap_or_default().to_owned();
+    /// chat, completion or `/generate` request (`route`, else the body's shape, says which);
+    /// answers the ranked candidates with their score breakdown and the excluded holders with why.
+    pub(crate) async fn debug_route(
+        &self,
+        req: Request<Incoming>,
+        route: Option<Route>,
+    ) -> Result<Response<Body>, ProxyError> {
         let (parts, body) = req.into_parts();
         let body = read_body(body, &self.limits).await?;
         let _permit = self.admission.acquire().await?;
-        let route = debug::route_of(&query, &body)?;
+        let route = debug::route_of(route, &body)?;
         let ask = Ask::new(request::parse(route, &body)?, &parts.headers)?;
         let registry = self.control.registry();
         if !self.planner.disaggregated(&ask)? {

@@ -17,6 +17,8 @@ use cortex_hash::profile::{Alignment, WorkerFacts};
 use cortex_sched::Role;
 use http::Uri;
 
+use crate::models::ModelTable;
+
 /// How a worker is configured (file or admin API).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerConfig {
@@ -47,6 +49,72 @@ pub struct WorkerConfig {
     /// the admin API's `bootstrap_port`).
     pub bootstrap_port: Option<u16>,
 }
+
+impl WorkerConfig {
+    /// Checks what can be checked of the worker alone — a name that headers and metric labels
+    /// can carry, a base URL `http://host:port` — and returns that URL parsed and its host.
+    ///
+    /// # Errors
+    /// [`RegistryError::BadName`] or [`RegistryError::BadUrl`], saying what is wrong.
+    pub fn base_url(&self) -> Result<(Uri, String), RegistryError> {
+        let why = if self.name.is_empty() {
+            Some("must not be empty")
+        } else if self.name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            Some("must not contain whitespace or control characters")
+        } else {
+            None
+        };
+        if let Some(why) = why {
+            return Err(RegistryError::BadName { name: self.name.clone(), why });
+        }
+        let bad = |why| RegistryError::BadUrl { name: self.name.clone(), url: self.url.clone(), why };
+        // `Uri` drops a fragment silently: look for one in the text.
+        if self.url.contains('#') {
+            return Err(bad(BASE_URL_ONLY));
+        }
+        let base: Uri = self.url.trim_end_matches('/').parse().map_err(|_| bad(NOT_HTTP))?;
+        let host = match (base.scheme_str(), base.authority(), base.host()) {
+            (Some("http"), Some(a), Some(h)) if base.port_u16().is_some() => {
+                if a.as_str().contains('@') {
+                    return Err(bad(BASE_URL_ONLY));
+                }
+                h.trim_matches(['[', ']']).to_owned()
+            }
+            _ => return Err(bad(NOT_HTTP)),
+        };
+        if base.path_and_query().is_some_and(|p| !matches!(p.as_str(), "" | "/")) {
+            return Err(bad(BASE_URL_ONLY));
+        }
+        Ok((base, host))
+    }
+
+    /// Checks the worker's model: configured in `models`, and for the worker's engine.
+    ///
+    /// # Errors
+    /// [`RegistryError::UnknownModel`] or [`RegistryError::EngineMismatch`].
+    pub fn check_model(&self, models: &ModelTable) -> Result<(), RegistryError> {
+        let Some(route) = models.get(Some(&self.model)) else {
+            return Err(RegistryError::UnknownModel { name: self.name.clone(), model: self.model.clone() });
+        };
+        let model_engine = route.spec().profile.engine();
+        if model_engine != self.engine {
+            return Err(RegistryError::EngineMismatch {
+                name: self.name.clone(),
+                engine: self.engine,
+                model: self.model.clone(),
+                model_engine,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// What a worker's `url` must be, when it is no URL of the kind.
+const NOT_HTTP: &str = "it must be http://host:port";
+
+/// What a worker's `url` must be, when it has more than a scheme, host and port.
+const BASE_URL_ONLY: &str =
+    "it must be the engine's base URL, http://host:port, with no path, query, fragment or user";
 
 /// The running-request limit a worker counts when neither its configuration nor its engine says:
 /// vLLM's `--max-num-seqs` default on GPUs below 70 GiB and on A100s (`vllm/engine/arg_utils.py`,
@@ -283,17 +351,58 @@ impl WorkerRecord {
 /// Why a worker cannot be added.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RegistryError {
+    /// The name is empty, or holds whitespace or a control character (it is sent in headers and
+    /// used as a metric label).
+    #[error("worker name {name:?} {why}")]
+    BadName {
+        /// Worker name.
+        name: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
     /// The URL is not `http://host:port`.
-    #[error("worker `{name}`: invalid url `{url}`")]
+    #[error("worker `{name}`: invalid url `{url}`: {why}")]
     BadUrl {
         /// Worker name.
         name: String,
         /// The URL.
         url: String,
+        /// What it must be.
+        why: &'static str,
     },
     /// The name is taken.
     #[error("a worker named `{0}` already exists")]
     Duplicate(String),
+    /// Another worker has the same scheme, host and port.
+    #[error("worker `{name}`: `{url}` is the address of worker `{other}` already")]
+    SameUrl {
+        /// Worker name.
+        name: String,
+        /// The URL.
+        url: String,
+        /// The worker that has it.
+        other: String,
+    },
+    /// The model is not configured.
+    #[error("worker `{name}` serves `{model}`, which is not a configured model")]
+    UnknownModel {
+        /// Worker name.
+        name: String,
+        /// The model named.
+        model: String,
+    },
+    /// The worker's engine is not its model's (it could never be confirmed).
+    #[error("worker `{name}` runs {engine}, but its model `{model}` is configured for {model_engine}")]
+    EngineMismatch {
+        /// Worker name.
+        name: String,
+        /// The worker's engine.
+        engine: Engine,
+        /// The model named.
+        model: String,
+        /// The model's engine.
+        model_engine: Engine,
+    },
 }
 
 /// The registry.
@@ -313,20 +422,24 @@ impl Registry {
     /// Adds a worker (phase `Discovering`).
     ///
     /// # Errors
-    /// [`RegistryError`] for a bad URL or a duplicate name.
+    /// [`RegistryError`] for a bad name or URL ([`WorkerConfig::base_url`]), a name taken, or an
+    /// address (scheme, host and port) that is another worker's.
     pub fn add(&self, config: WorkerConfig) -> Result<Arc<WorkerRecord>, RegistryError> {
-        let base: Uri = config
-            .url
-            .trim_end_matches('/')
-            .parse()
-            .map_err(|_| RegistryError::BadUrl { name: config.name.clone(), url: config.url.clone() })?;
-        let host = match (base.scheme_str(), base.host()) {
-            (Some("http"), Some(h)) if base.port_u16().is_some() => h.trim_matches(['[', ']']).to_owned(),
-            _ => return Err(RegistryError::BadUrl { name: config.name.clone(), url: config.url.clone() }),
-        };
+        let (base, host) = config.base_url()?;
         let mut guard = self.map.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         if guard.values().any(|w| w.config.name == config.name) {
             return Err(RegistryError::Duplicate(config.name));
+        }
+        // The scheme is always http: the same host and port is the same engine.
+        if let Some(other) = guard
+            .values()
+            .find(|w| w.host.eq_ignore_ascii_case(&host) && w.base.port_u16() == base.port_u16())
+        {
+            return Err(RegistryError::SameUrl {
+                name: config.name,
+                url: config.url,
+                other: other.config.name.clone(),
+            });
         }
         // Relaxed: ids only need to be unique, which the write lock also guarantees.
         let id = WorkerId(self.next.fetch_add(1, Ordering::Relaxed));
@@ -415,6 +528,48 @@ mod tests {
         assert!(matches!(r.add(cfg("b", "not a url")), Err(RegistryError::BadUrl { .. })));
         assert!(matches!(r.add(cfg("c", "https://h:1")), Err(RegistryError::BadUrl { .. })));
         assert_eq!(r.by_name("a").unwrap().host, "127.0.0.1");
+    }
+
+    #[test]
+    fn names_headers_can_carry_base_urls_and_one_worker_per_address() {
+        let r = Registry::new();
+        let cfg = |name: &str, url: &str| WorkerConfig {
+            name: name.into(),
+            url: url.into(),
+            engine: Engine::Vllm,
+            model: "m".into(),
+            role: Role::Regular,
+            max_running_requests: None,
+            events: None,
+            unlabeled_stores_unknown: false,
+            bootstrap_port: None,
+        };
+        for (name, says) in [
+            ("", "worker name \"\" must not be empty"),
+            ("a b", "worker name \"a b\" must not contain whitespace"),
+            ("a\u{1}", "worker name \"a\\u{1}\" must not contain whitespace or control"),
+            ("a\t", "must not contain whitespace"),
+        ] {
+            let err = r.add(cfg(name, "http://h:1")).unwrap_err().to_string();
+            assert!(err.contains(says), "{name:?}: {err}");
+        }
+        for url in ["http://h:1/v1", "http://h:1/v1/", "http://h:1/?x=1", "http://h:1#f", "http://u@h:1"] {
+            let err = r.add(cfg("a", url)).unwrap_err().to_string();
+            assert!(
+                err.contains(&format!("`{url}`")) && err.contains("the engine's base URL"),
+                "{url}: {err}"
+            );
+        }
+        assert!(r.add(cfg("a", "http://Host:8000/")).is_ok());
+        assert!(r.add(cfg("é-1", "http://[::1]:8000")).is_ok(), "any other character is a name's");
+        for same in ["http://host:8000", "http://HOST:8000/"] {
+            assert_eq!(
+                r.add(cfg("b", same)).unwrap_err(),
+                RegistryError::SameUrl { name: "b".into(), url: same.into(), other: "a".into() }
+            );
+        }
+        assert!(r.add(cfg("b", "http://host:8001")).is_ok(), "another port is another engine");
+        assert_eq!(r.snapshot().len(), 3);
     }
 
     #[test]

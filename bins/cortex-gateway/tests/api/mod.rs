@@ -277,6 +277,33 @@ async fn debug_lives_on_the_admin_listener_behind_its_token() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_refuses_a_worker_that_could_never_serve() {
+    let h = harness("sglang", vec![sim("sglang")], &[]).await;
+    let url = format!("http://{}/admin/workers", h.admin_addr());
+    let taken = h.worker("w0").base_url().to_owned();
+    let new = |name: &str, url: &str, engine: &str| json!({"name": name, "url": url, "engine": engine, "model": MODEL});
+    for (body, says) in [
+        (new("", "http://127.0.0.1:1", "sglang"), "worker name \"\" must not be empty"),
+        (new("a b", "http://127.0.0.1:1", "sglang"), "worker name \"a b\" must not contain whitespace"),
+        (
+            new("x", "http://127.0.0.1:1", "vllm"),
+            &format!("worker `x` runs vllm, but its model `{MODEL}` is configured for sglang"),
+        ),
+        (new("x", "http://127.0.0.1:1/v1", "sglang"), "must be the engine's base URL"),
+        (new("x", "http://127.0.0.1:1?a=b", "sglang"), "must be the engine's base URL"),
+        (new("x", &taken, "sglang"), "is the address of worker `w0` already"),
+    ] {
+        let r = call(&h, "POST", &url, Some(ADMIN_TOKEN), Some(&body)).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{body}: {}", r.body);
+        let e = openai_error(&r);
+        assert_eq!(e["code"], "invalid_request", "{body}");
+        assert!(e["message"].as_str().unwrap().contains(says), "{body}: {}", r.body);
+    }
+    assert_eq!(h.gw.gateway.control().registry().snapshot().len(), 1, "nothing refused was added");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_public_api_requires_its_bearer_token_when_one_is_set() {
     let h = harness_with(
         "sglang",
@@ -511,6 +538,66 @@ async fn a_cache_flush_fans_out_and_the_ledger_empties() {
     let r =
         call(&h, "POST", &format!("http://{}/admin/cache/flush", h.addr()), Some(ADMIN_TOKEN), None).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND, "not on the public listener");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_query_parameters_are_checked_and_unknown_workers_named() {
+    let h = harness("sglang", vec![slow_sim("sglang")], &[]).await;
+    let admin = h.admin_addr();
+    let r = h.post("/v1/chat/completions", &crate::common::chat(&long_prompt("typo"), false)).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    h.wait("the ledger holds the prompt", || ledger_blocks(&h) > 0).await;
+    let route = json!({"model": MODEL, "prompt": "hi"});
+    for (method, path, body, says) in [
+        ("POST", "/admin/cache/flush?workers=w0", None, "query parameter `workers` is unknown"),
+        ("POST", "/admin/cache/flush?worker=", None, "query parameter `worker` must not be empty"),
+        ("POST", "/admin/cache/flush?worker=w0&worker=w0", None, "`worker` is given twice"),
+        (
+            "GET",
+            "/admin/workers?verbose=1",
+            None,
+            "`verbose` is unknown: /admin/workers takes no query parameter",
+        ),
+        ("GET", "/debug/workers?worker=w0", None, "`worker` is unknown"),
+        ("DELETE", "/admin/workers/w0?force=1", None, "`force` is unknown"),
+        (
+            "POST",
+            "/debug/route?rout=generate",
+            Some(&route),
+            "`rout` is unknown: /debug/route takes only `route`",
+        ),
+        (
+            "POST",
+            "/debug/route?route=bogus",
+            Some(&route),
+            "`route` must be generate, chat_completions, completions, not `bogus`",
+        ),
+    ] {
+        let r = call(&h, method, &format!("http://{admin}{path}"), Some(ADMIN_TOKEN), body).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{method} {path}: {}", r.body);
+        let e = openai_error(&r);
+        assert_eq!(e["code"], "invalid_request", "{method} {path}");
+        assert!(e["message"].as_str().unwrap().contains(says), "{method} {path}: {}", r.body);
+    }
+    // Nothing was flushed and nothing removed by a refused call.
+    assert!(ledger_blocks(&h) > 0);
+    assert!(h.gw.gateway.control().registry().by_name("w0").is_some());
+    // The route given is the one the body is parsed as.
+    let url = format!("http://{admin}/debug/route?route=chat_completions");
+    let r = call(&h, "POST", &url, Some(ADMIN_TOKEN), Some(&route)).await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "a completion body read as a chat: {}", r.body);
+    assert!(openai_error(&r)["message"].as_str().unwrap().contains("messages"), "{}", r.body);
+    let url = format!("http://{admin}/debug/route?route=completions");
+    assert_eq!(call(&h, "POST", &url, Some(ADMIN_TOKEN), Some(&route)).await.status, StatusCode::OK);
+    // A worker that does not exist is named, not reported as a missing route.
+    for (method, path) in [("DELETE", "/admin/workers/nope"), ("POST", "/admin/cache/flush?worker=nope")] {
+        let r = call(&h, method, &format!("http://{admin}{path}"), Some(ADMIN_TOKEN), None).await;
+        assert_eq!(r.status, StatusCode::NOT_FOUND, "{method} {path}: {}", r.body);
+        let e = openai_error(&r);
+        assert_eq!(e["code"], "not_found");
+        assert_eq!(e["message"], "no worker named `nope` exists", "{method} {path}");
+    }
     h.shutdown().await;
 }
 
