@@ -1386,6 +1386,7 @@ mod tests {
             ("limits", "body_read_timeout"),
             ("limits", "upstream_head_timeout"),
             ("limits", "upstream_idle_timeout"),
+            ("limits", "client_write_timeout"),
             ("limits", "queue_timeout"),
             ("retry", "budget"),
             ("scheduler", "watermark_queue_latency"),
