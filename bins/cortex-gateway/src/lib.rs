@@ -190,24 +190,32 @@ impl Running {
 /// holder removed and added again (a worker that left and came back) counts from zero under a
 /// new incarnation, and the final counts of the one removed (taken from
 /// [`Ingest::take_retired`]) are added first, so no transition is lost and none counted twice.
-/// The apply-lag gauges are set for the holders followed now, of workers still registered.
+/// The apply-lag gauges are set for the holders followed now, of workers still registered. A
+/// holder's worker name is remembered, since a removed worker usually leaves the registry before
+/// the scrape that takes its final counts.
 fn event_metrics(ingest: Arc<Ingest>) -> cortex_proxy::ScrapeHook {
     use cortex_proxy::telemetry as t;
-    type Seen = (u64, HashMap<&'static str, u64>);
+    // Per holder: its incarnation, its worker's name (a retired holder's worker has usually
+    // left the registry by the scrape that takes its final counts) and the counts last seen.
+    type Seen = (u64, String, HashMap<&'static str, u64>);
     let last: std::sync::Mutex<HashMap<HolderId, Seen>> = std::sync::Mutex::default();
     Box::new(move |registry, gauges| {
         let mut last = last.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let retired = ingest.take_retired();
         let live = ingest.statuses();
         for (st, is_live) in retired.iter().map(|s| (s, false)).chain(live.iter().map(|s| (s, true))) {
-            let Some(name) = registry.name(st.holder.worker) else { continue };
+            let registered = registry.name(st.holder.worker);
+            let is_live = is_live && registered.is_some();
+            let known = last.get(&st.holder).map(|seen| seen.1.clone());
+            let Some(name) = registered.or(known) else { continue };
             let rank = st.holder.rank.0.to_string();
-            let seen = last.entry(st.holder).or_insert_with(|| (st.incarnation, HashMap::new()));
-            if seen.0 != st.incarnation {
-                *seen = (st.incarnation, HashMap::new());
+            let seen =
+                last.entry(st.holder).or_insert_with(|| (st.incarnation, name.clone(), HashMap::new()));
+            if seen.0 != st.incarnation || seen.1 != name {
+                *seen = (st.incarnation, name.clone(), HashMap::new());
             }
             let mut advance = |key: &'static str, now: u64, counter: metrics::Counter| {
-                let before = seen.1.insert(key, now).unwrap_or(0);
+                let before = seen.2.insert(key, now).unwrap_or(0);
                 counter.increment(now.saturating_sub(before));
             };
             let labels = [("worker", name.clone()), ("rank", rank.clone())];

@@ -515,13 +515,29 @@ async fn a_removed_workers_gauges_leave_metrics() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 
+    // The remaining worker leaves the live pool: the next requests (and their KV events) all
+    // go to the worker about to be removed, after the scrape above saw its event counts.
+    h.worker("w0").set_healthy(false);
+    h.wait("w0 left the live pool", || h.live_workers() == 1).await;
+    let batches_before = samples(&scrape(&h).await, "cortex_event_batches_total", gone).iter().sum::<f64>();
+    for i in 0..4 {
+        let body = json!({"model": MODEL, "prompt": long_prompt(&format!("before its removal {i}")), "max_tokens": 2});
+        assert_eq!(post_with(&h, "/v1/completions", &body, &[]).await.status, StatusCode::OK);
+    }
+    let holder = h.holder(gone);
+    let published = || extra.last_seq(0).map_or(0, |s| s + 1);
+    h.wait("every batch the worker published is applied", || {
+        h.gw.ingest.status(holder).is_some_and(|st| st.batches == published())
+    })
+    .await;
     let resp = h.client.request(admin("DELETE", &format!("/admin/workers/{gone}"), None)).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
-    h.wait("the removed worker left the pool", || h.live_workers() == 1).await;
-    // The remaining worker leaves the live pool too: no worker can take a request.
-    h.worker("w0").set_healthy(false);
-    h.wait("w0 left the live pool", || h.live_workers() == 0).await;
+    h.wait("the removed worker left the pool", || h.live_workers() == 0).await;
     let text = scrape(&h).await;
+    // Its final event counts are counted, though it left the registry before this scrape.
+    let batches = samples(&text, "cortex_event_batches_total", gone).iter().sum::<f64>();
+    assert!(batches > batches_before, "{batches} after {batches_before}");
+    assert_eq!(batches, published() as f64, "{text}");
     let series: Vec<&str> =
         text.lines().filter(|l| !l.starts_with('#') && l.contains(&format!("worker=\"{gone}\""))).collect();
     assert!(
