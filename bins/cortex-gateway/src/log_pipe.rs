@@ -19,14 +19,16 @@ pub const LOG_LINES_DROPPED: &str = "cortex_log_lines_dropped_total";
 /// The queue's default size: 4 MiB of lines waiting for the reader.
 pub const DEFAULT_BUFFER_BYTES: usize = 4 << 20;
 
-/// Describes the log pipe's metric to the installed recorder and registers both streams at zero.
-pub fn describe() {
+/// Describes the log pipe's metric to the installed recorder and registers both streams, at the
+/// lines `pipes` dropped before there was a recorder to count them (0 for a stream without one).
+pub fn describe(pipes: &[LogPipe]) {
     metrics::describe_counter!(
         LOG_LINES_DROPPED,
         "Log lines dropped because the log's reader did not keep up."
     );
     for stream in [Stream::Stderr, Stream::Stdout] {
-        metrics::counter!(LOG_LINES_DROPPED, "stream" => stream.as_str()).absolute(0);
+        let dropped = pipes.iter().filter(|p| p.shared.stream == stream).map(LogPipe::dropped).sum();
+        metrics::counter!(LOG_LINES_DROPPED, "stream" => stream.as_str()).absolute(dropped);
     }
 }
 

@@ -78,13 +78,17 @@ const LOG_FLUSH: Duration = Duration::from_secs(1);
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = run(cli);
-    for pipe in PIPES.get().into_iter().flatten() {
-        pipe.flush(LOG_FLUSH);
-    }
+    // Every pipe is flushed (`all` would stop at the first that times out).
+    let flushed: Vec<bool> = PIPES.get().into_iter().flatten().map(|pipe| pipe.flush(LOG_FLUSH)).collect();
+    let flushed = !flushed.contains(&false);
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("cortex-gateway: {e:#}");
+            // A reader that stopped reading holds the stderr lock in the writer thread's write:
+            // writing here would hang the exit. The exit status still says it failed.
+            if flushed {
+                eprintln!("cortex-gateway: {e:#}");
+            }
             ExitCode::FAILURE
         }
     }
@@ -183,7 +187,7 @@ fn run(cli: Cli) -> Result<()> {
         .install_recorder()
         .context("installing the metrics recorder")?;
     cortex_proxy::telemetry::describe();
-    log_pipe::describe();
+    log_pipe::describe(PIPES.get().map_or(&[][..], Vec::as_slice));
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = cli.worker_threads {
         runtime.worker_threads(usize::from(n));

@@ -370,6 +370,12 @@ impl Tap {
     pub(crate) fn failed(&self) {
         self.0.state().stream_failed = true;
     }
+
+    /// The client read nothing of the answer for `client_write_timeout`: the request ends now,
+    /// as `client_gone` (its body may never be polled or dropped again).
+    pub(crate) fn client_gone(&self) {
+        self.0.finish(Outcome::ClientGone);
+    }
 }
 
 /// A client span, exported when dropped (its end).

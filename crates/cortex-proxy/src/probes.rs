@@ -131,7 +131,9 @@ impl Probes {
         let mut d = match w.config.engine {
             Engine::Sglang => {
                 let d = discovery::sglang_server_info(&self.get_json(w, "/server_info").await?, &w.host);
-                served = d.facts.model.iter().cloned().collect();
+                // SGLang answers whatever the request's `model` says: a worker named otherwise
+                // still serves (a profile mismatch, routed by load), unlike vLLM's 404.
+                served = Vec::new();
                 d
             }
             _ => {

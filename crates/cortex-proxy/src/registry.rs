@@ -61,6 +61,9 @@ impl WorkerConfig {
             Some("must not be empty")
         } else if self.name.chars().any(|c| c.is_whitespace() || c.is_control()) {
             Some("must not contain whitespace or control characters")
+        } else if !self.name.is_ascii() {
+            // Headers carry it, and readers of them (the access log, spans) take visible ASCII.
+            Some("must be ASCII")
         } else {
             None
         };
@@ -561,7 +564,8 @@ mod tests {
             );
         }
         assert!(r.add(cfg("a", "http://Host:8000/")).is_ok());
-        assert!(r.add(cfg("é-1", "http://[::1]:8000")).is_ok(), "any other character is a name's");
+        assert!(r.add(cfg("é-1", "http://[::1]:8000")).unwrap_err().to_string().contains("must be ASCII"));
+        assert!(r.add(cfg("w-1.a_b:c", "http://[::1]:8000")).is_ok(), "any other visible ASCII is a name's");
         for same in ["http://host:8000", "http://HOST:8000/"] {
             assert_eq!(
                 r.add(cfg("b", same)).unwrap_err(),

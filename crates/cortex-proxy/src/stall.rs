@@ -63,7 +63,9 @@ impl Stalls {
 
     /// `relay`, watched.
     pub(crate) fn watch(self: &Arc<Self>, relay: RelayBody) -> Watched {
-        let cell = Arc::new(Cell { relay: Mutex::new(Some(relay)), since: AtomicU64::new(NOT_WAITING) });
+        // Waiting from the start: the answer's head is the server's from now, and a server whose
+        // client never opens its window may not ask for a first frame at all.
+        let cell = Arc::new(Cell { relay: Mutex::new(Some(relay)), since: AtomicU64::new(self.now_ms()) });
         let mut slots = lock(&self.cells);
         let slot = match slots.free.pop() {
             Some(i) => {
@@ -104,8 +106,9 @@ impl Stalls {
                 let since = cell.since.load(Ordering::Relaxed);
                 (since != NOT_WAITING && now.saturating_sub(since) > limit).then(|| r.take()).flatten()
             });
-            if let Some(relay) = relay {
+            if let Some(mut relay) = relay {
                 given_up += 1;
+                relay.client_stalled();
                 metrics::counter!(crate::telemetry::CLIENT_WRITE_TIMEOUTS).increment(1);
                 tracing::info!(timeout = ?self.timeout, "a client stopped reading its answer: given up");
                 // Dropped here, outside every lock: as if the client had left.
@@ -125,6 +128,12 @@ pub(crate) struct Watched {
 
 impl Drop for Watched {
     fn drop(&mut self) {
+        // The relay ends here, not in a sweep that cloned the cell just before (which would count
+        // an answer the client did read as given up).
+        let relay = lock(&self.cell.relay).take();
+        // Relaxed: as in `poll_frame`.
+        self.cell.since.store(NOT_WAITING, Ordering::Relaxed);
+        drop(relay);
         let mut slots = lock(&self.stalls.cells);
         slots.cells[self.slot] = None;
         slots.free.push(self.slot);

@@ -322,6 +322,8 @@ pub struct RelayBody {
     at_boundary: bool,
     /// Attempts this request made, the one relayed included (for the error event's message).
     attempts: u32,
+    /// A trailers frame that came while bytes were held: sent after them.
+    trailers: Option<Frame<Bytes>>,
 }
 
 impl RelayBody {
@@ -356,6 +358,7 @@ impl RelayBody {
             partial: BytesMut::new(),
             at_boundary: true,
             attempts: 1,
+            trailers: None,
         }
     }
 
@@ -402,6 +405,7 @@ impl RelayBody {
             partial: BytesMut::new(),
             at_boundary: true,
             attempts: 1,
+            trailers: None,
         }
     }
 
@@ -417,6 +421,14 @@ impl RelayBody {
     pub fn after_attempts(mut self, attempts: u32) -> Self {
         self.attempts = attempts.max(1);
         self
+    }
+
+    /// The client read nothing of the answer for too long (the relay is about to be dropped):
+    /// the request ends as `client_gone`, never blamed on the worker.
+    pub(crate) fn client_stalled(&mut self) {
+        if let Some(tap) = self.tap.take() {
+            tap.client_gone();
+        }
     }
 
     /// Does not learn the holder's prefill speed from the first chunk.
@@ -521,10 +533,13 @@ impl RelayBody {
                 }
             }
         } else {
+            // The held bytes end no event: only the new ones (and the two before them, for a
+            // blank line split across frames) are scanned.
+            let from = self.partial.len().saturating_sub(2);
             self.partial.extend_from_slice(&data);
-            match last_event_end(&self.partial) {
+            match last_event_end(&self.partial[from..]) {
                 _ if end => self.partial.split().freeze(),
-                Some(cut) => self.partial.split_to(cut).freeze(),
+                Some(cut) => self.partial.split_to(from + cut).freeze(),
                 None => Bytes::new(),
             }
         };
@@ -588,6 +603,9 @@ impl HttpBody for RelayBody {
                 return Poll::Ready(Some(Ok(Frame::data(out))));
             }
         }
+        if let Some(trailers) = this.trailers.take() {
+            return Poll::Ready(Some(Ok(trailers)));
+        }
         loop {
             let Some(polled) = this.inner.as_mut().map(|inner| Pin::new(inner).poll_frame(cx)) else {
                 this.state = RelayState::Done;
@@ -617,7 +635,12 @@ impl HttpBody for RelayBody {
                             }
                             Frame::data(out)
                         }
-                        Err(frame) => frame,
+                        Err(frame) if this.partial.is_empty() => frame,
+                        Err(frame) => {
+                            // Trailers after held bytes: the bytes first.
+                            this.trailers = Some(frame);
+                            Frame::data(this.partial.split().freeze())
+                        }
                     };
                     if end {
                         this.state = RelayState::Done;

@@ -937,57 +937,63 @@ async fn a_slow_body_holds_a_connection_never_a_slot() {
 /// A client that never reads its answer (an HTTP/2 stream whose window it never opens) held its
 /// admission slot, its booking and the worker's request for as long as it kept the connection
 /// alive. After `client_write_timeout` the answer is given up: the only slot serves the next
-/// request, and the stalled stream is reset.
+/// request. With a window of 1 byte (a first frame handed over, the next never asked for), the
+/// stalled stream is then reset when the client reads again; with a window of 0 the server may
+/// never ask for a frame at all, and the answer is given up all the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_the_client_never_reads_is_given_up() {
-    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
-    opts.proxy.limits = Limits {
-        max_concurrent: 1,
-        max_queue: 4,
-        queue_timeout: Duration::from_secs(3),
-        client_write_timeout: Duration::from_millis(400),
-        ..Limits::default()
-    };
-    let h = start(opts).await;
-    let io = hyper_util::rt::TokioIo::new(TcpStream::connect(h.addr).await.unwrap());
-    let (mut send, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-        .initial_stream_window_size(1)
-        .handshake(io)
-        .await
-        .unwrap();
-    let driver = tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let body = json!({"model": MODEL, "prompt": "never read", "max_tokens": 2, "stream": true});
-    let req = Request::builder()
-        .method("POST")
-        .uri("http://x/v1/completions")
-        .header("content-type", "application/json")
-        .body(http_body_util::Full::new(Bytes::from(body.to_string())))
-        .unwrap();
-    let stalled = send.send_request(req).await.unwrap();
-    assert_eq!(stalled.status(), StatusCode::OK);
-    // The stalled answer holds the only slot: the next request waits for it.
-    let started = std::time::Instant::now();
-    let r = h.post("/v1/completions", &[], &completion("after the stall")).await;
-    assert_eq!(r.status, StatusCode::OK, "{}", r.text());
-    assert!(started.elapsed() >= Duration::from_millis(300), "it waited for the stalled answer");
-    // The stalled stream ends with an error once the client reads again.
-    let mut rest = stalled.into_body();
-    let ended = tokio::time::timeout(fake::WAIT, async {
-        loop {
-            match rest.frame().await {
-                Some(Ok(_)) => {}
-                Some(Err(_)) => return true,
-                None => return false,
-            }
+    for window in [1, 0] {
+        let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+        opts.proxy.limits = Limits {
+            max_concurrent: 1,
+            max_queue: 4,
+            queue_timeout: Duration::from_secs(3),
+            client_write_timeout: Duration::from_millis(400),
+            ..Limits::default()
+        };
+        let h = start(opts).await;
+        let io = hyper_util::rt::TokioIo::new(TcpStream::connect(h.addr).await.unwrap());
+        let (mut send, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(window)
+            .handshake(io)
+            .await
+            .unwrap();
+        let driver = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let body = json!({"model": MODEL, "prompt": "never read", "max_tokens": 2, "stream": true});
+        let req = Request::builder()
+            .method("POST")
+            .uri("http://x/v1/completions")
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(Bytes::from(body.to_string())))
+            .unwrap();
+        let stalled = send.send_request(req).await.unwrap();
+        assert_eq!(stalled.status(), StatusCode::OK);
+        // The stalled answer holds the only slot: the next request waits for it.
+        let started = std::time::Instant::now();
+        let r = h.post("/v1/completions", &[], &completion("after the stall")).await;
+        assert_eq!(r.status, StatusCode::OK, "window {window}: {}", r.text());
+        assert!(started.elapsed() >= Duration::from_millis(300), "it waited for the stalled answer");
+        if window > 0 {
+            // The stalled stream ends with an error once the client reads again.
+            let mut rest = stalled.into_body();
+            let ended = tokio::time::timeout(fake::WAIT, async {
+                loop {
+                    match rest.frame().await {
+                        Some(Ok(_)) => {}
+                        Some(Err(_)) => return true,
+                        None => return false,
+                    }
+                }
+            })
+            .await
+            .unwrap();
+            assert!(ended, "the stalled stream is reset, never ended as if complete");
         }
-    })
-    .await
-    .unwrap();
-    assert!(ended, "the stalled stream is reset, never ended as if complete");
-    driver.abort();
-    h.shutdown().await;
+        driver.abort();
+        h.shutdown().await;
+    }
 }
 
 /// Issue 19, row 8: token ids beyond the model's vocabulary were forwarded unchecked. They are
