@@ -1,7 +1,8 @@
 //! Answers a client stopped reading: a relay handed a frame to the server and not asked for
 //! another within `client_write_timeout` is given up — dropped as if the client had left, which
 //! releases its admission slot and booking and closes the worker's connection (the engine aborts
-//! the request). The client's stream is then reset (or its connection closed) at its next write.
+//! the request) and ends the request as `client_gone`. The client's stream is reset when the server
+//! next writes to it; a client that never reads keeps its connection until it closes it.
 //!
 //! Key decision: the relay cannot notice this itself — a server whose client does not read
 //! (HTTP/2 flow control, a full socket) stops polling the body, so no code of the body runs. Each
