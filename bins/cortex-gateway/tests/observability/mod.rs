@@ -566,3 +566,56 @@ async fn a_removed_workers_gauges_leave_metrics() {
     h.shutdown().await;
     extra.shutdown();
 }
+
+/// An answer its client reads nothing of (an HTTP/2 stream whose window is 0) is given up after
+/// `client_write_timeout` and counted at once: in `cortex_client_write_timeouts_total`, and as
+/// `client_gone`, never as the worker's `stream_failed` (the client's body may never be polled
+/// or dropped again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_given_up_on_its_client_is_client_gone() {
+    let h = harness_with(
+        "vllm",
+        vec![slow_sim("vllm")],
+        &[],
+        |s| s.proxy.limits.client_write_timeout = Duration::from_millis(300),
+        Some(prometheus()),
+    )
+    .await;
+    let before = scrape(&h).await;
+    let timeouts = |text: &str| metric(text, "cortex_client_write_timeouts_total", &[]);
+    let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(h.addr()).await.unwrap());
+    let (mut send, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+        .initial_stream_window_size(0)
+        .handshake(io)
+        .await
+        .unwrap();
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut body = chat(&long_prompt("never read"), true);
+    body["max_tokens"] = json!(200);
+    let req = Request::builder()
+        .method("POST")
+        .uri("http://x/v1/chat/completions")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .unwrap();
+    let stalled = send.send_request(req).await.unwrap();
+    assert_eq!(stalled.status(), StatusCode::OK);
+    let deadline = tokio::time::Instant::now() + crate::common::WAIT;
+    let text = loop {
+        let text = scrape(&h).await;
+        if timeouts(&text) > timeouts(&before) {
+            break text;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never given up:\n{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // Counted as it was given up, though the stream is still open and its body never polled.
+    // (The recorder is shared by this binary's tests, which run at once: only counts that grow
+    // are compared.)
+    assert!(outcomes(&text, "client_gone") > outcomes(&before, "client_gone"), "{text}");
+    drop(stalled);
+    driver.abort();
+    h.shutdown().await;
+}
