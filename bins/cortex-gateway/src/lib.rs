@@ -206,8 +206,9 @@ fn event_metrics(ingest: Arc<Ingest>) -> cortex_proxy::ScrapeHook {
         for (st, is_live) in retired.iter().map(|s| (s, false)).chain(live.iter().map(|s| (s, true))) {
             let registered = registry.name(st.holder.worker);
             let is_live = is_live && registered.is_some();
-            let known = last.get(&st.holder).map(|seen| seen.1.clone());
-            let Some(name) = registered.or(known) else { continue };
+            let Some(name) = registered.or_else(|| last.get(&st.holder).map(|seen| seen.1.clone())) else {
+                continue;
+            };
             let rank = st.holder.rank.0.to_string();
             let seen =
                 last.entry(st.holder).or_insert_with(|| (st.incarnation, name.clone(), HashMap::new()));

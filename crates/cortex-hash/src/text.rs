@@ -147,7 +147,23 @@ pub struct MessageNotReproducible(pub &'static str);
 pub fn normalize_chat_message(
     m: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<(), MessageNotReproducible> {
+    prepare_message(m, false)
+}
+
+/// [`normalize_chat_message`], rendering as vLLM does where the engines part ways (arguments that
+/// are not a JSON object become `{}`; a tool call without a `function` object is left as it is):
+/// for a simulator of vLLM's behaviour.
+pub fn normalize_chat_message_as_vllm(m: &mut serde_json::Map<String, serde_json::Value>) {
+    let _ = prepare_message(m, true);
+}
+
+fn prepare_message(
+    m: &mut serde_json::Map<String, serde_json::Value>,
+    as_vllm: bool,
+) -> Result<(), MessageNotReproducible> {
     use serde_json::Value as J;
+    const NOT_AN_OBJECT: MessageNotReproducible =
+        MessageNotReproducible("tool call arguments that are not a JSON object");
     if m.get("content").is_none_or(J::is_null) {
         m.insert("content".into(), J::String(String::new()));
     }
@@ -155,19 +171,25 @@ pub fn normalize_chat_message(
         return Ok(());
     }
     let Some(J::Array(calls)) = m.get_mut("tool_calls") else { return Ok(()) };
+    let empty = || J::Object(serde_json::Map::new());
     for call in calls {
         let Some(J::Object(function)) = call.get_mut("function") else {
+            if as_vllm {
+                continue;
+            }
             return Err(MessageNotReproducible("a tool call without a `function` object"));
         };
         let parsed = match function.get("arguments") {
-            None | Some(J::Null) => J::Object(serde_json::Map::new()),
-            Some(J::String(s)) if s.is_empty() => J::Object(serde_json::Map::new()),
+            None | Some(J::Null) => empty(),
+            Some(J::String(s)) if s.is_empty() => empty(),
             Some(J::String(s)) => match serde_json::from_str::<J>(s) {
                 Ok(v @ J::Object(_)) => v,
-                _ => return Err(MessageNotReproducible("tool call arguments that are not a JSON object")),
+                _ if as_vllm => empty(),
+                _ => return Err(NOT_AN_OBJECT),
             },
             Some(J::Object(_)) => continue,
-            Some(_) => return Err(MessageNotReproducible("tool call arguments that are not a JSON object")),
+            Some(_) if as_vllm => empty(),
+            Some(_) => return Err(NOT_AN_OBJECT),
         };
         function.insert("arguments".into(), parsed);
     }

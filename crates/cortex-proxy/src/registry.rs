@@ -509,10 +509,9 @@ impl Registry {
 mod tests {
     use super::*;
 
-    #[test]
-    fn registry_rejects_bad_urls_and_duplicates() {
-        let r = Registry::new();
-        let cfg = |name: &str, url: &str| WorkerConfig {
+    /// A vLLM worker of model `m` named `name` at `url`.
+    fn cfg(name: &str, url: &str) -> WorkerConfig {
+        WorkerConfig {
             name: name.into(),
             url: url.into(),
             engine: Engine::Vllm,
@@ -522,7 +521,12 @@ mod tests {
             events: None,
             unlabeled_stores_unknown: false,
             bootstrap_port: None,
-        };
+        }
+    }
+
+    #[test]
+    fn registry_rejects_bad_urls_and_duplicates() {
+        let r = Registry::new();
         assert!(r.add(cfg("a", "http://127.0.0.1:8000")).is_ok());
         assert_eq!(
             r.add(cfg("a", "http://127.0.0.1:8001")).unwrap_err(),
@@ -536,17 +540,6 @@ mod tests {
     #[test]
     fn names_headers_can_carry_base_urls_and_one_worker_per_address() {
         let r = Registry::new();
-        let cfg = |name: &str, url: &str| WorkerConfig {
-            name: name.into(),
-            url: url.into(),
-            engine: Engine::Vllm,
-            model: "m".into(),
-            role: Role::Regular,
-            max_running_requests: None,
-            events: None,
-            unlabeled_stores_unknown: false,
-            bootstrap_port: None,
-        };
         for (name, says) in [
             ("", "worker name \"\" must not be empty"),
             ("a b", "worker name \"a b\" must not contain whitespace"),

@@ -519,9 +519,16 @@ impl RelayBody {
         if !self.sse {
             return data;
         }
+        if end {
+            // Nothing follows: the held bytes and these go as they are.
+            if self.partial.is_empty() {
+                return data;
+            }
+            self.partial.extend_from_slice(&data);
+            return self.partial.split().freeze();
+        }
         let out = if self.partial.is_empty() {
             match last_event_end(&data) {
-                _ if end => data,
                 Some(cut) if cut == data.len() => data,
                 Some(cut) => {
                     self.partial.extend_from_slice(&data[cut..]);
@@ -538,7 +545,6 @@ impl RelayBody {
             let from = self.partial.len().saturating_sub(2);
             self.partial.extend_from_slice(&data);
             match last_event_end(&self.partial[from..]) {
-                _ if end => self.partial.split().freeze(),
                 Some(cut) => self.partial.split_to(from + cut).freeze(),
                 None => Bytes::new(),
             }
@@ -551,7 +557,8 @@ impl RelayBody {
             return all.freeze();
         }
         if !out.is_empty() {
-            self.at_boundary = last_event_end(&out) == Some(out.len());
+            // Cut at an event's end, by construction.
+            self.at_boundary = true;
         }
         out
     }

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
 use cortex_hash::text::{
-    ChatTemplate, SpecialTokens, TextError, TextTokenizer, TokenizerConfig, normalize_chat_message,
+    ChatTemplate, SpecialTokens, TextError, TextTokenizer, TokenizerConfig, normalize_chat_message_as_vllm,
 };
 use parking_lot::Mutex;
 use serde_json::{Map, Value};
@@ -199,7 +199,7 @@ impl SimModel {
 
 /// OpenAI content parts (`[{"type": "text", "text": …}, …]`) become one string joined with
 /// newlines, as vLLM does for templates that expect string content; then each message is
-/// prepared as the engines prepare it ([`normalize_chat_message`]: `null` content, tool call
+/// prepared as the engines prepare it ([`normalize_chat_message_as_vllm`]: `null` content, tool call
 /// arguments).
 fn normalize_messages(messages: Value) -> Value {
     let Value::Array(list) = messages else { return messages };
@@ -214,27 +214,9 @@ fn normalize_messages(messages: Value) -> Value {
                         obj.insert("content".to_owned(), Value::String(joined));
                     }
                 }
-                if let Some(obj) = m.as_object_mut()
-                    && normalize_chat_message(obj).is_err()
-                {
-                    // Where the engines part ways this simulator renders as vLLM does: arguments
-                    // that are not a JSON object become `{}`.
-                    for call in obj.get_mut("tool_calls").and_then(Value::as_array_mut).into_iter().flatten()
-                    {
-                        if let Some(f) = call.get_mut("function").and_then(Value::as_object_mut) {
-                            let args = match f.get("arguments") {
-                                Some(Value::String(s)) => {
-                                    serde_json::from_str(s).ok().filter(Value::is_object)
-                                }
-                                Some(v @ Value::Object(_)) => Some(v.clone()),
-                                _ => None,
-                            };
-                            f.insert(
-                                "arguments".to_owned(),
-                                args.unwrap_or_else(|| Value::Object(Map::new())),
-                            );
-                        }
-                    }
+                if let Some(obj) = m.as_object_mut() {
+                    // Where the engines part ways this simulator renders as vLLM does.
+                    normalize_chat_message_as_vllm(obj);
                 }
                 m
             })
