@@ -364,10 +364,7 @@ async fn bodies_over_the_limits_and_wrong_methods_get_client_errors() {
         .await
         .unwrap();
     let mut head = [0u8; 512];
-    let n = tokio::time::timeout(Duration::from_millis(150), c.read(&mut head))
-        .await
-        .expect("answered at once")
-        .unwrap();
+    let n = tokio::time::timeout(fake::WAIT, c.read(&mut head)).await.expect("answered at once").unwrap();
     let head = String::from_utf8_lossy(&head[..n]);
     assert!(head.starts_with("HTTP/1.1 413"), "{head}");
     let r = h.send(h.request("POST", "/v1/completions", &[], Bytes::from_static(b"{\"model\": "))).await;
