@@ -188,11 +188,41 @@ const TOKEN_MARK: &str = "authorization: Bearer ";
 
 /// Starts `cmd` (the gateway binary, or `cargo run` of it) as `--demo` with `extra` arguments on
 /// two free loopback ports, its log in `log`; waits up to `deadline` for the banner's admin
-/// token, then for `/health/ready`.
+/// token, then for `/health/ready`. A port taken between its choice and the gateway's bind (the
+/// demo's own workers bind ephemeral ports first) is chosen again, up to three times.
 ///
 /// # Errors
 /// It does not start, prints no token in time, or does not become ready.
 pub fn start_demo(
+    root: &std::path::Path,
+    cmd: std::process::Command,
+    extra: &[&str],
+    name: &str,
+    log: PathBuf,
+    deadline: Duration,
+) -> Result<DemoGateway> {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        // `Command` is not `Clone`: each attempt starts from a copy of `cmd`.
+        let mut again = std::process::Command::new(cmd.get_program());
+        again.args(cmd.get_args());
+        for (k, v) in cmd.get_envs() {
+            match v {
+                Some(v) => again.env(k, v),
+                None => again.env_remove(k),
+            };
+        }
+        match start_demo_once(root, again, extra, name, log.clone(), deadline) {
+            Err(e) if attempt < 3 && format!("{e:#}").contains("Address already in use") => {
+                eprintln!("{name}: a port was taken before the gateway bound it; choosing again");
+            }
+            other => return other,
+        }
+    }
+}
+
+fn start_demo_once(
     root: &std::path::Path,
     mut cmd: std::process::Command,
     extra: &[&str],
@@ -234,6 +264,7 @@ pub fn start_demo(
     });
     let token = match rx.recv_timeout(deadline) {
         Ok(t) if !t.is_empty() => t,
+        // A gateway that exited (a port taken) ends the wait at once: its stdout closed.
         _ => bail!("{name} printed no admin token within {deadline:?}\n{}", proc.tail()),
     };
     wait_ready(public, "/health/ready", &mut proc)?;
