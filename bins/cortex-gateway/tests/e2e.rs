@@ -345,9 +345,13 @@ async fn bad_requests_get_clear_client_errors() {
     let r = h.send("POST", "/v1/completions", big).await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(r.json()["error"]["code"], "request_too_large");
+    // Refused unread, the body ends the connection, and the answer says so: the client must
+    // not pool it (the next request here once went into the closing socket).
+    assert_eq!(r.header("connection"), "close");
     let r = h.send("POST", "/v1/completions", Bytes::from_static(b"{\"model\": ")).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(r.json()["error"]["code"], "invalid_json");
+    assert_eq!(r.header("connection"), "", "a body read whole keeps its connection");
     let r = h.post("/v1/completions", &json!({"model": "gpt-9", "prompt": "x"})).await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.json()["error"]["code"], "model_not_found");

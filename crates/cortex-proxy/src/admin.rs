@@ -65,6 +65,10 @@ impl Admin {
         // The public listener's contract: the client's `x-request-id` (else a fresh one) on
         // every answer, errors included.
         let rid = request_id(req.headers());
+        // On HTTP/1.1 a refused request that came with a body ends its connection, said in the
+        // answer (most refusals here come before the body is read; the rest are not worth
+        // telling apart on the admin listener).
+        let unread = (req.version(), !hyper::body::Body::is_end_stream(req.body()));
         Ok(match self.handle(req).await {
             Ok(mut r) => {
                 if !r.headers().contains_key("x-request-id") {
@@ -72,7 +76,13 @@ impl Admin {
                 }
                 r
             }
-            Err(e) => e.into_response(&rid),
+            Err(e) => {
+                let mut resp = e.into_response(&rid);
+                if unread.1 {
+                    crate::error::close_connection(&mut resp, unread.0);
+                }
+                resp
+            }
         })
     }
 

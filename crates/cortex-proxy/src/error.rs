@@ -278,6 +278,25 @@ impl ProxyError {
         format.body(&self.to_string(), self.kind(), self.code())
     }
 
+    /// Whether this error is answered before the request's body is read (a refused length, a
+    /// slow or broken body, a refused token, a route that does not exist, shutdown). On HTTP/1.1
+    /// hyper then closes the connection, so the answer says `Connection: close`
+    /// ([`close_connection`]): a client that pooled the connection would send its next request
+    /// into a closing socket.
+    #[must_use]
+    pub fn precedes_body(&self) -> bool {
+        matches!(
+            self,
+            ProxyError::BodyTooLarge { .. }
+                | ProxyError::BodyTimeout(_)
+                | ProxyError::BodyRead(_)
+                | ProxyError::Unauthorized
+                | ProxyError::NotFound { .. }
+                | ProxyError::MethodNotAllowed { .. }
+                | ProxyError::ShuttingDown
+        )
+    }
+
     /// The HTTP response for this error in OpenAI's format, carrying `x-request-id`.
     #[must_use]
     pub fn into_response(self, request_id: &str) -> Response<Body> {
@@ -316,6 +335,15 @@ impl ProxyError {
     #[must_use]
     pub fn sse_event(&self, format: ErrorFormat) -> Bytes {
         Bytes::from(format!("data: {}\n\ndata: [DONE]\n\n", self.json_in(format)))
+    }
+}
+
+/// Marks an HTTP/1.1 answer given while the request's body is still unread as the connection's
+/// last (`Connection: close`): hyper closes such a connection after the answer, and a client
+/// that does not know it reuses a dying socket. HTTP/2 streams are independent: nothing to do.
+pub fn close_connection(resp: &mut Response<Body>, version: http::Version) {
+    if version < http::Version::HTTP_2 {
+        resp.headers_mut().insert(http::header::CONNECTION, HeaderValue::from_static("close"));
     }
 }
 

@@ -305,6 +305,7 @@ impl Gateway {
         // SGLang's clients read SGLang's errors; every other route answers OpenAI's.
         let format = if req.uri().path() == "/generate" { ErrorFormat::Sglang } else { ErrorFormat::OpenAi };
         let open = req.uri().path().starts_with("/health/");
+        let unread = (req.version(), !hyper::body::Body::is_end_stream(req.body()));
         let answer = match &self.auth {
             Some(token) if !open && !token.admits(req.headers()) => Err(ProxyError::Unauthorized),
             _ => self.dispatch(req, &rid).await,
@@ -322,7 +323,12 @@ impl Gateway {
                 if e.status().is_server_error() {
                     tracing::warn!(request_id = %rid, error = %e, "request failed");
                 }
-                e.into_response_in(&rid, format)
+                let body_unread = unread.1 && e.precedes_body();
+                let mut resp = e.into_response_in(&rid, format);
+                if body_unread {
+                    crate::error::close_connection(&mut resp, unread.0);
+                }
+                resp
             }
         };
         Ok(resp)

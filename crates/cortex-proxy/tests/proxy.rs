@@ -367,6 +367,8 @@ async fn bodies_over_the_limits_and_wrong_methods_get_client_errors() {
     let n = tokio::time::timeout(fake::WAIT, c.read(&mut head)).await.expect("answered at once").unwrap();
     let head = String::from_utf8_lossy(&head[..n]);
     assert!(head.starts_with("HTTP/1.1 413"), "{head}");
+    // The body stays unread and the connection ends after the answer, which says so.
+    assert!(head.to_ascii_lowercase().contains("\r\nconnection: close\r\n"), "{head}");
     let r = h.send(h.request("POST", "/v1/completions", &[], Bytes::from_static(b"{\"model\": "))).await;
     assert_eq!(
         (r.status, r.json()["error"]["code"].as_str()),
