@@ -51,7 +51,8 @@ pub struct Limits {
     pub upstream_idle_timeout: Duration,
     /// Longest a client may leave a response unread: a relay that handed the server a chunk
     /// and is not asked for the next within this is given up (its slot, booking and worker
-    /// request released; see `stall.rs`).
+    /// request released; see `stall.rs`), and a connection whose socket takes no byte of a write
+    /// for this long is closed (see `server.rs`).
     pub client_write_timeout: Duration,
     /// Requests processed at once, counted from the moment their body has been read.
     pub max_concurrent: usize,

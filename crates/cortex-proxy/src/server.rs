@@ -28,6 +28,10 @@
 //!   responses finish; idle ones close now), and at the deadline aborts the connections still
 //!   open, which drops their response bodies and, with them, their upstream requests.
 //! - `TCP_NODELAY` on every accepted socket.
+//! - A write to the socket that waits `client_write_timeout` without the client taking a byte
+//!   fails ([`WriteDeadline`]), which ends the connection: a client that stops reading (a full
+//!   socket buffer, on either HTTP version) gives back its connection slot, not only its
+//!   request's admission slot ([`crate::stall`]).
 //! - With TLS ([`crate::tls`]), the handshake runs in the connection's own task under the same
 //!   `header_read_timeout` (a client that never finishes it holds a connection slot, never the
 //!   accept loop), with the certificate in service at that moment.
@@ -116,6 +120,86 @@ impl HttpBody for Tracked {
     }
 }
 
+/// A connection's socket whose writes fail once one has waited `limit` for the peer to read:
+/// the deadline runs from the first write the socket could not take and resets on any progress.
+struct WriteDeadline<IO> {
+    io: IO,
+    limit: Duration,
+    /// Armed while a write or flush waits.
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<IO> WriteDeadline<IO> {
+    const fn new(io: IO, limit: Duration) -> Self {
+        WriteDeadline { io, limit, stalled: None }
+    }
+
+    /// `polled`, unless it has waited past the deadline.
+    fn watch<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<std::io::Result<T>>,
+    ) -> Poll<std::io::Result<T>> {
+        if polled.is_ready() {
+            self.stalled = None;
+            return polled;
+        }
+        let limit = self.limit;
+        let stalled = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match stalled.as_mut().poll(cx) {
+            Poll::Pending => Poll::Pending,
+            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the client read nothing for {limit:?} (client_write_timeout)"),
+            ))),
+        }
+    }
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for WriteDeadline<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<IO> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.watch(cx, polled)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.watch(cx, polled)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.io).poll_flush(cx);
+        self.watch(cx, polled)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        let polled = Pin::new(&mut self.io).poll_shutdown(cx);
+        self.watch(cx, polled)
+    }
+}
+
 /// The hyper builder for `limits`.
 fn builder(limits: &Limits) -> auto::Builder<TokioExecutor> {
     let head = limits.max_header_bytes.max(MIN_HEADER_BYTES);
@@ -150,6 +234,7 @@ pub async fn serve_with<H, Fut, S>(
 {
     let builder = builder(limits);
     let header_read_timeout = limits.header_read_timeout;
+    let write_timeout = limits.client_write_timeout;
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
     let mut connections = JoinSet::new();
     // Asks every connection to close (graceful shutdown).
@@ -174,6 +259,7 @@ pub async fn serve_with<H, Fut, S>(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
+                let stream = WriteDeadline::new(stream, write_timeout);
                 let (handler, builder, closing_rx) = (handler.clone(), builder.clone(), closing_rx.clone());
                 let acceptor = tls.as_ref().map(|t| t.acceptor());
                 connections.spawn(async move {

@@ -2,7 +2,8 @@
 //! another within `client_write_timeout` is given up — dropped as if the client had left, which
 //! releases its admission slot and booking and closes the worker's connection (the engine aborts
 //! the request) and ends the request as `client_gone`. The client's stream is reset when the server
-//! next writes to it; a client that never reads keeps its connection until it closes it.
+//! next writes to it; a connection whose socket takes no byte for as long is closed by the server
+//! (`server.rs`).
 //!
 //! Key decision: the relay cannot notice this itself — a server whose client does not read
 //! (HTTP/2 flow control, a full socket) stops polling the body, so no code of the body runs. Each

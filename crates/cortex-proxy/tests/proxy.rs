@@ -823,6 +823,66 @@ async fn connections_beyond_max_connections_are_closed_at_once() {
     srv.stop().await;
 }
 
+/// A client that asks for an answer and never reads a byte of it (its socket buffer full, on
+/// either HTTP version) held its connection, and so a `max_connections` slot, for as long as it
+/// kept the socket open. A write that waits `client_write_timeout` now ends the connection: the
+/// only slot serves the next client, and the stalled socket is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_that_is_never_read_gives_its_connection_back() {
+    // Far beyond what the loopback socket buffers of both ends hold.
+    let big = Bytes::from(vec![b'x'; 64 << 20]);
+    let handler = move |_req: Request<Incoming>| {
+        let big = big.clone();
+        async move {
+            Ok::<_, Infallible>(Response::new(
+                http_body_util::Full::new(big).map_err(|e| match e {}).boxed_unsync(),
+            ))
+        }
+    };
+    // HTTP/2 by hand (prior knowledge), so that nothing reads: the preface, windows opened wide
+    // (the stall is the socket's, not flow control's), and `GET /` with `:authority: x`.
+    let mut h2 = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    h2.extend_from_slice(&[0, 0, 6, 4, 0, 0, 0, 0, 0, 0, 4, 0x7f, 0xff, 0xff, 0xff]);
+    h2.extend_from_slice(&[0, 0, 4, 8, 0, 0, 0, 0, 0, 0x7f, 0xfe, 0xff, 0xff]);
+    h2.extend_from_slice(&[0, 0, 6, 1, 5, 0, 0, 0, 1, 0x82, 0x86, 0x84, 0x41, 0x01, b'x']);
+    for (version, ask) in [("HTTP/1.1", b"GET / HTTP/1.1\r\nhost: x\r\n\r\n".to_vec()), ("HTTP/2", h2)] {
+        let limits = Limits {
+            max_connections: 1,
+            client_write_timeout: Duration::from_millis(300),
+            header_read_timeout: Duration::from_secs(60),
+            ..Limits::default()
+        };
+        let srv = serve(limits, Duration::from_secs(1), handler.clone()).await;
+        let mut stalled = TcpStream::connect(srv.addr).await.unwrap();
+        stalled.write_all(&ask).await.unwrap();
+        // The next client is served once the stalled connection has been given up.
+        let deadline = tokio::time::Instant::now() + fake::WAIT;
+        loop {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let got = exchange(srv.addr, b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await;
+            if got.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{version}: the stalled connection kept the only slot"
+            );
+        }
+        // What was buffered is readable, then the connection ends.
+        let mut buf = vec![0u8; 1 << 16];
+        let ended = tokio::time::timeout(fake::WAIT, async {
+            while let Ok(n) = stalled.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+        })
+        .await;
+        assert!(ended.is_ok(), "{version}: the stalled connection is still open");
+        srv.stop().await;
+    }
+}
+
 /// Issue 19, row 9: request smuggling. What hyper refuses (400) and what it neutralizes: with
 /// both `Transfer-Encoding: chunked` and `Content-Length` the body is read as chunked and the
 /// connection closed after the answer, so a request hidden after the body is never served.
