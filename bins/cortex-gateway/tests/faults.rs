@@ -230,6 +230,57 @@ async fn a_worker_restarted_on_its_port_rejoins_with_a_closed_breaker_and_an_emp
     h.shutdown().await;
 }
 
+/// A worker killed and restarted on its port faster than its health probes notice (here they run
+/// every 30 s) kept the breaker its predecessor opened for `breaker_open_for`, taking no traffic.
+/// A probe or load poll that found its address refusing connections, then an answer, means a new
+/// process: it is rediscovered at once, breaker and cooldown reset, ledger rebuilt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_restarted_between_two_health_probes_is_rediscovered() {
+    let sched = "{breaker_failures: 1, breaker_open_for: 600s}";
+    let probes = "{health_interval: 30s, load_interval: 100ms, timeout: 1s, failures_to_remove: 3, successes_to_restore: 1}";
+    let mut h = harness(
+        "vllm",
+        vec![process::sim("vllm"), process::sim("vllm")],
+        &sections(&[("scheduler", sched), ("probes", probes)]),
+        None,
+    )
+    .await;
+    let body = chat(&long_prompt("fast restart"), false);
+    let holder = served(&h, &body).await.header("x-cortex-assigned-worker").to_owned();
+    h.wait_hit(&body, |w, hit| w == holder && hit > 0).await;
+    let worker_id = h.holder(&holder).worker;
+    let breaker = |h: &Procs| {
+        let c = h.gw.gateway.control();
+        let snap = c.cluster().load();
+        snap.worker(worker_id).map(|e| {
+            let now = c.clock().now();
+            (e.state().breaker(now), e.state().cooldown(now).is_some())
+        })
+    };
+    h.inject(&holder, &Fault::FailNext { status: 500, count: 1 }).await;
+    served(&h, &body).await;
+    assert_eq!(breaker(&h).map(|s| s.0), Some(BreakerState::Open));
+    h.kill(&holder);
+    // Several load polls find the address refusing; no health probe fails in this time.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    h.restart(&holder);
+    h.wait("the breaker of the killed instance reset", || breaker(&h) == Some((BreakerState::Closed, false)))
+        .await;
+    let holder_id = h.holder(&holder);
+    h.wait("its ledger is READY", || h.gw.ledger_state(holder_id) == Some(Readiness::Ready)).await;
+    assert_eq!(h.hit_on(&body, &holder).await, 0, "the new process's cache is empty");
+    let mut i = 0;
+    loop {
+        let r = served(&h, &chat(&format!("after the fast restart {i}"), false)).await;
+        if r.header("x-cortex-assigned-worker") == holder {
+            break;
+        }
+        i += 1;
+        assert!(i < 50, "the restarted worker got no traffic");
+    }
+    h.shutdown().await;
+}
+
 /// Invariant: an event gap never makes the ledger over-count. With replay the missing batches
 /// are fetched and the holder is READY with the gap's blocks; without replay (here: replay off,
 /// so the request times out) the holder is cleared and READY again, under-counting only.

@@ -22,7 +22,10 @@
 //! - A worker whose probes fail leaves the live pool first, then the event plane drops its
 //!   subscription and its ledger entries (no late event can be applied); when it comes back it is
 //!   discovered again, its ledger starts SYNCING, its alignment verdict starts from none and its
-//!   cooldown and circuit breaker are reset (they judged the instance that left).
+//!   cooldown and circuit breaker are reset (they judged the instance that left). A worker
+//!   whose address refused a probe's or load poll's connection and then answered is a new
+//!   process (a restart faster than `failures_to_remove` probes): it leaves and is rediscovered
+//!   at once, the same way.
 //! - The running-request limit the scheduler's watermark counts is the configured one, else what
 //!   the engine reports (SGLang: `/server_info` at discovery, then every `/v1/loads`), else
 //!   [`crate::registry::DEFAULT_MAX_RUNNING_REQUESTS`]; `/debug/workers` shows which.
@@ -42,10 +45,19 @@ use crate::config::{Mode, ProbeConfig};
 use crate::discovery::{self, Discovery};
 use crate::error::ProxyError;
 use crate::models::ModelTable;
-use crate::probes::Probes;
+use crate::probes::{Probed, Probes};
 use crate::registry::{
     CapacitySource, MaxRunning, Phase, Registry, RegistryError, RegistryEvent, WorkerConfig, WorkerRecord,
 };
+
+/// Why a worker's live phase ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Left {
+    /// `failures_to_remove` health probes in a row failed.
+    Failed,
+    /// Its address refused a connection, then answered: a new process.
+    Restarted,
+}
 
 /// Why a worker leaves the live pool.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -391,8 +403,17 @@ impl Control {
                 }
             };
             self.arrive(&w, discovery);
-            self.live(&w).await;
+            let left = self.live(&w).await;
             self.depart(w.id, Departure::Failed);
+            if left == Left::Restarted {
+                // A new process on the same address: the cooldown and breaker its predecessor
+                // earned, its ledger and its facts are not this one's. It answers: rediscover now.
+                tracing::info!(
+                    worker = %w.config.name,
+                    "worker refused connections, then answered again: restarted; rediscovering"
+                );
+                continue;
+            }
             tracing::warn!(worker = %w.config.name, "worker left the live pool");
             // Wait until it answers again, then rediscover (its ledger starts SYNCING).
             let mut ok = 0;
@@ -404,31 +425,36 @@ impl Control {
         }
     }
 
-    /// Probes health and polls load until `failures_to_remove` health probes in a row fail.
-    async fn live(&self, w: &Arc<WorkerRecord>) {
+    /// Probes health and polls load until `failures_to_remove` health probes in a row fail, or
+    /// the worker answers a probe or poll after one found its address refusing connections (a
+    /// process restarted on the same address, faster than `failures_to_remove` probes).
+    async fn live(&self, w: &Arc<WorkerRecord>) -> Left {
         let probes = self.probes;
         let mut health = tokio::time::interval(probes.health_interval);
         let mut load = tokio::time::interval(probes.load_interval);
         health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         load.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut failures = 0;
+        let mut refused = false;
         loop {
             tokio::select! {
-                _ = health.tick() => {
-                    if self.http.healthy(w).await {
-                        failures = 0;
-                    } else {
+                _ = health.tick() => match self.http.health(w).await {
+                    Probed::Up if refused => return Left::Restarted,
+                    Probed::Up => failures = 0,
+                    down => {
+                        refused |= down == Probed::Refused;
                         failures += 1;
                         if failures >= probes.failures_to_remove {
-                            return;
+                            return Left::Failed;
                         }
                     }
-                }
-                _ = load.tick() => {
-                    if let Some(reports) = self.http.loads(w).await {
-                        self.reported(w, &reports);
-                    }
-                }
+                },
+                _ = load.tick() => match self.http.loads(w).await {
+                    Ok(_) if refused => return Left::Restarted,
+                    Ok(Some(reports)) => self.reported(w, &reports),
+                    Ok(None) => {}
+                    Err(down) => refused |= down == Probed::Refused,
+                },
             }
         }
     }

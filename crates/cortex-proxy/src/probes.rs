@@ -32,6 +32,46 @@ fn probe_conversation() -> Value {
     ])
 }
 
+/// What a probe found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Probed {
+    /// The worker answered as a healthy worker does.
+    Up,
+    /// It answered otherwise, or not within the timeout.
+    Down,
+    /// Its address refused the connection: no process listens there.
+    Refused,
+}
+
+/// A failed probe call.
+#[derive(Debug)]
+struct CallError {
+    message: String,
+    /// The connection was refused.
+    refused: bool,
+}
+
+impl CallError {
+    const fn other(message: String) -> Self {
+        CallError { message, refused: false }
+    }
+}
+
+/// Whether `e` is a refused connection (an `ECONNREFUSED` anywhere in its sources).
+fn connection_refused(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
 /// The HTTP side of probing workers.
 #[derive(Debug)]
 pub struct Probes {
@@ -54,30 +94,59 @@ impl Probes {
         path: &str,
         body: Option<Value>,
     ) -> Result<(StatusCode, Bytes), String> {
-        let uri = upstream::worker_uri(&w.base, path).map_err(|e| e.to_string())?;
+        self.call_told(w, method, path, body).await.map_err(|e| e.message)
+    }
+
+    /// [`Self::call`], telling a refused connection apart.
+    async fn call_told(
+        &self,
+        w: &WorkerRecord,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<(StatusCode, Bytes), CallError> {
+        let uri = upstream::worker_uri(&w.base, path).map_err(|e| CallError::other(e.to_string()))?;
         let mut req = Request::new(Full::new(body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()))));
         *req.method_mut() = method;
         *req.uri_mut() = uri;
         req.headers_mut()
             .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
         let fut = async {
-            let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| CallError { refused: connection_refused(&e), message: e.to_string() })?;
             let status = resp.status();
             let body = http_body_util::Limited::new(resp.into_body(), 8 << 20)
                 .collect()
                 .await
-                .map_err(|e| e.to_string())?
+                .map_err(|e| CallError::other(e.to_string()))?
                 .to_bytes();
-            Ok::<_, String>((status, body))
+            Ok::<_, CallError>((status, body))
         };
         let timeout = self.timeout;
         tokio::time::timeout(timeout, fut)
             .await
-            .map_err(|_| format!("{path}: no answer within {timeout:?}"))?
+            .map_err(|_| CallError::other(format!("{path}: no answer within {timeout:?}")))?
     }
 
     async fn get(&self, w: &WorkerRecord, path: &str) -> Result<(StatusCode, Bytes), String> {
         self.call(w, Method::GET, path, None).await
+    }
+
+    /// The worker's health route: answered healthy, answered otherwise (or not in time), or
+    /// refused (nothing listens on its address).
+    pub async fn health(&self, w: &WorkerRecord) -> Probed {
+        let path = match w.config.engine {
+            Engine::Sglang => "/ready",
+            _ => "/health",
+        };
+        match self.call_told(w, Method::GET, path, None).await {
+            Ok((s, _)) if s.is_success() => Probed::Up,
+            Err(e) if e.refused => Probed::Refused,
+            _ => Probed::Down,
+        }
     }
 
     async fn get_ok(&self, w: &WorkerRecord, path: &str) -> Result<Bytes, String> {
@@ -95,23 +164,26 @@ impl Probes {
 
     /// Whether the worker answers its health route.
     pub async fn healthy(&self, w: &WorkerRecord) -> bool {
-        let path = match w.config.engine {
-            Engine::Sglang => "/ready",
-            _ => "/health",
-        };
-        matches!(self.get(w, path).await, Ok((s, _)) if s.is_success())
+        self.health(w).await == Probed::Up
     }
 
-    /// The worker's load per rank (SGLang `/v1/loads`, vLLM `/metrics`); `None` when it did not
-    /// answer.
-    pub async fn loads(&self, w: &WorkerRecord) -> Option<Vec<RankReport>> {
-        match w.config.engine {
-            Engine::Sglang => self.get_json(w, "/v1/loads").await.ok().map(|v| discovery::sglang_loads(&v)),
-            _ => {
-                let body = self.get_ok(w, "/metrics").await.ok()?;
-                Some(discovery::vllm_metrics(&String::from_utf8_lossy(&body)).loads)
-            }
-        }
+    /// The worker's load per rank (SGLang `/v1/loads`, vLLM `/metrics`); `Err` when it did not
+    /// answer (`Probed::Refused` when nothing listens on its address), `Ok(None)` when its answer
+    /// is not a load report.
+    pub async fn loads(&self, w: &WorkerRecord) -> Result<Option<Vec<RankReport>>, Probed> {
+        let path = match w.config.engine {
+            Engine::Sglang => "/v1/loads",
+            _ => "/metrics",
+        };
+        let body = match self.call_told(w, Method::GET, path, None).await {
+            Ok((s, body)) if s.is_success() => body,
+            Ok(_) => return Ok(None),
+            Err(e) => return Err(if e.refused { Probed::Refused } else { Probed::Down }),
+        };
+        Ok(match w.config.engine {
+            Engine::Sglang => serde_json::from_slice(&body).ok().map(|v| discovery::sglang_loads(&v)),
+            _ => Some(discovery::vllm_metrics(&String::from_utf8_lossy(&body)).loads),
+        })
     }
 
     /// Everything discovery reads from the worker, the tokens probe included (with `model`, the
