@@ -149,6 +149,8 @@ pub enum ProxyError {
         attempts: u32,
         /// What went wrong, for the client.
         message: String,
+        /// The last failing worker's `Retry-After` in seconds, passed on to the client.
+        retry_after: Option<u32>,
     },
     /// The gateway is shutting down.
     #[error("the gateway is shutting down")]
@@ -315,7 +317,9 @@ impl ProxyError {
         if let Ok(v) = HeaderValue::from_str(request_id) {
             h.insert("x-request-id", v);
         }
-        if self.retry_safe() {
+        if let ProxyError::Upstream { retry_after: Some(s), .. } = &self {
+            h.insert(http::header::RETRY_AFTER, HeaderValue::from(*s));
+        } else if self.retry_safe() {
             h.insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
         }
         match self {
@@ -429,12 +433,22 @@ mod tests {
             (ProxyError::QueueTimeout(std::time::Duration::from_secs(1)), 503, Blame::Gateway),
             (ProxyError::NoWorker("m".into()), 503, Blame::Gateway),
             (
-                ProxyError::Upstream { class: FailureClass::ServerError, attempts: 3, message: "x".into() },
+                ProxyError::Upstream {
+                    class: FailureClass::ServerError,
+                    attempts: 3,
+                    message: "x".into(),
+                    retry_after: None,
+                },
                 502,
                 Blame::Worker,
             ),
             (
-                ProxyError::Upstream { class: FailureClass::Timeout, attempts: 1, message: "x".into() },
+                ProxyError::Upstream {
+                    class: FailureClass::Timeout,
+                    attempts: 1,
+                    message: "x".into(),
+                    retry_after: None,
+                },
                 504,
                 Blame::Worker,
             ),

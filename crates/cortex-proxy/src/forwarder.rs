@@ -227,7 +227,12 @@ impl Forwarder {
             }
         }
         match last {
-            Some(f) => Err(ProxyError::Upstream { class: f.class, attempts, message: f.message }),
+            Some(f) => Err(ProxyError::Upstream {
+                class: f.class,
+                attempts,
+                message: f.message,
+                retry_after: f.retry_after,
+            }),
             None => Err(ProxyError::NoWorker(plan.model.base_model().to_owned())),
         }
     }
@@ -293,6 +298,7 @@ pub fn upstream_head(
         class: cortex_sched::FailureClass::ServerError,
         message: e.to_string(),
         sent: false,
+        retry_after: None,
     })?;
     Ok((uri, headers))
 }

@@ -585,6 +585,7 @@ impl Driver<'_> {
                         leg.as_str(),
                         self.last_message.as_deref().unwrap_or(class.as_str())
                     ),
+                    retry_after: None,
                 }
             }
             PdError::NotReplayed { leg, class } => ProxyError::Upstream {
@@ -596,6 +597,7 @@ impl Driver<'_> {
                     leg.as_str(),
                     self.last_message.as_deref().unwrap_or(class.as_str())
                 ),
+                retry_after: None,
             },
         }
     }

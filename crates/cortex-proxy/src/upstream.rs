@@ -102,6 +102,8 @@ pub struct Failure {
     /// Whether the request may have reached the worker (false: the connection was never
     /// established, so nothing was sent and nothing can have run).
     pub sent: bool,
+    /// The worker's `Retry-After` in seconds, when it answered with one.
+    pub retry_after: Option<u32>,
 }
 
 /// What a worker answered.
@@ -159,6 +161,7 @@ pub async fn send(
                 class: FailureClass::Timeout,
                 message: format!("no response head within {head_timeout:?}"),
                 sent: true,
+                retry_after: None,
             });
         }
         Ok(Err(e)) => {
@@ -166,6 +169,7 @@ pub async fn send(
                 class: FailureClass::ServerError,
                 message: format!("worker unreachable: {e}"),
                 sent: !e.is_connect(),
+                retry_after: None,
             });
         }
         Ok(Ok(r)) => r,
@@ -187,11 +191,23 @@ pub async fn send(
     };
     let headers = end_to_end(&parts.headers);
     match classify(status, &body) {
-        Some(class) if crate::error::retry_elsewhere(class) => {
-            Err(Failure { class, message: worker_said(status, &body), sent: true })
-        }
+        Some(class) if crate::error::retry_elsewhere(class) => Err(Failure {
+            class,
+            message: worker_said(status, &body),
+            sent: true,
+            retry_after: retry_after_seconds(&parts.headers),
+        }),
         class => Ok(Answer::Reject { status, headers, body, class }),
     }
+}
+
+/// A `Retry-After` of whole seconds (an HTTP date is not kept: Cortex answers its own `1`).
+fn retry_after_seconds(headers: &HeaderMap) -> Option<u32> {
+    let v = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    if v.is_empty() || v.len() > 9 || !v.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    v.parse().ok()
 }
 
 /// `worker answered <status>`, then the start of the worker's own error text (its JSON
@@ -492,7 +508,7 @@ impl RelayBody {
             tap.failed();
         }
         if self.sse {
-            let err = ProxyError::Upstream { class, attempts: self.attempts, message };
+            let err = ProxyError::Upstream { class, attempts: self.attempts, message, retry_after: None };
             self.state = RelayState::Done;
             // The held partial event is dropped; an event sent incomplete is ended first.
             self.partial.clear();

@@ -442,7 +442,15 @@ async fn a_failure_before_the_first_byte_moves_the_request_and_the_requests_own_
     let r = h.post("/v1/completions", &[], &p).await;
     assert_eq!(r.status, StatusCode::BAD_GATEWAY, "{}", r.text());
     assert!(r.text().contains("scripted 503"), "{}", r.text());
+    assert_eq!(r.header("retry-after"), "1", "Cortex's own: the worker gave none");
     assert!(h.fakes[1].served().is_empty());
+    // A worker's 429 keeps the worker's `Retry-After` (the fake says 7 s), not Cortex's 1
+    // (w0 cools down: either worker may take it).
+    for f in &h.fakes {
+        f.fail_next(&[429]);
+    }
+    let r = h.post("/v1/completions", &[], &p).await;
+    assert_eq!((r.status, r.header("retry-after")), (StatusCode::TOO_MANY_REQUESTS, "7"), "{}", r.text());
     h.shutdown().await;
 }
 

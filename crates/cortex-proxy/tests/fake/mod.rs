@@ -481,10 +481,14 @@ impl Shared {
     fn infer(self: &Arc<Self>, route: Route, body: &Bytes, rank: u16) -> Response<FakeBody> {
         if let Some(status) = self.failures.lock().unwrap().pop_front() {
             let code = StatusCode::from_u16(status).unwrap();
-            return json_resp(
+            let mut r = json_resp(
                 code,
                 &json!({"error": {"message": format!("scripted {status}"), "type": "server_error"}}),
             );
+            if status == 429 {
+                r.headers_mut().insert(http::header::RETRY_AFTER, http::HeaderValue::from_static("7"));
+            }
+            return r;
         }
         let facts = request::parse(route, body).unwrap();
         let (prompt, cached) = self.cache_and_publish(&facts, rank).unwrap_or((0, 0));
