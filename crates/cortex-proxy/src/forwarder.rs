@@ -35,6 +35,7 @@ use crate::observe::{SpanGuard, Watch};
 use crate::planner::{Plan, RANK_HEADER};
 use crate::registry::{Registry, WorkerRecord};
 use crate::request::{self, RequestFacts, Route};
+use crate::server::ConnSlot;
 use crate::stall::{Stalls, Watched};
 use crate::telemetry as t;
 use crate::upstream::{self, Answer, Failure, RelayBody, UpstreamClient};
@@ -54,6 +55,8 @@ pub struct Outgoing<'a> {
     pub rid: &'a str,
     /// The request's observer (its attempts' spans, and how the relay ended).
     pub watch: &'a Watch,
+    /// The request's place on its client connection (`None` outside [`crate::server`]).
+    pub conn: Option<&'a ConnSlot>,
 }
 
 /// Sends planned requests to workers. Shared by every request task.
@@ -125,9 +128,10 @@ impl Forwarder {
         self.idle_timeout
     }
 
-    /// Watches `relay` for a client that stops reading (see `stall.rs`).
-    pub(crate) fn watch(&self, relay: RelayBody) -> Watched {
-        self.stalls.watch(relay)
+    /// Watches `relay` for a client that stops reading (see `stall.rs`); `conn` is the request's
+    /// place on its client connection.
+    pub(crate) fn watch(&self, relay: RelayBody, conn: Option<&ConnSlot>) -> Watched {
+        self.stalls.watch(relay, conn.cloned())
     }
 
     /// Gives up the relays whose client stopped reading; returns how many.
@@ -201,7 +205,7 @@ impl Forwarder {
                         // The attempt's span lasts as long as its answer is relayed.
                         relay = relay.guarding(Box::new(s));
                     }
-                    let mut resp = Response::new(self.watch(relay).boxed_unsync());
+                    let mut resp = Response::new(self.watch(relay, out.conn).boxed_unsync());
                     *resp.status_mut() = up.status;
                     *resp.headers_mut() = headers;
                     return Ok(resp);

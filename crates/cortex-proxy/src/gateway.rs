@@ -397,7 +397,8 @@ impl Gateway {
             parts.headers.remove(http::header::AUTHORIZATION);
         }
         watch.asked(ask.facts.model.as_deref());
-        let out = Outgoing { route, facts: &ask.facts, headers: &parts.headers, body, rid, watch };
+        let conn = parts.extensions.get::<crate::server::ConnSlot>();
+        let out = Outgoing { route, facts: &ask.facts, headers: &parts.headers, body, rid, watch, conn };
         if self.planner.disaggregated(&ask)? {
             let plan = self.planner.plan_pd(&ask).await?;
             // The prefill ranking decides the cache hit (and the fallback reason) of a pair.

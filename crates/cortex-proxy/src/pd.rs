@@ -960,7 +960,7 @@ impl Forwarder {
         if !guards.is_empty() {
             relay = relay.guarding(Box::new(guards));
         }
-        let relay = self.watch(relay);
+        let relay = self.watch(relay, d.out.conn);
         let body: Body = match merge_from {
             Some(prefill) => MergeLogprobs::new(relay, prefill).boxed_unsync(),
             None => relay.boxed_unsync(),

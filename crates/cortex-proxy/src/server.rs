@@ -65,6 +65,10 @@ use crate::tls::Tls;
 #[derive(Debug, Default)]
 struct Activity {
     in_flight: AtomicUsize,
+    /// Answers given up on the connection's client ([`ConnSlot::abandon`]) whose streams hyper
+    /// still holds open, and how many were given up in all.
+    abandoned_open: AtomicUsize,
+    abandoned: AtomicUsize,
     changed: Notify,
 }
 
@@ -73,24 +77,80 @@ impl Activity {
         // SeqCst: read against the guards' updates by the connection task; rare, not hot.
         self.in_flight.load(Ordering::SeqCst) == 0
     }
-}
 
-/// Counts a request in flight until dropped (with its response body).
-#[derive(Debug)]
-struct InFlight(Arc<Activity>);
-
-impl InFlight {
-    fn new(a: &Arc<Activity>) -> Self {
-        a.in_flight.fetch_add(1, Ordering::SeqCst);
-        a.changed.notify_one();
-        InFlight(Arc::clone(a))
+    /// Whether the connection should close now: its client left every answer it holds unread,
+    /// or [`ABANDONED_MAX`] of them in all.
+    fn abandoned_by_client(&self) -> bool {
+        // SeqCst: as in `idle`; `abandon` counts the open stream before it stops counting the
+        // request in flight, so no state in between reads as idle without it.
+        let open = self.abandoned_open.load(Ordering::SeqCst);
+        self.abandoned.load(Ordering::SeqCst) >= ABANDONED_MAX || (open > 0 && self.idle())
     }
 }
 
+/// Answers given up on one connection's client before the connection is closed even while it has
+/// other requests in flight: its client reads none of them, and an HTTP/2 stream given up stays
+/// open (hyper resets a stream only when it polls its body, which it does not while the client's
+/// window is shut).
+const ABANDONED_MAX: usize = 8;
+
+/// A slot's state.
+const COUNTED: u8 = 0;
+const RELEASED: u8 = 1;
+const ABANDONED: u8 = 2;
+
+/// A request's place among its connection's requests in flight, from its headers until its
+/// response body ends or is dropped — or until its answer is given up on its client
+/// ([`ConnSlot::abandon`], by the stall sweep). A connection whose requests are all given up is
+/// closed, and so is one with [`ABANDONED_MAX`] given up.
+#[derive(Clone, Debug)]
+pub struct ConnSlot(Arc<Slot>);
+
+#[derive(Debug)]
+struct Slot {
+    activity: Arc<Activity>,
+    state: std::sync::atomic::AtomicU8,
+}
+
+impl ConnSlot {
+    fn new(a: &Arc<Activity>) -> Self {
+        a.in_flight.fetch_add(1, Ordering::SeqCst);
+        a.changed.notify_one();
+        ConnSlot(Arc::new(Slot { activity: Arc::clone(a), state: std::sync::atomic::AtomicU8::new(COUNTED) }))
+    }
+
+    /// The request's answer was given up on its client: it no longer keeps its connection open.
+    pub(crate) fn abandon(&self) {
+        let a = &self.0.activity;
+        // SeqCst: rare; read against `Activity::abandoned_by_client` by the connection task.
+        if self.0.state.compare_exchange(COUNTED, ABANDONED, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            a.abandoned_open.fetch_add(1, Ordering::SeqCst);
+            a.abandoned.fetch_add(1, Ordering::SeqCst);
+            a.in_flight.fetch_sub(1, Ordering::SeqCst);
+            a.changed.notify_one();
+        }
+    }
+
+    /// The request's response body ended or was dropped.
+    fn release(&self) {
+        let a = &self.0.activity;
+        // SeqCst: as in `abandon`.
+        match self.0.state.swap(RELEASED, Ordering::SeqCst) {
+            COUNTED => a.in_flight.fetch_sub(1, Ordering::SeqCst),
+            ABANDONED => a.abandoned_open.fetch_sub(1, Ordering::SeqCst),
+            _ => return,
+        };
+        a.changed.notify_one();
+    }
+}
+
+/// Counts a request in flight until dropped (with its response body) or abandoned.
+#[derive(Debug)]
+struct InFlight(ConnSlot);
+
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
-        self.0.changed.notify_one();
+        self.0.release();
     }
 }
 
@@ -127,11 +187,21 @@ struct WriteDeadline<IO> {
     limit: Duration,
     /// Armed while a write or flush waits.
     stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// The deadline passed: every later write fails at once.
+    expired: bool,
 }
 
 impl<IO> WriteDeadline<IO> {
     const fn new(io: IO, limit: Duration) -> Self {
-        WriteDeadline { io, limit, stalled: None }
+        WriteDeadline { io, limit, stalled: None, expired: false }
+    }
+
+    fn expired_error(&self) -> std::io::Error {
+        let limit = self.limit;
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the client read nothing for {limit:?} (client_write_timeout)"),
+        )
     }
 
     /// `polled`, unless it has waited past the deadline.
@@ -146,13 +216,13 @@ impl<IO> WriteDeadline<IO> {
         }
         let limit = self.limit;
         let stalled = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        match stalled.as_mut().poll(cx) {
-            Poll::Pending => Poll::Pending,
-            Poll::Ready(()) => Poll::Ready(Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("the client read nothing for {limit:?} (client_write_timeout)"),
-            ))),
+        if stalled.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
         }
+        self.stalled = None;
+        self.expired = true;
+        metrics::counter!(crate::telemetry::CLIENT_WRITE_TIMEOUTS, "scope" => "connection").increment(1);
+        Poll::Ready(Err(self.expired_error()))
     }
 }
 
@@ -172,6 +242,9 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<IO> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        if self.expired {
+            return Poll::Ready(Err(self.expired_error()));
+        }
         let polled = Pin::new(&mut self.io).poll_write(cx, buf);
         self.watch(cx, polled)
     }
@@ -181,6 +254,9 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<IO> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
+        if self.expired {
+            return Poll::Ready(Err(self.expired_error()));
+        }
         let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
         self.watch(cx, polled)
     }
@@ -190,11 +266,17 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<IO> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.expired {
+            return Poll::Ready(Err(self.expired_error()));
+        }
         let polled = Pin::new(&mut self.io).poll_flush(cx);
         self.watch(cx, polled)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.expired {
+            return Poll::Ready(Err(self.expired_error()));
+        }
         let polled = Pin::new(&mut self.io).poll_shutdown(cx);
         self.watch(cx, polled)
     }
@@ -311,8 +393,10 @@ async fn serve_connection<IO, H, Fut>(
 {
     let activity = Arc::new(Activity::default());
     let a = Arc::clone(&activity);
-    let service = service_fn(move |req: Request<Incoming>| {
-        let in_flight = InFlight::new(&a);
+    let service = service_fn(move |mut req: Request<Incoming>| {
+        let slot = ConnSlot::new(&a);
+        req.extensions_mut().insert(slot.clone());
+        let in_flight = InFlight(slot);
         let answer = handler(req);
         async move {
             let resp = answer.await?;
@@ -333,6 +417,10 @@ async fn serve_connection<IO, H, Fut>(
                 return;
             }
             () = activity.changed.notified() => {
+                if activity.abandoned_by_client() {
+                    tracing::debug!("closing a connection whose client left its answers unread");
+                    return;
+                }
                 if activity.idle() {
                     deadline = Instant::now() + header_read_timeout;
                 }

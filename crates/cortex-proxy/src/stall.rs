@@ -2,8 +2,9 @@
 //! another within `client_write_timeout` is given up — dropped as if the client had left, which
 //! releases its admission slot and booking and closes the worker's connection (the engine aborts
 //! the request) and ends the request as `client_gone`. The client's stream is reset when the server
-//! next writes to it; a connection whose socket takes no byte for as long is closed by the server
-//! (`server.rs`).
+//! next writes to it. The request stops counting toward its connection's requests in flight: a
+//! connection left with nothing else, or with several answers given up, is closed (`server.rs`);
+//! so is a connection whose socket takes no byte for as long.
 //!
 //! Key decision: the relay cannot notice this itself — a server whose client does not read
 //! (HTTP/2 flow control, a full socket) stops polling the body, so no code of the body runs. Each
@@ -20,6 +21,7 @@ use bytes::Bytes;
 use hyper::body::{Body as HttpBody, Frame, SizeHint};
 
 use crate::error::BodyError;
+use crate::server::ConnSlot;
 use crate::upstream::RelayBody;
 
 /// `since` of a relay that is not waiting for the client (waiting for the worker, or done).
@@ -31,6 +33,8 @@ struct Cell {
     /// Milliseconds since [`Stalls::base`] when the relay last handed over a frame, while the
     /// server has not asked for the next one; [`NOT_WAITING`] otherwise.
     since: AtomicU64,
+    /// The request's place on its client connection, given back when the relay is given up.
+    conn: Option<ConnSlot>,
 }
 
 /// The relays in flight and the sweep that gives up those whose client stopped reading.
@@ -63,11 +67,13 @@ impl Stalls {
         u64::try_from(self.base.elapsed().as_millis()).unwrap_or(NOT_WAITING - 1)
     }
 
-    /// `relay`, watched.
-    pub(crate) fn watch(self: &Arc<Self>, relay: RelayBody) -> Watched {
+    /// `relay`, watched; `conn` is the request's place on its client connection (none for a
+    /// request that did not come through [`crate::server`]).
+    pub(crate) fn watch(self: &Arc<Self>, relay: RelayBody, conn: Option<ConnSlot>) -> Watched {
         // Waiting from the start: the answer's head is the server's from now, and a server whose
         // client never opens its window may not ask for a first frame at all.
-        let cell = Arc::new(Cell { relay: Mutex::new(Some(relay)), since: AtomicU64::new(self.now_ms()) });
+        let cell =
+            Arc::new(Cell { relay: Mutex::new(Some(relay)), since: AtomicU64::new(self.now_ms()), conn });
         let mut slots = lock(&self.cells);
         let slot = match slots.free.pop() {
             Some(i) => {
@@ -106,13 +112,20 @@ impl Stalls {
             let relay = cell.relay.try_lock().ok().and_then(|mut r| {
                 // Relaxed: as above; checked again under the lock, where the relay's poll writes it.
                 let since = cell.since.load(Ordering::Relaxed);
-                (since != NOT_WAITING && now.saturating_sub(since) > limit).then(|| r.take()).flatten()
+                if since == NOT_WAITING || now.saturating_sub(since) <= limit {
+                    return None;
+                }
+                // Marked under the lock: a poll that finds the cell empty comes after it.
+                r.as_mut()?.client_stalled();
+                r.take()
             });
-            if let Some(mut relay) = relay {
+            if let Some(relay) = relay {
                 given_up += 1;
-                relay.client_stalled();
-                metrics::counter!(crate::telemetry::CLIENT_WRITE_TIMEOUTS).increment(1);
+                metrics::counter!(crate::telemetry::CLIENT_WRITE_TIMEOUTS, "scope" => "answer").increment(1);
                 tracing::info!(timeout = ?self.timeout, "a client stopped reading its answer: given up");
+                if let Some(conn) = &cell.conn {
+                    conn.abandon();
+                }
                 // Dropped here, outside every lock: as if the client had left.
                 drop(relay);
             }

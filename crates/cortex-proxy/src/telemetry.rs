@@ -99,8 +99,8 @@ pub const EVENT_DECODE_ERRORS: &str = "cortex_event_decode_errors_total";
 pub const EVENT_APPLY_LAG: &str = "cortex_event_apply_lag_seconds";
 /// Gauge: the largest such lag seen, by `worker` and `rank`.
 pub const EVENT_APPLY_LAG_MAX: &str = "cortex_event_apply_lag_max_seconds";
-/// Counter: answers given up because the client read nothing of them for
-/// `client_write_timeout`.
+/// Counter by `scope`: answers given up (`answer`) and connections closed (`connection`) because
+/// the client read nothing for `client_write_timeout`.
 pub const CLIENT_WRITE_TIMEOUTS: &str = "cortex_client_write_timeouts_total";
 /// Counter: connections closed at accept because `limits.max_connections` were open.
 pub const CONNECTIONS_REFUSED: &str = "cortex_connections_refused_total";
@@ -443,9 +443,9 @@ pub const METRICS: &[Metric] = &[
     Metric {
         name: CLIENT_WRITE_TIMEOUTS,
         kind: Kind::Counter,
-        unit: "requests",
-        labels: &[],
-        help: "Answers given up because the client read nothing of them for client_write_timeout",
+        unit: "events",
+        labels: &["scope"],
+        help: "Answers given up (scope answer) and connections closed (scope connection) because the client read nothing for client_write_timeout",
     },
     Metric {
         name: CONNECTIONS_REFUSED,

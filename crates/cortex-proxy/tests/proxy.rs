@@ -1006,7 +1006,8 @@ async fn a_slow_body_holds_a_connection_never_a_slot() {
 /// alive. After `client_write_timeout` the answer is given up: the only slot serves the next
 /// request. With a window of 1 byte (a first frame handed over, the next never asked for), the
 /// stalled stream is then reset when the client reads again; with a window of 0 the server may
-/// never ask for a frame at all, and the answer is given up all the same.
+/// never ask for a frame at all, and the answer is given up all the same. A connection holding
+/// nothing but given-up answers is closed at once (the idle timeout here is a minute).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_the_client_never_reads_is_given_up() {
     for window in [1, 0] {
@@ -1016,6 +1017,7 @@ async fn an_answer_the_client_never_reads_is_given_up() {
             max_queue: 4,
             queue_timeout: Duration::from_secs(3),
             client_write_timeout: Duration::from_millis(400),
+            header_read_timeout: Duration::from_secs(60),
             ..Limits::default()
         };
         let h = start(opts).await;
@@ -1057,10 +1059,82 @@ async fn an_answer_the_client_never_reads_is_given_up() {
             .await
             .unwrap();
             assert!(ended, "the stalled stream is reset, never ended as if complete");
+        } else {
+            // The stream is still open (hyper resets it only when it next writes to it), and
+            // nothing else is in flight on its connection: the connection is closed.
+            tokio::time::timeout(fake::WAIT, driver).await.expect("the connection was closed").unwrap();
+            h.shutdown().await;
+            continue;
         }
         driver.abort();
         h.shutdown().await;
     }
+}
+
+/// A client that opens many streams and reads none (windows of 0) while its connection stays
+/// busy (here a request whose body never ends): after 8 answers given up, the connection is
+/// closed, with the streams hyper kept open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_with_many_answers_given_up_is_closed() {
+    /// A request body that never ends.
+    struct Endless;
+    impl hyper::body::Body for Endless {
+        type Data = Bytes;
+        type Error = Infallible;
+        fn poll_frame(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+            std::task::Poll::Pending
+        }
+    }
+    type Either = http_body_util::Either<http_body_util::Full<Bytes>, Endless>;
+    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+    opts.proxy.limits = Limits {
+        client_write_timeout: Duration::from_millis(300),
+        // Neither the idle path nor the body's timeout can close it within the test.
+        header_read_timeout: Duration::from_secs(120),
+        body_read_timeout: Duration::from_secs(120),
+        ..Limits::default()
+    };
+    let h = start(opts).await;
+    let io = hyper_util::rt::TokioIo::new(TcpStream::connect(h.addr).await.unwrap());
+    let (send, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+        .initial_stream_window_size(0)
+        .handshake::<_, Either>(io)
+        .await
+        .unwrap();
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let request = |body: Either| {
+        Request::builder()
+            .method("POST")
+            .uri("http://x/v1/completions")
+            .header("content-type", "application/json")
+            .body(body)
+            .unwrap()
+    };
+    // In flight all along: its body never ends.
+    let busy = tokio::spawn(send.clone().send_request(request(Either::Right(Endless))));
+    let ask = |i: usize| {
+        let body =
+            json!({"model": MODEL, "prompt": format!("never read {i}"), "max_tokens": 2, "stream": true});
+        request(Either::Left(http_body_util::Full::new(Bytes::from(body.to_string()))))
+    };
+    let mut held = Vec::new();
+    for i in 0..7 {
+        held.push(send.clone().send_request(ask(i)).await.unwrap());
+    }
+    // Seven given up: the connection stays.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(!driver.is_finished(), "closed before 8 answers were given up");
+    // The eighth closes it.
+    held.push(send.clone().send_request(ask(7)).await.unwrap());
+    tokio::time::timeout(fake::WAIT, driver).await.expect("the connection was closed").unwrap();
+    drop(held);
+    busy.abort();
+    h.shutdown().await;
 }
 
 /// Issue 19, row 8: token ids beyond the model's vocabulary were forwarded unchecked. They are

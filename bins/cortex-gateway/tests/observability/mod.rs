@@ -582,7 +582,7 @@ async fn an_answer_given_up_on_its_client_is_client_gone() {
     )
     .await;
     let before = scrape(&h).await;
-    let timeouts = |text: &str| metric(text, "cortex_client_write_timeouts_total", &[]);
+    let timeouts = |text: &str| metric(text, "cortex_client_write_timeouts_total", &[("scope", "answer")]);
     let io = hyper_util::rt::TokioIo::new(tokio::net::TcpStream::connect(h.addr()).await.unwrap());
     let (mut send, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
         .initial_stream_window_size(0)
