@@ -95,16 +95,26 @@ pub struct Size(pub usize);
 
 impl<'de> Deserialize<'de> for Size {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Raw {
-            N(u64),
-            S(String),
+        // Parsed inside the visitor, so the YAML reader's error names the key (`limits.x: …`).
+        struct Visitor;
+        impl serde::de::Visitor<'_> for Visitor {
+            type Value = Size;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a size like 32MiB, 512KiB or a number of bytes")
+            }
+            fn visit_u64<E: serde::de::Error>(self, n: u64) -> Result<Size, E> {
+                usize::try_from(n).map(Size).map_err(E::custom)
+            }
+            fn visit_i64<E: serde::de::Error>(self, n: i64) -> Result<Size, E> {
+                u64::try_from(n)
+                    .map_err(|_| E::custom(format!("`{n}` is not a size: it must not be negative")))
+                    .and_then(|n| self.visit_u64(n))
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<Size, E> {
+                parse_size(s).map(Size).map_err(E::custom)
+            }
         }
-        match Raw::deserialize(d)? {
-            Raw::N(n) => usize::try_from(n).map(Size).map_err(serde::de::Error::custom),
-            Raw::S(s) => parse_size(&s).map(Size).map_err(serde::de::Error::custom),
-        }
+        d.deserialize_any(Visitor)
     }
 }
 
@@ -122,6 +132,12 @@ fn parse_size(s: &str) -> Result<usize, String> {
     };
     n.checked_mul(mul).ok_or_else(|| format!("`{s}` is too large"))
 }
+
+/// The most `ingest.lanes` the file takes (each lane is a thread).
+pub const MAX_LANES: usize = 256;
+
+/// The smallest `ledger.byte_budget` the file takes: a few hundred blocks.
+pub const MIN_LEDGER_BUDGET: usize = 64 << 10;
 
 /// The whole file.
 #[derive(Debug, Deserialize)]
@@ -972,6 +988,9 @@ impl Config {
         let ingest = IngestConfig {
             lanes: match self.ingest.lanes {
                 Some(0) => bail!("ingest.lanes must be at least 1: events are applied by the lanes' threads"),
+                Some(n) if n > MAX_LANES => bail!(
+                    "ingest.lanes is {n}, more than {MAX_LANES}: each lane is a thread, and more lanes than cores only add threads"
+                ),
                 n => n.unwrap_or(di.lanes),
             },
             replay_timeout: self.ingest.replay_timeout.map_or(di.replay_timeout, |v| v.0),
@@ -996,8 +1015,11 @@ impl Config {
             byte_budget: self.ledger.byte_budget.map_or(dl.byte_budget, |s| s.0),
             capacity_slack_percent: self.ledger.capacity_slack_percent.unwrap_or(dl.capacity_slack_percent),
         };
-        if ledger.byte_budget == 0 {
-            bail!("ledger.byte_budget must be positive: the ledger would keep no block");
+        if ledger.byte_budget < MIN_LEDGER_BUDGET {
+            bail!(
+                "ledger.byte_budget must be at least 64KiB, not {} bytes: the ledger would keep (almost) no block",
+                ledger.byte_budget
+            );
         }
         let admin = match self.admin {
             None => None,
@@ -1644,6 +1666,7 @@ mod tests {
             ("limits: {http2_keep_alive_interval: 0s}\n", "limits.http2_keep_alive_interval"),
             ("retry: {max_attempts: 0}\n", "retry.max_attempts"),
             ("ingest: {lanes: 0}\n", "ingest.lanes"),
+            ("ingest: {lanes: 100000}\n", "ingest.lanes"),
             (
                 "    adapters: [{name: m, path: /a/sql}]\n",
                 "models[0].adapters[0].name `m` is also models[0].name",
@@ -1669,6 +1692,11 @@ mod tests {
             ("scheduler: {breaker_open_for: 0s}\n", "scheduler.breaker_open_for"),
             ("ledger: {byte_budget: 0}\n", "ledger.byte_budget"),
             ("ledger: {byte_budget: 0MiB}\n", "ledger.byte_budget"),
+            ("ledger: {byte_budget: 1}\n", "ledger.byte_budget"),
+            ("ledger: {byte_budget: -3}\n", "ledger.byte_budget"),
+            ("limits: {max_body: -5}\n", "limits.max_body"),
+            ("limits: {max_body: true}\n", "limits.max_body"),
+            ("limits: {max_header_bytes: 64KB}\n", "limits.max_header_bytes"),
             (
                 "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, events: {publish_port_base: 5557, dp_size: 0}}\n",
                 "workers[0].events.dp_size",
@@ -1733,8 +1761,11 @@ mod tests {
                 "discovery.kubernetes.namespace",
             ),
         ] {
-            let err =
-                format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
+            // Refused when read (a value of the wrong shape) or when checked.
+            let err = match Config::parse(&yaml(extra)) {
+                Err(e) => format!("{e:#}"),
+                Ok(c) => format!("{:#}", c.into_settings(&base).err().unwrap()),
+            };
             assert!(err.contains(key), "{extra}: {err}");
         }
     }

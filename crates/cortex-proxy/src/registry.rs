@@ -77,7 +77,7 @@ impl WorkerConfig {
         }
         let base: Uri = self.url.trim_end_matches('/').parse().map_err(|_| bad(NOT_HTTP))?;
         let host = match (base.scheme_str(), base.authority(), base.host()) {
-            (Some("http"), Some(a), Some(h)) if base.port_u16().is_some() => {
+            (Some("http"), Some(a), Some(h)) if base.port_u16().is_some_and(|p| p != 0) => {
                 if a.as_str().contains('@') {
                     return Err(bad(BASE_URL_ONLY));
                 }
@@ -109,6 +109,18 @@ impl WorkerConfig {
             });
         }
         Ok(())
+    }
+}
+
+/// A host as the one-worker-per-address check compares it: an IP address in its canonical form,
+/// `localhost` and every loopback address as one, any other name case-insensitively as written
+/// (names are not resolved: two names of one machine are not matched).
+fn host_key(host: &str) -> String {
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) if ip.is_loopback() => "localhost".to_owned(),
+        Ok(ip) => ip.to_string(),
+        Err(_) if host.eq_ignore_ascii_case("localhost") => "localhost".to_owned(),
+        Err(_) => host.to_ascii_lowercase(),
     }
 }
 
@@ -434,9 +446,9 @@ impl Registry {
             return Err(RegistryError::Duplicate(config.name));
         }
         // The scheme is always http: the same host and port is the same engine.
-        if let Some(other) = guard
-            .values()
-            .find(|w| w.host.eq_ignore_ascii_case(&host) && w.base.port_u16() == base.port_u16())
+        let key = host_key(&host);
+        if let Some(other) =
+            guard.values().find(|w| host_key(&w.host) == key && w.base.port_u16() == base.port_u16())
         {
             return Err(RegistryError::SameUrl {
                 name: config.name,
@@ -566,7 +578,20 @@ mod tests {
             );
         }
         assert!(r.add(cfg("b", "http://host:8001")).is_ok(), "another port is another engine");
-        assert_eq!(r.snapshot().len(), 3);
+        // Loopback is one host however written; an IP address is compared in its canonical form.
+        for same in ["http://localhost:8000", "http://127.0.0.1:8000", "http://[0:0:0:0:0:0:0:1]:8000"] {
+            assert_eq!(
+                r.add(cfg("c", same)).unwrap_err(),
+                RegistryError::SameUrl { name: "c".into(), url: same.into(), other: "w-1.a_b:c".into() }
+            );
+        }
+        assert!(r.add(cfg("c", "http://[2001:db8::1]:8000")).is_ok());
+        assert!(matches!(r.add(cfg("d", "http://[2001:db8:0::1]:8000")), Err(RegistryError::SameUrl { .. })));
+        assert!(
+            r.add(cfg("d", "http://h:0")).unwrap_err().to_string().contains("http://host:port"),
+            "port 0"
+        );
+        assert_eq!(r.snapshot().len(), 4);
     }
 
     #[test]

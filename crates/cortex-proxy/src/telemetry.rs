@@ -599,6 +599,9 @@ pub fn register_zeros() {
         metrics::counter!(ERRORS, "code" => code).absolute(0);
     }
     metrics::counter!(CONNECTIONS_REFUSED).absolute(0);
+    for scope in ["answer", "connection"] {
+        metrics::counter!(CLIENT_WRITE_TIMEOUTS, "scope" => scope).absolute(0);
+    }
     for c in FailureClass::ALL {
         for stage in ["head", "stream"] {
             metrics::counter!(UPSTREAM_ERRORS, "class" => c.as_str(), "stage" => stage).absolute(0);
