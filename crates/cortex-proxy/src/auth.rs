@@ -23,13 +23,16 @@ impl Token {
 
     /// Whether `headers` carry this token as `Authorization: Bearer <token>`. The scheme is
     /// matched case-insensitively (`bearer`, `BEARER`: RFC 9110 §11.1), the token exactly and in
-    /// constant time.
+    /// constant time. A request with more than one `Authorization` header is not admitted: which
+    /// of them counts would be a guess (and a server behind may take another).
     #[must_use]
     pub fn admits(&self, headers: &HeaderMap) -> bool {
-        let given = headers
-            .get(http::header::AUTHORIZATION)
-            .and_then(|v| bearer_credentials(v.as_bytes()))
-            .unwrap_or_default();
+        let mut all = headers.get_all(http::header::AUTHORIZATION).iter();
+        let given = match (all.next(), all.next()) {
+            (Some(v), None) => bearer_credentials(v.as_bytes()).unwrap_or_default(),
+            _ => b"",
+        };
+        // An empty token is refused at configuration: nothing given never matches.
         constant_time_eq(given, self.0.as_bytes())
     }
 }
@@ -112,6 +115,15 @@ mod tests {
             assert!(!t.admits(&with(bad)), "{bad}");
         }
         assert!(!t.admits(&HeaderMap::new()));
+        // Two headers: refused in either order, the right token first or last.
+        for (first, second) in [("Bearer s3cret", "Bearer wrong"), ("Bearer wrong", "Bearer s3cret")] {
+            let mut h = with(first);
+            h.append(http::header::AUTHORIZATION, second.parse().unwrap());
+            assert!(!t.admits(&h), "{first}, {second}");
+        }
+        let mut h = with("Bearer s3cret");
+        h.append(http::header::AUTHORIZATION, "Bearer s3cret".parse().unwrap());
+        assert!(!t.admits(&h), "even twice the same");
         assert_eq!(format!("{t:?}"), "Token(<redacted>)");
     }
 }
