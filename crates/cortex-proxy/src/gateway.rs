@@ -114,6 +114,10 @@ pub const STICKY_SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// up between `client_write_timeout` and that plus this.
 pub const STALL_SWEEP_EVERY: Duration = Duration::from_millis(250);
 
+/// Between two looks for holders whose pool stopped choosing them (see
+/// `cortex_sched::Snapshot::forget_starved`).
+pub const STARVED_SWEEP_EVERY: Duration = Duration::from_secs(1);
+
 /// How often every holder's ledger state is mirrored into the scheduler (and at once after an
 /// alignment verdict changed).
 const LEDGER_SYNC_EVERY: Duration = Duration::from_millis(50);
@@ -229,7 +233,8 @@ impl Gateway {
 
     /// Starts the maintenance loop: every holder's ledger state mirrored into the scheduler
     /// (every 50 ms, and at once when an alignment verdict changed), the answers whose client
-    /// stopped reading given up (checked every [`STALL_SWEEP_EVERY`]), and the `manual` policy's
+    /// stopped reading given up (checked every [`STALL_SWEEP_EVERY`]), the learned speeds of
+    /// holders their pool stopped choosing forgotten (every [`STARVED_SWEEP_EVERY`]), and the `manual` policy's
     /// idle assignments swept every [`STICKY_SWEEP_EVERY`].
     pub fn start_background(self: &Arc<Self>) {
         let gw = Arc::downgrade(self);
@@ -239,6 +244,7 @@ impl Gateway {
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
             let mut swept = tokio::time::Instant::now();
             let mut stalls_swept = swept;
+            let mut starved_swept = swept;
             loop {
                 tokio::select! {
                     _ = tick.tick() => {}
@@ -258,6 +264,18 @@ impl Gateway {
                     let n = gw.planner.sweep_sticky(gw.control.clock().now());
                     if n > 0 {
                         tracing::debug!(forgotten = n, "idle manual assignments swept");
+                    }
+                }
+                if starved_swept.elapsed() >= STARVED_SWEEP_EVERY {
+                    starved_swept = tokio::time::Instant::now();
+                    let now = gw.control.clock().now();
+                    let n =
+                        gw.control.cluster().load().forget_starved(now, cortex_sched::learn::STARVED_AFTER);
+                    if n > 0 {
+                        tracing::debug!(
+                            holders = n,
+                            "learned speeds of holders their pool stopped choosing forgotten"
+                        );
                     }
                 }
             }

@@ -18,6 +18,7 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use cortex_hash::Engine;
 use cortex_hash::kv::{DpRank, HolderId, WorkerId};
@@ -213,6 +214,30 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
+    /// Forgets the learned line of every trained holder that took no sample within `after`
+    /// while another holder of its pool did; returns how many. A holder whose line came out slow
+    /// (a stall, a burst, a restart) is no longer chosen, so it takes no sample that could
+    /// correct the line: forgotten, it is priced at its pool's learned line again (as an
+    /// untrained holder is, see [`crate::learn::TRAINED_SAMPLES`]) and learns anew from the
+    /// requests that brings. A pool where no holder took a sample (an idle cluster) forgets
+    /// nothing.
+    pub fn forget_starved(&self, now: Timestamp, after: Duration) -> usize {
+        fn rank(h: &HolderSlot) -> Option<&crate::state::RankState> {
+            h.state.rank_state(h.holder.rank)
+        }
+        let mut forgotten = 0;
+        for p in &self.pools {
+            let holders = &self.holders[p.start as usize..p.end as usize];
+            if !holders.iter().any(|h| rank(h).is_some_and(|r| r.sampled_within(now, after))) {
+                continue;
+            }
+            for h in holders {
+                forgotten += usize::from(rank(h).is_some_and(|r| r.forget_if_starved(now, after)));
+            }
+        }
+        forgotten
+    }
+
     fn build(
         version: u64,
         members: &BTreeMap<WorkerId, (WorkerSpec, Health)>,

@@ -35,6 +35,10 @@ pub const PRIOR_HALF_LIFE_SAMPLES: f64 = 4.0;
 /// is may never be chosen, so never learn.
 pub const TRAINED_SAMPLES: u64 = 8;
 
+/// How long a trained holder may go without a sample while its pool's others take some before it
+/// forgets its line (see [`crate::Snapshot::forget_starved`]).
+pub const STARVED_AFTER: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Work sizes (tokens) of the prior's two pseudo-samples.
 const PRIOR_WORKS: [f64; 2] = [512.0, 8192.0];
 
@@ -139,6 +143,12 @@ impl RateFit {
         self.sums.add(work, ttft_s, 1.0);
         self.samples += 1;
         true
+    }
+
+    /// Forgets every real sample: the estimate is the prior's again.
+    pub fn forget(&mut self) {
+        self.sums = Sums::default();
+        self.samples = 0;
     }
 
     /// Real samples observed so far.

@@ -197,6 +197,8 @@ pub(crate) struct Hot {
 #[derive(Debug)]
 struct Learner {
     fit: RateFit,
+    /// When the fit last took a sample.
+    last_sample: Option<Timestamp>,
     last_totals: Option<PrefillTotals>,
     /// How far the decisions' estimates were from the first chunks that came.
     errors: EstimateErrors,
@@ -216,7 +218,12 @@ impl RankState {
             unanswered: AtomicU32::new(0),
             unanswered_due_sum_ns: AtomicU64::new(0),
             cached_blocks: AtomicU32::new(0),
-            learn: Mutex::new(Learner { fit, last_totals: None, errors: EstimateErrors::default() }),
+            learn: Mutex::new(Learner {
+                fit,
+                last_sample: None,
+                last_totals: None,
+                errors: EstimateErrors::default(),
+            }),
             booked_requests: AtomicU32::new(0),
             booked_prefill_tokens: AtomicU64::new(0),
             booked_kv_blocks: AtomicU64::new(0),
@@ -289,6 +296,26 @@ impl RankState {
         self.publish(e);
         // Relaxed: as the estimate (see `publish`).
         self.trained.store(trained, Ordering::Relaxed);
+    }
+
+    /// Whether the learner took a sample within `after` before `now`.
+    pub(crate) fn sampled_within(&self, now: Timestamp, after: Duration) -> bool {
+        let l = self.learn.lock().unwrap_or_else(PoisonError::into_inner);
+        l.last_sample.is_some_and(|t| now.saturating_since(t) <= after)
+    }
+
+    /// Forgets a trained line that took no sample within `after` before `now` (see
+    /// [`crate::Snapshot::forget_starved`]); whether it did.
+    pub(crate) fn forget_if_starved(&self, now: Timestamp, after: Duration) -> bool {
+        let mut forgot = false;
+        self.learn(|l| {
+            let recent = l.last_sample.is_some_and(|t| now.saturating_since(t) <= after);
+            if l.fit.samples() >= TRAINED_SAMPLES && !recent {
+                l.fit.forget();
+                forgot = true;
+            }
+        });
+        forgot
     }
 
     /// Prefill tokens this gateway booked since the engine's last report and not yet prefilled.
@@ -400,7 +427,9 @@ impl RankState {
                     && t.busy > prev.busy
                 {
                     let tokens = (t.uncached_tokens - prev.uncached_tokens) as f64;
-                    l.fit.observe(tokens, (t.busy - prev.busy).as_secs_f64());
+                    if l.fit.observe(tokens, (t.busy - prev.busy).as_secs_f64()) {
+                        l.last_sample = Some(now);
+                    }
                 }
                 l.last_totals = Some(t);
             });
@@ -847,7 +876,9 @@ impl Booking {
         if let Some(r) = self.state.rank_state(self.holder.rank) {
             let work = self.work_tokens as f64;
             r.learn(|l| {
-                l.fit.observe(work, ttft);
+                if l.fit.observe(work, ttft) {
+                    l.last_sample = Some(now);
+                }
                 if let Some(e) = estimated {
                     l.errors.record(e, ttft);
                 }
