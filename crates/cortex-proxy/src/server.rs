@@ -66,9 +66,8 @@ use crate::tls::Tls;
 struct Activity {
     in_flight: AtomicUsize,
     /// Answers given up on the connection's client ([`ConnSlot::abandon`]) whose streams hyper
-    /// still holds open, and how many were given up in all.
+    /// still holds open.
     abandoned_open: AtomicUsize,
-    abandoned: AtomicUsize,
     changed: Notify,
 }
 
@@ -78,21 +77,25 @@ impl Activity {
         self.in_flight.load(Ordering::SeqCst) == 0
     }
 
-    /// Whether the connection should close now: its client left every answer it holds unread,
-    /// or [`ABANDONED_MAX`] of them in all.
+    /// Whether the connection should close: its client left every answer it holds unread, or
+    /// [`ABANDONED_MAX`] of them at once.
     fn abandoned_by_client(&self) -> bool {
         // SeqCst: as in `idle`; `abandon` counts the open stream before it stops counting the
         // request in flight, so no state in between reads as idle without it.
         let open = self.abandoned_open.load(Ordering::SeqCst);
-        self.abandoned.load(Ordering::SeqCst) >= ABANDONED_MAX || (open > 0 && self.idle())
+        open >= ABANDONED_MAX || (open > 0 && self.idle())
     }
 }
 
-/// Answers given up on one connection's client before the connection is closed even while it has
-/// other requests in flight: its client reads none of them, and an HTTP/2 stream given up stays
-/// open (hyper resets a stream only when it polls its body, which it does not while the client's
-/// window is shut).
+/// Answers given up on one connection's client and still open at once before the connection is
+/// closed even while it has other requests in flight: its client reads none of them, and an
+/// HTTP/2 stream given up stays open (hyper resets a stream only when it polls its body, which it
+/// does not while the client's window is shut).
 const ABANDONED_MAX: usize = 8;
+
+/// How long a connection closed for its given-up answers has, once nothing else is in flight, to
+/// send what its finished answers queued (and its `GOAWAY`) before it is dropped.
+const ABANDONED_GRACE: Duration = Duration::from_secs(1);
 
 /// A slot's state.
 const COUNTED: u8 = 0;
@@ -102,7 +105,8 @@ const ABANDONED: u8 = 2;
 /// A request's place among its connection's requests in flight, from its headers until its
 /// response body ends or is dropped — or until its answer is given up on its client
 /// ([`ConnSlot::abandon`], by the stall sweep). A connection whose requests are all given up is
-/// closed, and so is one with [`ABANDONED_MAX`] given up.
+/// closed, and so is one with [`ABANDONED_MAX`] given up and open: gracefully (`GOAWAY`, the
+/// other requests finish), then dropped [`ABANDONED_GRACE`] after nothing else is in flight.
 #[derive(Clone, Debug)]
 pub struct ConnSlot(Arc<Slot>);
 
@@ -123,11 +127,14 @@ impl ConnSlot {
     pub(crate) fn abandon(&self) {
         let a = &self.0.activity;
         // SeqCst: rare; read against `Activity::abandoned_by_client` by the connection task.
+        // Counted open before the state says so: a `release` racing this then never takes it
+        // below zero.
+        a.abandoned_open.fetch_add(1, Ordering::SeqCst);
         if self.0.state.compare_exchange(COUNTED, ABANDONED, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
-            a.abandoned_open.fetch_add(1, Ordering::SeqCst);
-            a.abandoned.fetch_add(1, Ordering::SeqCst);
             a.in_flight.fetch_sub(1, Ordering::SeqCst);
             a.changed.notify_one();
+        } else {
+            a.abandoned_open.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -407,6 +414,7 @@ async fn serve_connection<IO, H, Fut>(
     tokio::pin!(conn);
     let mut deadline = Instant::now() + header_read_timeout;
     let mut asked_to_close = false;
+    let mut closing_abandoned = false;
     loop {
         let idle = activity.idle();
         tokio::select! {
@@ -417,11 +425,21 @@ async fn serve_connection<IO, H, Fut>(
                 return;
             }
             () = activity.changed.notified() => {
-                if activity.abandoned_by_client() {
+                if closing_abandoned {
+                    // The last other request just finished: its last frames get the grace too.
+                    if activity.idle() {
+                        deadline = Instant::now() + ABANDONED_GRACE;
+                    }
+                } else if activity.abandoned_by_client() {
+                    // Gracefully: answers that finished still reach the client (their last
+                    // frames may be queued, not yet written), and requests read but not
+                    // started are refused with GOAWAY rather than cut.
                     tracing::debug!("closing a connection whose client left its answers unread");
-                    return;
-                }
-                if activity.idle() {
+                    conn.as_mut().graceful_shutdown();
+                    asked_to_close = true;
+                    closing_abandoned = true;
+                    deadline = Instant::now() + ABANDONED_GRACE;
+                } else if activity.idle() {
                     deadline = Instant::now() + header_read_timeout;
                 }
             }
@@ -436,6 +454,7 @@ async fn serve_connection<IO, H, Fut>(
                 deadline = Instant::now() + header_read_timeout;
             }
             changed = closing.changed(), if !asked_to_close => {
+                // (An earlier graceful close, for idleness or given-up answers, stands.)
                 if changed.is_err() || *closing.borrow() {
                     conn.as_mut().graceful_shutdown();
                     asked_to_close = true;

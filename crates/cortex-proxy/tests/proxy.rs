@@ -1126,15 +1126,94 @@ async fn a_connection_with_many_answers_given_up_is_closed() {
     for i in 0..7 {
         held.push(send.clone().send_request(ask(i)).await.unwrap());
     }
-    // Seven given up: the connection stays.
+    // Seven given up: the connection stays, and takes requests.
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(!driver.is_finished(), "closed before 8 answers were given up");
-    // The eighth closes it.
-    held.push(send.clone().send_request(ask(7)).await.unwrap());
-    tokio::time::timeout(fake::WAIT, driver).await.expect("the connection was closed").unwrap();
-    drop(held);
+    held.push(send.clone().send_request(ask(7)).await.expect("a request after 7 given up"));
+    // The eighth closes it: GOAWAY (no new request is taken), while the busy request is not cut.
+    let deadline = tokio::time::Instant::now() + fake::WAIT;
+    while send.clone().send_request(ask(8)).await.is_ok() {
+        assert!(tokio::time::Instant::now() < deadline, "still taking requests after 8 answers given up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(!busy.is_finished(), "the busy request was cut");
     busy.abort();
+    driver.abort();
+    drop(held);
     h.shutdown().await;
+}
+
+/// A connection closed because its client left an answer unread is closed gracefully: an answer
+/// that finished in the same moment reaches the client whole (its last frames were queued, not
+/// yet written, when its request stopped counting). HTTP/2 by hand, so that one stream's window
+/// stays shut while the other's is open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_finished_beside_a_given_up_one_is_delivered_whole() {
+    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+        let n = u32::try_from(payload.len()).unwrap();
+        let mut f = vec![(n >> 16) as u8, (n >> 8) as u8, n as u8, kind, flags];
+        f.extend_from_slice(&stream.to_be_bytes());
+        f.extend_from_slice(payload);
+        f
+    }
+    fn post(stream: u32, prompt: &str) -> Vec<u8> {
+        // HPACK without Huffman: :method POST, :scheme http, :path, :authority x, content-type.
+        let mut block = vec![0x83, 0x86, 0x04, 15];
+        block.extend_from_slice(b"/v1/completions");
+        block.extend_from_slice(&[0x01, 0x01, b'x', 0x0f, 0x10, 16]);
+        block.extend_from_slice(b"application/json");
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": true}).to_string();
+        let mut out = frame(1, 0x4, stream, &block);
+        out.extend(frame(0, 0x1, stream, body.as_bytes()));
+        out
+    }
+    for round in 0..3 {
+        let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+        opts.proxy.limits = Limits {
+            client_write_timeout: Duration::from_millis(300),
+            header_read_timeout: Duration::from_secs(60),
+            ..Limits::default()
+        };
+        let h = start(opts).await;
+        // Both streams stop after their first event until released.
+        h.fakes[0].hold();
+        let mut c = TcpStream::connect(h.addr).await.unwrap();
+        let mut ask = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        // Every stream's window 0, then stream 3's opened: stream 1 is never read.
+        ask.extend(frame(4, 0, 0, &[0, 4, 0, 0, 0, 0]));
+        ask.extend(post(1, &format!("never read {round}")));
+        ask.extend(post(3, &format!("read whole {round}")));
+        ask.extend(frame(8, 0, 3, &(1u32 << 20).to_be_bytes()));
+        c.write_all(&ask).await.unwrap();
+        // Stream 1 is given up (300 ms) while stream 3 is in flight; then stream 3 finishes,
+        // and the connection, holding only the given-up answer, is closed.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        h.fakes[0].release();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 8192];
+        let closed = tokio::time::timeout(fake::WAIT, async {
+            loop {
+                match c.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => seen.extend_from_slice(&buf[..n]),
+                }
+            }
+        })
+        .await;
+        assert!(closed.is_ok(), "round {round}: the connection was not closed");
+        let (mut at, mut ended) = (0, false);
+        while at + 9 <= seen.len() {
+            let len =
+                (usize::from(seen[at]) << 16) | (usize::from(seen[at + 1]) << 8) | usize::from(seen[at + 2]);
+            let (kind, flags) = (seen[at + 3], seen[at + 4]);
+            let stream =
+                u32::from_be_bytes([seen[at + 5], seen[at + 6], seen[at + 7], seen[at + 8]]) & 0x7fff_ffff;
+            ended |= stream == 3 && (kind == 0 || kind == 1) && flags & 1 == 1;
+            at += 9 + len;
+        }
+        assert!(ended, "round {round}: stream 3's answer was cut ({} bytes seen)", seen.len());
+        h.shutdown().await;
+    }
 }
 
 /// Issue 19, row 8: token ids beyond the model's vocabulary were forwarded unchecked. They are
