@@ -40,7 +40,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -69,9 +69,22 @@ struct Activity {
     /// still holds open.
     abandoned_open: AtomicUsize,
     changed: Notify,
+    /// Counts the client taking bytes of its answers: a response body asked for its next frame
+    /// (hyper sent or buffered the one before: on HTTP/2, the stream had window), or, while a
+    /// write waits, the socket's unsent bytes shrinking ([`WriteDeadline`]).
+    progress: AtomicU64,
 }
 
 impl Activity {
+    fn new() -> Arc<Self> {
+        Arc::new(Activity::default())
+    }
+
+    fn progressed(&self) {
+        // Relaxed: a count the sweep compares; no other memory hangs on it.
+        self.progress.fetch_add(1, Ordering::Relaxed);
+    }
+
     fn idle(&self) -> bool {
         // SeqCst: read against the guards' updates by the connection task; rare, not hot.
         self.in_flight.load(Ordering::SeqCst) == 0
@@ -123,6 +136,14 @@ impl ConnSlot {
         ConnSlot(Arc::new(Slot { activity: Arc::clone(a), state: std::sync::atomic::AtomicU8::new(COUNTED) }))
     }
 
+    /// How often the request's connection has seen its client take bytes of an answer (see
+    /// [`Activity::progress`]): a client reading steadily, whose answers wait their turn on its
+    /// connection or socket, is not stalled.
+    pub(crate) fn progress(&self) -> u64 {
+        // Relaxed: as in `Activity::progressed`.
+        self.0.activity.progress.load(Ordering::Relaxed)
+    }
+
     /// The request's answer was given up on its client: it no longer keeps its connection open.
     pub(crate) fn abandon(&self) {
         let a = &self.0.activity;
@@ -164,7 +185,9 @@ impl Drop for InFlight {
 /// A response body that keeps its request counted in flight until it ends or is dropped.
 pub struct Tracked {
     inner: Body,
-    _in_flight: InFlight,
+    in_flight: InFlight,
+    /// The last poll returned a frame: the next one is the client's progress.
+    handed: bool,
 }
 
 impl HttpBody for Tracked {
@@ -175,7 +198,14 @@ impl HttpBody for Tracked {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
+        if self.handed {
+            // The server asks for the next frame: the last one went out (or into the buffer
+            // before the socket), so the client took bytes.
+            self.in_flight.0.0.activity.progressed();
+        }
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        self.handed = matches!(polled, Poll::Ready(Some(Ok(_))));
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -187,20 +217,35 @@ impl HttpBody for Tracked {
     }
 }
 
-/// A connection's socket whose writes fail once one has waited `limit` for the peer to read:
-/// the deadline runs from the first write the socket could not take and resets on any progress.
-struct WriteDeadline<IO> {
-    io: IO,
+/// How often a waiting write looks at the socket's unsent bytes.
+const UNSENT_CHECK_EVERY: Duration = Duration::from_millis(500);
+
+/// A connection's socket whose writes fail once one has waited `limit` without the client taking
+/// a byte: while a write waits, the client takes bytes when the socket's unsent bytes shrink (a
+/// full socket becomes writable again only once much of it has drained, so a client reading
+/// slowly but steadily takes bytes all along). That is counted as the connection's progress,
+/// which the stall sweep reads ([`ConnSlot::progress`]).
+struct WriteDeadline {
+    io: tokio::net::TcpStream,
     limit: Duration,
-    /// Armed while a write or flush waits.
-    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+    activity: Arc<Activity>,
+    /// While a write or flush waits.
+    waiting: Option<Waiting>,
     /// The deadline passed: every later write fails at once.
     expired: bool,
 }
 
-impl<IO> WriteDeadline<IO> {
-    const fn new(io: IO, limit: Duration) -> Self {
-        WriteDeadline { io, limit, stalled: None, expired: false }
+/// A write that waits: since when the client took nothing, the socket's unsent bytes then, and
+/// the next look at them.
+struct Waiting {
+    since: Instant,
+    unsent: usize,
+    check: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl WriteDeadline {
+    fn new(io: tokio::net::TcpStream, limit: Duration, activity: Arc<Activity>) -> Self {
+        WriteDeadline { io, limit, activity, waiting: None, expired: false }
     }
 
     fn expired_error(&self) -> std::io::Error {
@@ -211,29 +256,64 @@ impl<IO> WriteDeadline<IO> {
         )
     }
 
-    /// `polled`, unless it has waited past the deadline.
+    /// `polled`, unless it has waited past the deadline with the client taking nothing.
     fn watch<T>(
         &mut self,
         cx: &mut Context<'_>,
         polled: Poll<std::io::Result<T>>,
     ) -> Poll<std::io::Result<T>> {
         if polled.is_ready() {
-            self.stalled = None;
+            self.waiting = None;
             return polled;
         }
-        let limit = self.limit;
-        let stalled = self.stalled.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
-        if stalled.as_mut().poll(cx).is_pending() {
-            return Poll::Pending;
+        let every = UNSENT_CHECK_EVERY.min(self.limit);
+        if self.waiting.is_none() {
+            let unsent = unsent(&self.io);
+            let check = Box::pin(tokio::time::sleep(every));
+            self.waiting = Some(Waiting { since: Instant::now(), unsent, check });
         }
-        self.stalled = None;
-        self.expired = true;
-        metrics::counter!(crate::telemetry::CLIENT_WRITE_TIMEOUTS, "scope" => "connection").increment(1);
-        Poll::Ready(Err(self.expired_error()))
+        loop {
+            let Some(w) = self.waiting.as_mut() else { return Poll::Pending };
+            if w.check.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let now = Instant::now();
+            let left = unsent(&self.io);
+            if left < w.unsent {
+                w.since = now;
+                w.unsent = left;
+                self.activity.progressed();
+            } else if now.duration_since(w.since) >= self.limit {
+                self.waiting = None;
+                self.expired = true;
+                metrics::counter!(crate::telemetry::CLIENT_WRITE_TIMEOUTS, "scope" => "connection")
+                    .increment(1);
+                return Poll::Ready(Err(self.expired_error()));
+            }
+            w.check.as_mut().reset(now + every);
+        }
     }
 }
 
-impl<IO: AsyncRead + Unpin> AsyncRead for WriteDeadline<IO> {
+/// Bytes the socket holds that the peer has not acknowledged (Linux `SIOCOUTQ`); `usize::MAX`
+/// where that cannot be read, so that no progress is seen while a write waits.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)]
+fn unsent(s: &tokio::net::TcpStream) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: `TIOCOUTQ` (`SIOCOUTQ`) on a socket descriptor writes one `int` to the pointer
+    // given, which points at `n`; the descriptor is open for as long as `s` is borrowed.
+    let r = unsafe { libc::ioctl(s.as_raw_fd(), libc::TIOCOUTQ, &raw mut n) };
+    if r == 0 { usize::try_from(n).unwrap_or(usize::MAX) } else { usize::MAX }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn unsent(_: &tokio::net::TcpStream) -> usize {
+    usize::MAX
+}
+
+impl AsyncRead for WriteDeadline {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -243,7 +323,7 @@ impl<IO: AsyncRead + Unpin> AsyncRead for WriteDeadline<IO> {
     }
 }
 
-impl<IO: AsyncWrite + Unpin> AsyncWrite for WriteDeadline<IO> {
+impl AsyncWrite for WriteDeadline {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -348,16 +428,28 @@ pub async fn serve_with<H, Fut, S>(
                     continue;
                 };
                 let _ = stream.set_nodelay(true);
-                let stream = WriteDeadline::new(stream, write_timeout);
+                let activity = Activity::new();
+                let stream = WriteDeadline::new(stream, write_timeout, Arc::clone(&activity));
                 let (handler, builder, closing_rx) = (handler.clone(), builder.clone(), closing_rx.clone());
                 let acceptor = tls.as_ref().map(|t| t.acceptor());
                 connections.spawn(async move {
                     match acceptor {
-                        None => serve_connection(stream, handler, builder, header_read_timeout, closing_rx).await,
+                        None => {
+                            serve_connection(stream, activity, handler, builder, header_read_timeout, closing_rx)
+                                .await;
+                        }
                         Some(acceptor) => {
                             match tokio::time::timeout(header_read_timeout, acceptor.accept(stream)).await {
                                 Ok(Ok(tls)) => {
-                                    serve_connection(tls, handler, builder, header_read_timeout, closing_rx).await;
+                                    serve_connection(
+                                        tls,
+                                        activity,
+                                        handler,
+                                        builder,
+                                        header_read_timeout,
+                                        closing_rx,
+                                    )
+                                    .await;
                                 }
                                 Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
                                 Err(_) => tracing::debug!("TLS handshake not finished within header_read_timeout"),
@@ -389,6 +481,7 @@ pub async fn serve_with<H, Fut, S>(
 /// One connection, until it ends, idles past its deadline, or the server closes it.
 async fn serve_connection<IO, H, Fut>(
     stream: IO,
+    activity: Arc<Activity>,
     handler: H,
     builder: auto::Builder<TokioExecutor>,
     header_read_timeout: Duration,
@@ -398,7 +491,6 @@ async fn serve_connection<IO, H, Fut>(
     H: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
     Fut: Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
 {
-    let activity = Arc::new(Activity::default());
     let a = Arc::clone(&activity);
     let service = service_fn(move |mut req: Request<Incoming>| {
         let slot = ConnSlot::new(&a);
@@ -407,7 +499,7 @@ async fn serve_connection<IO, H, Fut>(
         let answer = handler(req);
         async move {
             let resp = answer.await?;
-            Ok::<_, Infallible>(resp.map(|inner| Tracked { inner, _in_flight: in_flight }))
+            Ok::<_, Infallible>(resp.map(|inner| Tracked { inner, in_flight, handed: false }))
         }
     });
     let conn = builder.serve_connection(TokioIo::new(stream), service);

@@ -1,5 +1,8 @@
 //! Answers a client stopped reading: a relay handed a frame to the server and not asked for
-//! another within `client_write_timeout` is given up — dropped as if the client had left, which
+//! another within `client_write_timeout`, on a connection whose client took no byte of any answer
+//! in that time (`ConnSlot::progress`: a client reading a full socket slowly, or many streams of
+//! one connection each waiting its turn, is still reading), is given up — dropped as if the
+//! client had left, which
 //! releases its admission slot and booking and closes the worker's connection (the engine aborts
 //! the request) and ends the request as `client_gone`. The client's stream is reset when the server
 //! next writes to it. The request stops counting toward its connection's requests in flight: a
@@ -35,6 +38,9 @@ struct Cell {
     since: AtomicU64,
     /// The request's place on its client connection, given back when the relay is given up.
     conn: Option<ConnSlot>,
+    /// The connection's progress count when `since` was set: a count that moved since says its
+    /// client is reading (the answer waits its turn), not stalled.
+    seen: AtomicU64,
 }
 
 /// The relays in flight and the sweep that gives up those whose client stopped reading.
@@ -72,8 +78,13 @@ impl Stalls {
     pub(crate) fn watch(self: &Arc<Self>, relay: RelayBody, conn: Option<ConnSlot>) -> Watched {
         // Waiting from the start: the answer's head is the server's from now, and a server whose
         // client never opens its window may not ask for a first frame at all.
-        let cell =
-            Arc::new(Cell { relay: Mutex::new(Some(relay)), since: AtomicU64::new(self.now_ms()), conn });
+        let seen = AtomicU64::new(conn.as_ref().map_or(0, ConnSlot::progress));
+        let cell = Arc::new(Cell {
+            relay: Mutex::new(Some(relay)),
+            since: AtomicU64::new(self.now_ms()),
+            conn,
+            seen,
+        });
         let mut slots = lock(&self.cells);
         let slot = match slots.free.pop() {
             Some(i) => {
@@ -113,6 +124,17 @@ impl Stalls {
                 // Relaxed: as above; checked again under the lock, where the relay's poll writes it.
                 let since = cell.since.load(Ordering::Relaxed);
                 if since == NOT_WAITING || now.saturating_sub(since) <= limit {
+                    return None;
+                }
+                // Its client took bytes of the connection's answers since: the answer waits its
+                // turn (a full socket draining slowly, other streams' share of the connection),
+                // not a client that stopped. Watched afresh from now.
+                if let Some(progress) = cell.conn.as_ref().map(ConnSlot::progress)
+                    && progress != cell.seen.load(Ordering::Relaxed)
+                {
+                    // Relaxed (both): as `since` above.
+                    cell.seen.store(progress, Ordering::Relaxed);
+                    cell.since.store(now, Ordering::Relaxed);
                     return None;
                 }
                 // Marked under the lock: a poll that finds the cell empty comes after it.
@@ -171,7 +193,13 @@ impl HttpBody for Watched {
         };
         let polled = Pin::new(r).poll_frame(cx);
         let since = match &polled {
-            Poll::Ready(Some(Ok(_))) => this.stalls.now_ms(),
+            Poll::Ready(Some(Ok(_))) => {
+                if let Some(c) = &this.cell.conn {
+                    // Relaxed: read under this lock by the sweep.
+                    this.cell.seen.store(c.progress(), Ordering::Relaxed);
+                }
+                this.stalls.now_ms()
+            }
             _ => NOT_WAITING,
         };
         // Relaxed: read by the sweeper, which takes this lock before it acts.

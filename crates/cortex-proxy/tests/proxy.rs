@@ -891,6 +891,41 @@ async fn a_socket_that_is_never_read_gives_its_connection_back() {
     }
 }
 
+/// A client that reads slowly but steadily is never cut, however long its answer waits behind a
+/// full socket: a full socket becomes writable again only once much of it has drained, so a write
+/// waits far longer than `client_write_timeout` while the client takes bytes all along. Its
+/// progress is seen in the socket's unsent bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_reading_slowly_but_steadily_is_never_cut() {
+    let size = 6 << 20;
+    let handler = move |_req: Request<Incoming>| async move {
+        Ok::<_, Infallible>(Response::new(
+            http_body_util::Full::new(Bytes::from(vec![b'x'; size])).map_err(|e| match e {}).boxed_unsync(),
+        ))
+    };
+    let limits = Limits { client_write_timeout: Duration::from_millis(300), ..Limits::default() };
+    let srv = serve(limits, Duration::from_secs(1), handler).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 << 10).unwrap();
+    let mut c = socket.connect(srv.addr).await.unwrap();
+    c.write_all(b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").await.unwrap();
+    // About 1.6 MB/s: the 6 MiB answer takes about 4 s, while the gateway's socket stays full.
+    let (mut got, mut buf) = (0usize, vec![0u8; 16 << 10]);
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match c.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got += n,
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the answer never ended");
+    assert!(got > size, "cut after {got} bytes of {size}");
+    srv.stop().await;
+}
+
 /// Issue 19, row 9: request smuggling. What hyper refuses (400) and what it neutralizes: with
 /// both `Transfer-Encoding: chunked` and `Content-Length` the body is read as chunked and the
 /// connection closed after the answer, so a request hidden after the body is never served.
