@@ -23,9 +23,9 @@
 //!   subscription and its ledger entries (no late event can be applied); when it comes back it is
 //!   discovered again, its ledger starts SYNCING, its alignment verdict starts from none and its
 //!   cooldown and circuit breaker are reset (they judged the instance that left). A worker
-//!   whose address refused a probe's or load poll's connection and then answered is a new
-//!   process (a restart faster than `failures_to_remove` probes): it leaves and is rediscovered
-//!   at once, the same way.
+//!   whose address refuses a probe's or load poll's connection leaves at once (nothing listens
+//!   there) and is awaited at the load polls' pace, so that a process restarted on the same
+//!   address faster than `failures_to_remove` probes is rediscovered within seconds, the same way.
 //! - The running-request limit the scheduler's watermark counts is the configured one, else what
 //!   the engine reports (SGLang: `/server_info` at discovery, then every `/v1/loads`), else
 //!   [`crate::registry::DEFAULT_MAX_RUNNING_REQUESTS`]; `/debug/workers` shows which.
@@ -55,8 +55,8 @@ use crate::registry::{
 enum Left {
     /// `failures_to_remove` health probes in a row failed.
     Failed,
-    /// Its address refused a connection, then answered: a new process.
-    Restarted,
+    /// Its address refused a probe's or load poll's connection: nothing listens there.
+    Refused,
 }
 
 /// Why a worker leaves the live pool.
@@ -405,20 +405,23 @@ impl Control {
             self.arrive(&w, discovery);
             let left = self.live(&w).await;
             self.depart(w.id, Departure::Failed);
-            if left == Left::Restarted {
-                // A new process on the same address: the cooldown and breaker its predecessor
-                // earned, its ledger and its facts are not this one's. It answers: rediscover now.
-                tracing::info!(
-                    worker = %w.config.name,
-                    "worker refused connections, then answered again: restarted; rediscovering"
-                );
-                continue;
-            }
-            tracing::warn!(worker = %w.config.name, "worker left the live pool");
-            // Wait until it answers again, then rediscover (its ledger starts SYNCING).
+            // Wait until it answers again, then rediscover (its ledger starts SYNCING). One that
+            // refused connections is awaited at the load polls' pace: a process restarting on
+            // the same address is back in seconds, and the breaker and cooldown its predecessor
+            // earned are reset when it is rediscovered.
+            let every = match left {
+                Left::Failed => {
+                    tracing::warn!(worker = %w.config.name, "worker left the live pool");
+                    probes.health_interval
+                }
+                Left::Refused => {
+                    tracing::warn!(worker = %w.config.name, "worker refused connections: it left the live pool");
+                    probes.health_interval.min(probes.load_interval)
+                }
+            };
             let mut ok = 0;
             while ok < probes.successes_to_restore {
-                tokio::time::sleep(probes.health_interval).await;
+                tokio::time::sleep(every).await;
                 ok = if self.http.healthy(&w).await { ok + 1 } else { 0 };
             }
             tracing::info!(worker = %w.config.name, "worker answers again; rediscovering");
@@ -426,8 +429,8 @@ impl Control {
     }
 
     /// Probes health and polls load until `failures_to_remove` health probes in a row fail, or
-    /// the worker answers a probe or poll after one found its address refusing connections (a
-    /// process restarted on the same address, faster than `failures_to_remove` probes).
+    /// a probe or poll finds its address refusing connections (nothing listens there: it may be
+    /// restarting, faster than `failures_to_remove` probes would notice).
     async fn live(&self, w: &Arc<WorkerRecord>) -> Left {
         let probes = self.probes;
         let mut health = tokio::time::interval(probes.health_interval);
@@ -435,14 +438,12 @@ impl Control {
         health.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         load.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut failures = 0;
-        let mut refused = false;
         loop {
             tokio::select! {
                 _ = health.tick() => match self.http.health(w).await {
-                    Probed::Up if refused => return Left::Restarted,
                     Probed::Up => failures = 0,
-                    down => {
-                        refused |= down == Probed::Refused;
+                    Probed::Refused => return Left::Refused,
+                    Probed::Down => {
                         failures += 1;
                         if failures >= probes.failures_to_remove {
                             return Left::Failed;
@@ -450,10 +451,9 @@ impl Control {
                     }
                 },
                 _ = load.tick() => match self.http.loads(w).await {
-                    Ok(_) if refused => return Left::Restarted,
                     Ok(Some(reports)) => self.reported(w, &reports),
-                    Ok(None) => {}
-                    Err(down) => refused |= down == Probed::Refused,
+                    Ok(None) | Err(Probed::Down | Probed::Up) => {}
+                    Err(Probed::Refused) => return Left::Refused,
                 },
             }
         }
