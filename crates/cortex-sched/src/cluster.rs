@@ -214,13 +214,14 @@ pub struct Snapshot {
 }
 
 impl Snapshot {
-    /// Forgets the learned line of every trained holder that took no sample within `after`
-    /// while another holder of its pool did; returns how many. A holder whose line came out slow
-    /// (a stall, a burst, a restart) is no longer chosen, so it takes no sample that could
-    /// correct the line: forgotten, it is priced at its pool's learned line again (as an
-    /// untrained holder is, see [`crate::learn::TRAINED_SAMPLES`]) and learns anew from the
-    /// requests that brings. A pool where no holder took a sample (an idle cluster) forgets
-    /// nothing.
+    /// Forgets the learned line of every trained holder not booked within `after` while
+    /// another holder of its pool was; returns how many. Called periodically (every second in
+    /// the gateway): bookings are noticed by their count moving between two calls. A holder
+    /// whose line came out slow (a stall, a burst, a restart) is no longer chosen, so it takes no
+    /// sample that could correct the line: forgotten, it is priced at its pool's learned line
+    /// again (as an untrained holder is, see [`crate::learn::TRAINED_SAMPLES`]) and learns anew
+    /// from the requests that brings. Each recent forgetting doubles a holder's wait (up to 16
+    /// times `after`). A pool where no holder was booked (an idle cluster) forgets nothing.
     pub fn forget_starved(&self, now: Timestamp, after: Duration) -> usize {
         fn rank(h: &HolderSlot) -> Option<&crate::state::RankState> {
             h.state.rank_state(h.holder.rank)
@@ -228,7 +229,13 @@ impl Snapshot {
         let mut forgotten = 0;
         for p in &self.pools {
             let holders = &self.holders[p.start as usize..p.end as usize];
-            if !holders.iter().any(|h| rank(h).is_some_and(|r| r.sampled_within(now, after))) {
+            let mut active = false;
+            for h in holders {
+                if let Some(r) = rank(h) {
+                    active |= now.saturating_since(r.note_bookings(now)) <= after;
+                }
+            }
+            if !active {
                 continue;
             }
             for h in holders {

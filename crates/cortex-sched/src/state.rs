@@ -197,8 +197,15 @@ pub(crate) struct Hot {
 #[derive(Debug)]
 struct Learner {
     fit: RateFit,
-    /// When the fit last took a sample.
-    last_sample: Option<Timestamp>,
+    /// The holder's booking count when last noted, and when it last changed (see
+    /// [`RankState::note_bookings`]).
+    booked_seen: u64,
+    booked_at: Option<Timestamp>,
+    /// Times the line was forgotten for starvation lately, and the last time: each forgetting
+    /// doubles the wait before the next (a holder that is truly slow is not re-tried every
+    /// [`crate::learn::STARVED_AFTER`]); the count restarts after 16 quiet waits.
+    forgets: u32,
+    forgot_at: Option<Timestamp>,
     last_totals: Option<PrefillTotals>,
     /// How far the decisions' estimates were from the first chunks that came.
     errors: EstimateErrors,
@@ -220,7 +227,10 @@ impl RankState {
             cached_blocks: AtomicU32::new(0),
             learn: Mutex::new(Learner {
                 fit,
-                last_sample: None,
+                booked_seen: 0,
+                booked_at: None,
+                forgets: 0,
+                forgot_at: None,
                 last_totals: None,
                 errors: EstimateErrors::default(),
             }),
@@ -298,20 +308,33 @@ impl RankState {
         self.trained.store(trained, Ordering::Relaxed);
     }
 
-    /// Whether the learner took a sample within `after` before `now`.
-    pub(crate) fn sampled_within(&self, now: Timestamp, after: Duration) -> bool {
-        let l = self.learn.lock().unwrap_or_else(PoisonError::into_inner);
-        l.last_sample.is_some_and(|t| now.saturating_since(t) <= after)
+    /// Notes whether the holder was booked since the last call (its booking count moved) and
+    /// returns when it last was, as far as these calls tell (the first call counts as a booking).
+    pub(crate) fn note_bookings(&self, now: Timestamp) -> Timestamp {
+        // Relaxed: a count compared between two calls.
+        let count = self.booked_total_requests.load(Ordering::Relaxed);
+        let mut l = self.learn.lock().unwrap_or_else(PoisonError::into_inner);
+        if l.booked_at.is_none() || count != l.booked_seen {
+            l.booked_seen = count;
+            l.booked_at = Some(now);
+        }
+        l.booked_at.unwrap_or(now)
     }
 
-    /// Forgets a trained line that took no sample within `after` before `now` (see
-    /// [`crate::Snapshot::forget_starved`]); whether it did.
+    /// Forgets a trained line whose holder was not booked within `after` before `now` (twice as
+    /// long per recent forgetting; see [`crate::Snapshot::forget_starved`]); whether it did.
     pub(crate) fn forget_if_starved(&self, now: Timestamp, after: Duration) -> bool {
         let mut forgot = false;
         self.learn(|l| {
-            let recent = l.last_sample.is_some_and(|t| now.saturating_since(t) <= after);
-            if l.fit.samples() >= TRAINED_SAMPLES && !recent {
+            if l.forgot_at.is_some_and(|t| now.saturating_since(t) > after.saturating_mul(16)) {
+                l.forgets = 0;
+            }
+            let wait = after.saturating_mul(1 << l.forgets.min(4));
+            let starved = l.booked_at.is_some_and(|t| now.saturating_since(t) > wait);
+            if l.fit.samples() >= TRAINED_SAMPLES && starved {
                 l.fit.forget();
+                l.forgets = l.forgets.saturating_add(1);
+                l.forgot_at = Some(now);
                 forgot = true;
             }
         });
@@ -427,9 +450,7 @@ impl RankState {
                     && t.busy > prev.busy
                 {
                     let tokens = (t.uncached_tokens - prev.uncached_tokens) as f64;
-                    if l.fit.observe(tokens, (t.busy - prev.busy).as_secs_f64()) {
-                        l.last_sample = Some(now);
-                    }
+                    l.fit.observe(tokens, (t.busy - prev.busy).as_secs_f64());
                 }
                 l.last_totals = Some(t);
             });
@@ -876,9 +897,7 @@ impl Booking {
         if let Some(r) = self.state.rank_state(self.holder.rank) {
             let work = self.work_tokens as f64;
             r.learn(|l| {
-                if l.fit.observe(work, ttft) {
-                    l.last_sample = Some(now);
-                }
+                l.fit.observe(work, ttft);
                 if let Some(e) = estimated {
                     l.errors.record(e, ttft);
                 }

@@ -1025,28 +1025,33 @@ fn time_an_untrained_holder_is_estimated_at_its_pool_s_learned_line() {
 }
 
 /// A holder whose line came out slow (here: first chunks that took 200 ms more, a stall) is not
-/// chosen, so it takes no sample that could correct the line. After `STARVED_AFTER` without a
-/// sample while its pool's others take some, it forgets the line and is priced at its pool's
-/// line again; an idle pool (no holder sampled) forgets nothing.
+/// chosen, so it takes no sample that could correct the line. Not booked for `STARVED_AFTER`
+/// while its pool's others are, it forgets the line and is priced at its pool's line again; an
+/// idle pool (nobody booked) forgets nothing; and a holder forgotten again waits twice as long.
 #[test]
 fn time_a_holder_starved_by_a_slow_line_is_priced_at_its_pool_s_line_again() {
     let after = cortex_sched::learn::STARVED_AFTER;
+    let s = |secs: u64| ms(secs * 1_000);
     let mut f = Fixture::new(3, no_bound());
     let snap = f.cluster.load();
-    // The last samples come at 63 s.
+    // The last bookings come at 63 s.
     train(&snap, 0, 64, 1.0, 100.0);
     train(&snap, 1, 64, 1.0, 100.0);
     train(&snap, 2, 64, 200.0, 100.0);
     f.load(h(0), 1, 1_000).load(h(1), 1, 1_000).hits(&[]);
     assert_ne!(f.first(), h(2), "its slow line keeps it out");
-    // An idle pool: nobody sampled within the window, nobody forgets.
-    let later = ms(63_000).saturating_add(after + Duration::from_secs(5));
-    assert_eq!(snap.forget_starved(later, after), 0);
-    // w0 keeps taking requests; w2 (and w1, which took none either) forget their lines.
-    let mut b = snap.book_holder(h(0), 200, 0, later).expect("book");
-    b.first_output(later.saturating_add(Duration::from_millis(3)));
-    b.succeed(later.saturating_add(Duration::from_millis(10)));
-    assert_eq!(snap.forget_starved(later.saturating_add(Duration::from_millis(20)), after), 2);
+    // The sweep notes the bookings as it goes (the first look counts as one).
+    assert_eq!(snap.forget_starved(s(64), after), 0);
+    // An idle pool: nobody booked since, nobody forgets.
+    assert_eq!(snap.forget_starved(s(90), after), 0);
+    // w0 is booked again; w2 (and w1, booked no more than it) forget their lines.
+    let book = |w: u32, at: Timestamp| {
+        let mut b = snap.book_holder(h(w), 200, 0, at).expect("book");
+        b.first_output(at.saturating_add(Duration::from_millis(3)));
+        b.succeed(at.saturating_add(Duration::from_millis(10)));
+    };
+    book(0, s(91));
+    assert_eq!(snap.forget_starved(s(92), after), 2);
     assert_eq!(f.state(2).learned_samples(DpRank(0)), 0);
     assert_eq!(f.state(0).learned_samples(DpRank(0)), 65);
     // Priced at the pool's line (w0's), idle w2 is the faster choice now.
@@ -1055,6 +1060,22 @@ fn time_a_holder_starved_by_a_slow_line_is_priced_at_its_pool_s_line_again() {
     assert_eq!(r.first().expect("first").holder, h(2), "{:#?}", r.all().collect::<Vec<_>>());
     let w2 = r.all().find(|c| c.holder == h(2)).expect("w2");
     assert!((w2.rate_tokens_per_sec / 100_000.0 - 1.0).abs() < 0.05, "{w2:?}");
+    // w2 turns out slow again (8 bookings at 93 s): starved again, it now waits 2 × 20 s.
+    for _ in 0..8 {
+        let mut b = snap.book_holder(h(2), 200, 0, s(93)).expect("book");
+        b.first_output(s(93).saturating_add(Duration::from_millis(202)));
+        b.succeed(s(94));
+    }
+    book(0, s(94));
+    assert_eq!(snap.forget_starved(s(95), after), 0, "w2 was just booked");
+    for t in [110, 120, 130] {
+        book(0, s(t));
+        snap.forget_starved(s(t), after);
+        assert_eq!(f.state(2).learned_samples(DpRank(0)), 8, "at {t} s: within twice the wait");
+    }
+    book(0, s(140));
+    snap.forget_starved(s(140), after);
+    assert_eq!(f.state(2).learned_samples(DpRank(0)), 0, "past twice the wait");
 }
 
 /// `recompute_weight` charges a copy by how full the target's cache is: an empty cache evicts
