@@ -112,16 +112,37 @@ impl WorkerConfig {
     }
 }
 
-/// A host as the one-worker-per-address check compares it: an IP address in its canonical form,
-/// `localhost` and every loopback address as one, any other name case-insensitively as written
-/// (names are not resolved: two names of one machine are not matched).
+/// A host as the one-worker-per-address check compares it: an IP address as the one it
+/// reaches (an IPv4-mapped IPv6 address as its IPv4 address, one written as a single number as
+/// that address, the unspecified `0.0.0.0` and `::` as the loopback `127.0.0.1` and `::1`
+/// connections to them reach), any name case-insensitively without a trailing dot. Names are not
+/// resolved, except `localhost`, which matches `127.0.0.1` and `::1` ([`same_host`]).
 fn host_key(host: &str) -> String {
-    match host.parse::<std::net::IpAddr>() {
-        Ok(ip) if ip.is_loopback() => "localhost".to_owned(),
-        Ok(ip) => ip.to_string(),
-        Err(_) if host.eq_ignore_ascii_case("localhost") => "localhost".to_owned(),
-        Err(_) => host.to_ascii_lowercase(),
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let name = host.strip_suffix('.').unwrap_or(host);
+    let ip = name.parse::<IpAddr>().ok().or_else(|| {
+        // `http://2130706433:8000` is 127.0.0.1 to the resolver.
+        (!name.is_empty() && name.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| name.parse::<u32>().ok().map(|n| IpAddr::V4(Ipv4Addr::from(n))))
+            .flatten()
+    });
+    match ip {
+        Some(IpAddr::V6(v6)) if v6.to_ipv4_mapped().is_some() => {
+            host_key(&v6.to_ipv4_mapped().map_or_else(String::new, |v4| v4.to_string()))
+        }
+        Some(IpAddr::V4(v4)) if v4.is_unspecified() => Ipv4Addr::LOCALHOST.to_string(),
+        Some(IpAddr::V6(v6)) if v6.is_unspecified() => Ipv6Addr::LOCALHOST.to_string(),
+        Some(ip) => ip.to_string(),
+        None => name.to_ascii_lowercase(),
     }
+}
+
+/// Whether two hosts reach the same machine's listener as far as can be told without resolving
+/// names: equal [`host_key`]s, or `localhost` and one of the loopback addresses it names.
+fn same_host(a: &str, b: &str) -> bool {
+    let (a, b) = (host_key(a), host_key(b));
+    let local = |k: &str| k == "127.0.0.1" || k == "::1";
+    a == b || (a == "localhost" && local(&b)) || (b == "localhost" && local(&a))
 }
 
 /// What a worker's `url` must be, when it is no URL of the kind.
@@ -446,9 +467,8 @@ impl Registry {
             return Err(RegistryError::Duplicate(config.name));
         }
         // The scheme is always http: the same host and port is the same engine.
-        let key = host_key(&host);
         if let Some(other) =
-            guard.values().find(|w| host_key(&w.host) == key && w.base.port_u16() == base.port_u16())
+            guard.values().find(|w| same_host(&w.host, &host) && w.base.port_u16() == base.port_u16())
         {
             return Err(RegistryError::SameUrl {
                 name: config.name,
@@ -578,20 +598,34 @@ mod tests {
             );
         }
         assert!(r.add(cfg("b", "http://host:8001")).is_ok(), "another port is another engine");
-        // Loopback is one host however written; an IP address is compared in its canonical form.
-        for same in ["http://localhost:8000", "http://127.0.0.1:8000", "http://[0:0:0:0:0:0:0:1]:8000"] {
+        // An IP address is compared as the address it reaches; `localhost` names 127.0.0.1 and
+        // ::1; other loopback addresses are listeners of their own.
+        for same in [
+            "http://localhost:8000",
+            "http://LOCALHOST.:8000",
+            "http://[0:0:0:0:0:0:0:1]:8000",
+            "http://[::]:8000",
+        ] {
             assert_eq!(
                 r.add(cfg("c", same)).unwrap_err(),
                 RegistryError::SameUrl { name: "c".into(), url: same.into(), other: "w-1.a_b:c".into() }
             );
         }
-        assert!(r.add(cfg("c", "http://[2001:db8::1]:8000")).is_ok());
-        assert!(matches!(r.add(cfg("d", "http://[2001:db8:0::1]:8000")), Err(RegistryError::SameUrl { .. })));
+        assert!(r.add(cfg("c", "http://127.0.0.1:8000")).is_ok(), "::1 and 127.0.0.1 are two listeners");
+        for same in ["http://[::ffff:127.0.0.1]:8000", "http://2130706433:8000", "http://0.0.0.0:8000"] {
+            assert_eq!(
+                r.add(cfg("d", same)).unwrap_err(),
+                RegistryError::SameUrl { name: "d".into(), url: same.into(), other: "c".into() }
+            );
+        }
+        assert!(r.add(cfg("d", "http://127.0.0.2:8000")).is_ok(), "another loopback address");
+        assert!(r.add(cfg("e", "http://[2001:db8::1]:8000")).is_ok());
+        assert!(matches!(r.add(cfg("f", "http://[2001:db8:0::1]:8000")), Err(RegistryError::SameUrl { .. })));
         assert!(
-            r.add(cfg("d", "http://h:0")).unwrap_err().to_string().contains("http://host:port"),
+            r.add(cfg("f", "http://h:0")).unwrap_err().to_string().contains("http://host:port"),
             "port 0"
         );
-        assert_eq!(r.snapshot().len(), 4);
+        assert_eq!(r.snapshot().len(), 6);
     }
 
     #[test]

@@ -195,19 +195,27 @@ pub async fn send(
             class,
             message: worker_said(status, &body),
             sent: true,
-            retry_after: retry_after_seconds(&parts.headers),
+            retry_after: retry_after_seconds(class, &parts.headers),
         }),
         class => Ok(Answer::Reject { status, headers, body, class }),
     }
 }
 
-/// A `Retry-After` of whole seconds (an HTTP date is not kept: Cortex answers its own `1`).
-fn retry_after_seconds(headers: &HeaderMap) -> Option<u32> {
+/// The longest `Retry-After` passed on from a worker: a day (a quota that resets daily).
+pub const MAX_RETRY_AFTER_SECS: u32 = 86_400;
+
+/// A worker's `Retry-After` of whole seconds, at most [`MAX_RETRY_AFTER_SECS`], for a refusal
+/// that says "not now" (a rate limit or an exhausted quota, 429); `None` for any other failure,
+/// whose client gets Cortex's own `1` (an HTTP date is not kept either).
+fn retry_after_seconds(class: FailureClass, headers: &HeaderMap) -> Option<u32> {
+    if !matches!(class, FailureClass::RateLimited | FailureClass::QuotaExhausted) {
+        return None;
+    }
     let v = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim();
     if v.is_empty() || v.len() > 9 || !v.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    v.parse().ok()
+    v.parse::<u32>().ok().map(|s| s.min(MAX_RETRY_AFTER_SECS))
 }
 
 /// `worker answered <status>`, then the start of the worker's own error text (its JSON
@@ -981,6 +989,31 @@ pub fn set_header(h: &mut HeaderMap, name: &'static str, value: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_worker_s_retry_after_is_kept_only_for_not_now_and_capped() {
+        let h = |v: &str| {
+            let mut m = HeaderMap::new();
+            m.insert(http::header::RETRY_AFTER, v.parse().unwrap());
+            m
+        };
+        assert_eq!(retry_after_seconds(FailureClass::RateLimited, &h("30")), Some(30));
+        assert_eq!(retry_after_seconds(FailureClass::QuotaExhausted, &h(" 7 ")), Some(7));
+        assert_eq!(
+            retry_after_seconds(FailureClass::RateLimited, &h("999999999")),
+            Some(MAX_RETRY_AFTER_SECS)
+        );
+        assert_eq!(
+            retry_after_seconds(FailureClass::ServerError, &h("600")),
+            None,
+            "a 503's wait is not passed on"
+        );
+        assert_eq!(retry_after_seconds(FailureClass::Timeout, &h("600")), None);
+        for bad in ["Wed, 21 Oct 2015 07:28:00 GMT", "-1", "1.5", "", "1000000000"] {
+            assert_eq!(retry_after_seconds(FailureClass::RateLimited, &h(bad)), None, "{bad:?}");
+        }
+        assert_eq!(retry_after_seconds(FailureClass::RateLimited, &HeaderMap::new()), None);
+    }
 
     #[test]
     fn a_failed_attempt_keeps_what_the_worker_said() {
