@@ -69,10 +69,12 @@ struct Activity {
     /// still holds open.
     abandoned_open: AtomicUsize,
     changed: Notify,
-    /// Counts the client taking bytes of its answers: a response body asked for its next frame
-    /// (hyper sent or buffered the one before: on HTTP/2, the stream had window), or, while a
-    /// write waits, the socket's unsent bytes shrinking ([`WriteDeadline`]).
-    progress: AtomicU64,
+    /// Counts the client taking bytes of its answers: a write the socket took, or, while a write
+    /// waits, the socket's unsent bytes shrinking by [`MIN_DRAIN_BYTES`] ([`WriteDeadline`]) ...
+    drained: AtomicU64,
+    /// ... and a response body asked for its next frame (hyper sent or buffered the one before:
+    /// on HTTP/2, its stream had window).
+    asks: AtomicU64,
 }
 
 impl Activity {
@@ -80,9 +82,9 @@ impl Activity {
         Arc::new(Activity::default())
     }
 
-    fn progressed(&self) {
+    fn drained(&self) {
         // Relaxed: a count the sweep compares; no other memory hangs on it.
-        self.progress.fetch_add(1, Ordering::Relaxed);
+        self.drained.fetch_add(1, Ordering::Relaxed);
     }
 
     fn idle(&self) -> bool {
@@ -127,21 +129,33 @@ pub struct ConnSlot(Arc<Slot>);
 struct Slot {
     activity: Arc<Activity>,
     state: std::sync::atomic::AtomicU8,
+    multiplexed: bool,
 }
 
 impl ConnSlot {
-    fn new(a: &Arc<Activity>) -> Self {
+    fn new(a: &Arc<Activity>, version: http::Version) -> Self {
         a.in_flight.fetch_add(1, Ordering::SeqCst);
         a.changed.notify_one();
-        ConnSlot(Arc::new(Slot { activity: Arc::clone(a), state: std::sync::atomic::AtomicU8::new(COUNTED) }))
+        ConnSlot(Arc::new(Slot {
+            activity: Arc::clone(a),
+            state: std::sync::atomic::AtomicU8::new(COUNTED),
+            multiplexed: version >= http::Version::HTTP_2,
+        }))
     }
 
-    /// How often the request's connection has seen its client take bytes of an answer (see
-    /// [`Activity::progress`]): a client reading steadily, whose answers wait their turn on its
-    /// connection or socket, is not stalled.
-    pub(crate) fn progress(&self) -> u64 {
-        // Relaxed: as in `Activity::progressed`.
-        self.0.activity.progress.load(Ordering::Relaxed)
+    /// How often the request's connection has seen its client take bytes of an answer: its
+    /// socket draining, and its answers asking for their next frame (see [`Activity`]). A client
+    /// reading steadily, whose answers wait their turn on its socket or connection, is not
+    /// stalled.
+    pub(crate) fn progress(&self) -> (u64, u64) {
+        let a = &self.0.activity;
+        // Relaxed: as in `Activity::drained`.
+        (a.drained.load(Ordering::Relaxed), a.asks.load(Ordering::Relaxed))
+    }
+
+    /// Whether the request came over HTTP/2, where answers share their connection.
+    pub(crate) fn multiplexed(&self) -> bool {
+        self.0.multiplexed
     }
 
     /// The request's answer was given up on its client: it no longer keeps its connection open.
@@ -201,7 +215,8 @@ impl HttpBody for Tracked {
         if self.handed {
             // The server asks for the next frame: the last one went out (or into the buffer
             // before the socket), so the client took bytes.
-            self.in_flight.0.0.activity.progressed();
+            // Relaxed: as in `Activity::drained`.
+            self.in_flight.0.0.activity.asks.fetch_add(1, Ordering::Relaxed);
         }
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         self.handed = matches!(polled, Poll::Ready(Some(Ok(_))));
@@ -220,11 +235,18 @@ impl HttpBody for Tracked {
 /// How often a waiting write looks at the socket's unsent bytes.
 const UNSENT_CHECK_EVERY: Duration = Duration::from_millis(500);
 
+/// Bytes the socket's unsent queue must shrink by (or empty) to count as the client reading: a
+/// client trickling a few bytes now and then does not hold its answer (the least rate that keeps
+/// a connection is 16 KiB per `client_write_timeout`, 273 B/s at the default).
+const MIN_DRAIN_BYTES: usize = 16 << 10;
+
 /// A connection's socket whose writes fail once one has waited `limit` without the client taking
-/// a byte: while a write waits, the client takes bytes when the socket's unsent bytes shrink (a
-/// full socket becomes writable again only once much of it has drained, so a client reading
-/// slowly but steadily takes bytes all along). That is counted as the connection's progress,
-/// which the stall sweep reads ([`ConnSlot::progress`]).
+/// bytes, like nginx's `send_timeout`: the client takes bytes when a write goes through, or, while
+/// one waits, when the socket's unsent bytes shrink by [`MIN_DRAIN_BYTES`] or empty (a full socket
+/// becomes writable again only once much of it has drained). Both are counted as the
+/// connection's progress, which the stall sweep reads ([`ConnSlot::progress`]). A client whose
+/// kernel keeps its receive window shut for the whole of `limit` shows neither: one reading
+/// slower than about a sixteenth of its receive buffer per `limit` is cut.
 struct WriteDeadline {
     io: tokio::net::TcpStream,
     limit: Duration,
@@ -256,14 +278,19 @@ impl WriteDeadline {
         )
     }
 
-    /// `polled`, unless it has waited past the deadline with the client taking nothing.
+    /// `polled` (a write of `wrote` bytes when ready), unless it has waited past the deadline
+    /// with the client taking nothing.
     fn watch<T>(
         &mut self,
         cx: &mut Context<'_>,
         polled: Poll<std::io::Result<T>>,
+        wrote: usize,
     ) -> Poll<std::io::Result<T>> {
         if polled.is_ready() {
             self.waiting = None;
+            if wrote > 0 {
+                self.activity.drained();
+            }
             return polled;
         }
         let every = UNSENT_CHECK_EVERY.min(self.limit);
@@ -279,10 +306,10 @@ impl WriteDeadline {
             }
             let now = Instant::now();
             let left = unsent(&self.io);
-            if left < w.unsent {
+            if left < w.unsent && (w.unsent - left >= MIN_DRAIN_BYTES || left == 0) {
                 w.since = now;
                 w.unsent = left;
-                self.activity.progressed();
+                self.activity.drained();
             } else if now.duration_since(w.since) >= self.limit {
                 self.waiting = None;
                 self.expired = true;
@@ -333,7 +360,8 @@ impl AsyncWrite for WriteDeadline {
             return Poll::Ready(Err(self.expired_error()));
         }
         let polled = Pin::new(&mut self.io).poll_write(cx, buf);
-        self.watch(cx, polled)
+        let wrote = if let Poll::Ready(Ok(n)) = &polled { *n } else { 0 };
+        self.watch(cx, polled, wrote)
     }
 
     fn poll_write_vectored(
@@ -345,7 +373,8 @@ impl AsyncWrite for WriteDeadline {
             return Poll::Ready(Err(self.expired_error()));
         }
         let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
-        self.watch(cx, polled)
+        let wrote = if let Poll::Ready(Ok(n)) = &polled { *n } else { 0 };
+        self.watch(cx, polled, wrote)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -357,7 +386,7 @@ impl AsyncWrite for WriteDeadline {
             return Poll::Ready(Err(self.expired_error()));
         }
         let polled = Pin::new(&mut self.io).poll_flush(cx);
-        self.watch(cx, polled)
+        self.watch(cx, polled, 0)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -365,7 +394,7 @@ impl AsyncWrite for WriteDeadline {
             return Poll::Ready(Err(self.expired_error()));
         }
         let polled = Pin::new(&mut self.io).poll_shutdown(cx);
-        self.watch(cx, polled)
+        self.watch(cx, polled, 0)
     }
 }
 
@@ -493,7 +522,7 @@ async fn serve_connection<IO, H, Fut>(
 {
     let a = Arc::clone(&activity);
     let service = service_fn(move |mut req: Request<Incoming>| {
-        let slot = ConnSlot::new(&a);
+        let slot = ConnSlot::new(&a, req.version());
         req.extensions_mut().insert(slot.clone());
         let in_flight = InFlight(slot);
         let answer = handler(req);

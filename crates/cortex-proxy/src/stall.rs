@@ -1,8 +1,9 @@
 //! Answers a client stopped reading: a relay handed a frame to the server and not asked for
-//! another within `client_write_timeout`, on a connection whose client took no byte of any answer
+//! another within `client_write_timeout`, on a connection whose client took no bytes of any answer
 //! in that time (`ConnSlot::progress`: a client reading a full socket slowly, or many streams of
-//! one connection each waiting its turn, is still reading), is given up — dropped as if the
-//! client had left, which
+//! one connection each waiting its turn, is still reading; on HTTP/2 this holds an answer at most
+//! `MULTIPLEXED_WAIT_MAX` timeouts past its own frame), is given up — dropped as if the client
+//! had left, which
 //! releases its admission slot and booking and closes the worker's connection (the engine aborts
 //! the request) and ends the request as `client_gone`. The client's stream is reset when the server
 //! next writes to it. The request stops counting toward its connection's requests in flight: a
@@ -38,10 +39,19 @@ struct Cell {
     since: AtomicU64,
     /// The request's place on its client connection, given back when the relay is given up.
     conn: Option<ConnSlot>,
-    /// The connection's progress count when `since` was set: a count that moved since says its
-    /// client is reading (the answer waits its turn), not stalled.
-    seen: AtomicU64,
+    /// The connection's progress counts (socket drained, frames asked) when `since` was set:
+    /// counts that moved since say its client is reading (the answer waits its turn).
+    seen_drained: AtomicU64,
+    seen_asks: AtomicU64,
+    /// Milliseconds since [`Stalls::base`] when the relay last handed over a frame (`since`,
+    /// unlike this, moves when the connection's progress re-arms the wait).
+    handed_at: AtomicU64,
 }
+
+/// How many `client_write_timeout`s an HTTP/2 answer's own frame may wait while its connection
+/// makes progress elsewhere: a stream waiting its turn gets one well within it, and a stream
+/// whose window its client keeps shut is given up by then however busy the connection is.
+const MULTIPLEXED_WAIT_MAX: u64 = 4;
 
 /// The relays in flight and the sweep that gives up those whose client stopped reading.
 pub(crate) struct Stalls {
@@ -78,12 +88,15 @@ impl Stalls {
     pub(crate) fn watch(self: &Arc<Self>, relay: RelayBody, conn: Option<ConnSlot>) -> Watched {
         // Waiting from the start: the answer's head is the server's from now, and a server whose
         // client never opens its window may not ask for a first frame at all.
-        let seen = AtomicU64::new(conn.as_ref().map_or(0, ConnSlot::progress));
+        let (drained, asks) = conn.as_ref().map_or((0, 0), ConnSlot::progress);
+        let now = self.now_ms();
         let cell = Arc::new(Cell {
             relay: Mutex::new(Some(relay)),
-            since: AtomicU64::new(self.now_ms()),
+            since: AtomicU64::new(now),
             conn,
-            seen,
+            seen_drained: AtomicU64::new(drained),
+            seen_asks: AtomicU64::new(asks),
+            handed_at: AtomicU64::new(now),
         });
         let mut slots = lock(&self.cells);
         let slot = match slots.free.pop() {
@@ -128,14 +141,20 @@ impl Stalls {
                 }
                 // Its client took bytes of the connection's answers since: the answer waits its
                 // turn (a full socket draining slowly, other streams' share of the connection),
-                // not a client that stopped. Watched afresh from now.
-                if let Some(progress) = cell.conn.as_ref().map(ConnSlot::progress)
-                    && progress != cell.seen.load(Ordering::Relaxed)
-                {
-                    // Relaxed (both): as `since` above.
-                    cell.seen.store(progress, Ordering::Relaxed);
-                    cell.since.store(now, Ordering::Relaxed);
-                    return None;
+                // not a client that stopped. Watched afresh from now — on HTTP/2 only up to
+                // `MULTIPLEXED_WAIT_MAX` timeouts of its own frame's wait.
+                if let Some(c) = &cell.conn {
+                    // Relaxed (all): as `since` above.
+                    let (drained, asks) = c.progress();
+                    let moved = drained != cell.seen_drained.load(Ordering::Relaxed)
+                        || asks != cell.seen_asks.load(Ordering::Relaxed);
+                    let own_wait = now.saturating_sub(cell.handed_at.load(Ordering::Relaxed));
+                    if moved && (!c.multiplexed() || own_wait <= limit.saturating_mul(MULTIPLEXED_WAIT_MAX)) {
+                        cell.seen_drained.store(drained, Ordering::Relaxed);
+                        cell.seen_asks.store(asks, Ordering::Relaxed);
+                        cell.since.store(now, Ordering::Relaxed);
+                        return None;
+                    }
                 }
                 // Marked under the lock: a poll that finds the cell empty comes after it.
                 r.as_mut()?.client_stalled();
@@ -194,11 +213,15 @@ impl HttpBody for Watched {
         let polled = Pin::new(r).poll_frame(cx);
         let since = match &polled {
             Poll::Ready(Some(Ok(_))) => {
+                let now = this.stalls.now_ms();
                 if let Some(c) = &this.cell.conn {
-                    // Relaxed: read under this lock by the sweep.
-                    this.cell.seen.store(c.progress(), Ordering::Relaxed);
+                    let (drained, asks) = c.progress();
+                    // Relaxed (all): read under this lock by the sweep.
+                    this.cell.seen_drained.store(drained, Ordering::Relaxed);
+                    this.cell.seen_asks.store(asks, Ordering::Relaxed);
                 }
-                this.stalls.now_ms()
+                this.cell.handed_at.store(now, Ordering::Relaxed);
+                now
             }
             _ => NOT_WAITING,
         };

@@ -1178,30 +1178,99 @@ async fn a_connection_with_many_answers_given_up_is_closed() {
     h.shutdown().await;
 }
 
+/// An HTTP/2 frame, by hand.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let n = u32::try_from(payload.len()).unwrap();
+    let mut f = vec![(n >> 16) as u8, (n >> 8) as u8, n as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A streaming completion on HTTP/2 `stream`, by hand (HPACK without Huffman: `:method POST`,
+/// `:scheme http`, `:path`, `:authority x`, `content-type`).
+fn h2_post(stream: u32, prompt: &str) -> Vec<u8> {
+    let mut block = vec![0x83, 0x86, 0x04, 15];
+    block.extend_from_slice(b"/v1/completions");
+    block.extend_from_slice(&[0x01, 0x01, b'x', 0x0f, 0x10, 16]);
+    block.extend_from_slice(b"application/json");
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": true}).to_string();
+    let mut out = h2_frame(1, 0x4, stream, &block);
+    out.extend(h2_frame(0, 0x1, stream, body.as_bytes()));
+    out
+}
+
+/// Reads HTTP/2 frames from `c` until `stream` ends (a DATA or HEADERS frame with END_STREAM);
+/// `seen` keeps what was read past it.
+async fn h2_until_end(c: &mut TcpStream, seen: &mut Vec<u8>, stream: u32) {
+    let mut buf = [0u8; 8192];
+    loop {
+        let mut at = 0;
+        while at + 9 <= seen.len() {
+            let len =
+                (usize::from(seen[at]) << 16) | (usize::from(seen[at + 1]) << 8) | usize::from(seen[at + 2]);
+            if at + 9 + len > seen.len() {
+                break;
+            }
+            let (kind, flags) = (seen[at + 3], seen[at + 4]);
+            let id =
+                u32::from_be_bytes([seen[at + 5], seen[at + 6], seen[at + 7], seen[at + 8]]) & 0x7fff_ffff;
+            at += 9 + len;
+            if id == stream && (kind == 0 || kind == 1) && flags & 1 == 1 {
+                seen.drain(..at);
+                return;
+            }
+        }
+        seen.drain(..at);
+        let n = tokio::time::timeout(fake::WAIT, c.read(&mut buf)).await.expect("a frame").unwrap();
+        assert!(n > 0, "the connection closed before stream {stream} ended");
+        seen.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// A stream whose window its client keeps shut is given up even while the client keeps other
+/// streams of the connection busy (each of which counts as the connection's progress): its own
+/// frame may wait at most 4 `client_write_timeout`s. Its booking is then released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shut_stream_beside_busy_ones_is_given_up_all_the_same() {
+    let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
+    opts.proxy.limits = Limits {
+        client_write_timeout: Duration::from_millis(300),
+        header_read_timeout: Duration::from_secs(60),
+        ..Limits::default()
+    };
+    let h = start(opts).await;
+    let mut c = TcpStream::connect(h.addr).await.unwrap();
+    let mut ask = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    ask.extend(h2_frame(4, 0, 0, &[0, 4, 0, 0, 0, 0]));
+    ask.extend(h2_post(1, "kept shut"));
+    c.write_all(&ask).await.unwrap();
+    let booked = |dbg: &Value| worker_entry(dbg, "w0")["ranks"][0]["booked_requests"].as_u64();
+    let mut seen = Vec::new();
+    let started = std::time::Instant::now();
+    let (mut stream, mut released) = (3u32, None);
+    // Busy streams, one after another, each read whole (its window opened), for 3 s.
+    while started.elapsed() < Duration::from_secs(3) {
+        let mut one = h2_post(stream, &format!("busy {stream}"));
+        one.extend(h2_frame(8, 0, stream, &(1u32 << 20).to_be_bytes()));
+        c.write_all(&one).await.unwrap();
+        h2_until_end(&mut c, &mut seen, stream).await;
+        stream += 2;
+        if released.is_none() && booked(&h.debug_workers().await) == Some(0) {
+            released = Some(started.elapsed());
+        }
+    }
+    let at = released.expect("the shut stream kept its booking while the others flowed");
+    assert!(at >= Duration::from_millis(300), "given up too soon: {at:?}");
+    h.shutdown().await;
+}
+
 /// A connection closed because its client left an answer unread is closed gracefully: an answer
 /// that finished in the same moment reaches the client whole (its last frames were queued, not
 /// yet written, when its request stopped counting). HTTP/2 by hand, so that one stream's window
 /// stays shut while the other's is open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_finished_beside_a_given_up_one_is_delivered_whole() {
-    fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-        let n = u32::try_from(payload.len()).unwrap();
-        let mut f = vec![(n >> 16) as u8, (n >> 8) as u8, n as u8, kind, flags];
-        f.extend_from_slice(&stream.to_be_bytes());
-        f.extend_from_slice(payload);
-        f
-    }
-    fn post(stream: u32, prompt: &str) -> Vec<u8> {
-        // HPACK without Huffman: :method POST, :scheme http, :path, :authority x, content-type.
-        let mut block = vec![0x83, 0x86, 0x04, 15];
-        block.extend_from_slice(b"/v1/completions");
-        block.extend_from_slice(&[0x01, 0x01, b'x', 0x0f, 0x10, 16]);
-        block.extend_from_slice(b"application/json");
-        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "stream": true}).to_string();
-        let mut out = frame(1, 0x4, stream, &block);
-        out.extend(frame(0, 0x1, stream, body.as_bytes()));
-        out
-    }
     for round in 0..3 {
         let mut opts = Options::new(Engine::Sglang, vec![FakeConfig::new(Engine::Sglang)]);
         opts.proxy.limits = Limits {
@@ -1215,10 +1284,10 @@ async fn an_answer_finished_beside_a_given_up_one_is_delivered_whole() {
         let mut c = TcpStream::connect(h.addr).await.unwrap();
         let mut ask = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
         // Every stream's window 0, then stream 3's opened: stream 1 is never read.
-        ask.extend(frame(4, 0, 0, &[0, 4, 0, 0, 0, 0]));
-        ask.extend(post(1, &format!("never read {round}")));
-        ask.extend(post(3, &format!("read whole {round}")));
-        ask.extend(frame(8, 0, 3, &(1u32 << 20).to_be_bytes()));
+        ask.extend(h2_frame(4, 0, 0, &[0, 4, 0, 0, 0, 0]));
+        ask.extend(h2_post(1, &format!("never read {round}")));
+        ask.extend(h2_post(3, &format!("read whole {round}")));
+        ask.extend(h2_frame(8, 0, 3, &(1u32 << 20).to_be_bytes()));
         c.write_all(&ask).await.unwrap();
         // Stream 1 is given up (300 ms) while stream 3 is in flight; then stream 3 finishes,
         // and the connection, holding only the given-up answer, is closed.
