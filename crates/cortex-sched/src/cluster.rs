@@ -232,7 +232,7 @@ impl Snapshot {
             let mut active = false;
             for h in holders {
                 if let Some(r) = rank(h) {
-                    active |= now.saturating_since(r.note_bookings(now)) <= after;
+                    active |= r.note_bookings(now).is_some_and(|t| now.saturating_since(t) <= after);
                 }
             }
             if !active {

@@ -201,9 +201,12 @@ struct Learner {
     /// [`RankState::note_bookings`]).
     booked_seen: u64,
     booked_at: Option<Timestamp>,
+    /// Whether `booked_at` is a booking seen (not the first call's start of the clock).
+    booked_moved: bool,
     /// Times the line was forgotten for starvation lately, and the last time: each forgetting
     /// doubles the wait before the next (a holder that is truly slow is not re-tried every
-    /// [`crate::learn::STARVED_AFTER`]); the count restarts after 16 quiet waits.
+    /// [`crate::learn::STARVED_AFTER`]); the count restarts once the holder, 32 waits after its
+    /// last forgetting, is being chosen.
     forgets: u32,
     forgot_at: Option<Timestamp>,
     last_totals: Option<PrefillTotals>,
@@ -229,6 +232,7 @@ impl RankState {
                 fit,
                 booked_seen: 0,
                 booked_at: None,
+                booked_moved: false,
                 forgets: 0,
                 forgot_at: None,
                 last_totals: None,
@@ -309,16 +313,27 @@ impl RankState {
     }
 
     /// Notes whether the holder was booked since the last call (its booking count moved) and
-    /// returns when it last was, as far as these calls tell (the first call counts as a booking).
-    pub(crate) fn note_bookings(&self, now: Timestamp) -> Timestamp {
+    /// returns when it last was, as far as these calls tell; `None` until a call saw the count
+    /// move (the first call only starts the holder's clock: a holder joining an idle pool does
+    /// not make it busy).
+    pub(crate) fn note_bookings(&self, now: Timestamp) -> Option<Timestamp> {
         // Relaxed: a count compared between two calls.
         let count = self.booked_total_requests.load(Ordering::Relaxed);
         let mut l = self.learn.lock().unwrap_or_else(PoisonError::into_inner);
-        if l.booked_at.is_none() || count != l.booked_seen {
-            l.booked_seen = count;
-            l.booked_at = Some(now);
+        match l.booked_at {
+            None => {
+                l.booked_seen = count;
+                l.booked_at = Some(now);
+                l.booked_moved = false;
+            }
+            Some(_) if count != l.booked_seen => {
+                l.booked_seen = count;
+                l.booked_at = Some(now);
+                l.booked_moved = true;
+            }
+            Some(_) => {}
         }
-        l.booked_at.unwrap_or(now)
+        l.booked_at.filter(|_| l.booked_moved)
     }
 
     /// Forgets a trained line whose holder was not booked within `after` before `now` (twice as
@@ -326,7 +341,10 @@ impl RankState {
     pub(crate) fn forget_if_starved(&self, now: Timestamp, after: Duration) -> bool {
         let mut forgot = false;
         self.learn(|l| {
-            if l.forgot_at.is_some_and(|t| now.saturating_since(t) > after.saturating_mul(16)) {
+            // Chosen on its own line for long since its last forgetting: a fresh start.
+            if l.forgot_at.is_some_and(|t| now.saturating_since(t) > after.saturating_mul(32))
+                && l.booked_at.is_some_and(|t| now.saturating_since(t) <= after)
+            {
                 l.forgets = 0;
             }
             let wait = after.saturating_mul(1 << l.forgets.min(4));

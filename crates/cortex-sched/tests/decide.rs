@@ -1078,6 +1078,22 @@ fn time_a_holder_starved_by_a_slow_line_is_priced_at_its_pool_s_line_again() {
     assert_eq!(f.state(2).learned_samples(DpRank(0)), 0, "past twice the wait");
 }
 
+/// A worker joining (or rejoining) an idle pool does not make it busy: its first look only starts
+/// its clock, so the trained holders of the pool keep their lines.
+#[test]
+fn time_a_worker_joining_an_idle_pool_makes_nobody_forget() {
+    let after = cortex_sched::learn::STARVED_AFTER;
+    let s = |secs: u64| ms(secs * 1_000);
+    let f = Fixture::new(2, no_bound());
+    train(&f.cluster.load(), 0, 64, 1.0, 100.0);
+    train(&f.cluster.load(), 1, 64, 1.0, 100.0);
+    assert_eq!(f.cluster.load().forget_starved(s(64), after), 0);
+    assert_eq!(f.cluster.load().forget_starved(s(120), after), 0, "idle");
+    f.cluster.upsert(WorkerSpec::new(WorkerId(2), MODEL, Engine::Sglang), Health::Healthy);
+    assert_eq!(f.cluster.load().forget_starved(s(121), after), 0, "a joining worker is no booking");
+    assert_eq!(f.state(0).learned_samples(DpRank(0)), 64);
+}
+
 /// `recompute_weight` charges a copy by how full the target's cache is: an empty cache evicts
 /// nothing, so a worker with room takes a request a full one would only take with its queue.
 #[test]
