@@ -419,10 +419,16 @@ impl Control {
                     probes.health_interval.min(probes.load_interval)
                 }
             };
-            let mut ok = 0;
+            // A worker that stays away is probed less and less often, up to `health_interval`.
+            let (mut ok, mut every) = (0, every);
             while ok < probes.successes_to_restore {
                 tokio::time::sleep(every).await;
-                ok = if self.http.healthy(&w).await { ok + 1 } else { 0 };
+                ok = if self.http.healthy(&w).await {
+                    ok + 1
+                } else {
+                    every = every.saturating_mul(2).min(probes.health_interval);
+                    0
+                };
             }
             tracing::info!(worker = %w.config.name, "worker answers again; rediscovering");
         }

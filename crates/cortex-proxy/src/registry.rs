@@ -120,12 +120,8 @@ impl WorkerConfig {
 fn host_key(host: &str) -> String {
     use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
     let name = host.strip_suffix('.').unwrap_or(host);
-    let ip = name.parse::<IpAddr>().ok().or_else(|| {
-        // `http://2130706433:8000` is 127.0.0.1 to the resolver.
-        (!name.is_empty() && name.bytes().all(|b| b.is_ascii_digit()))
-            .then(|| name.parse::<u32>().ok().map(|n| IpAddr::V4(Ipv4Addr::from(n))))
-            .flatten()
-    });
+    // `http://2130706433:8000`, `127.1` or `0x7f.0.0.1` are 127.0.0.1 to the resolver.
+    let ip = name.parse::<IpAddr>().ok().or_else(|| inet_aton(name).map(IpAddr::V4));
     match ip {
         Some(IpAddr::V6(v6)) if v6.to_ipv4_mapped().is_some() => {
             host_key(&v6.to_ipv4_mapped().map_or_else(String::new, |v4| v4.to_string()))
@@ -135,6 +131,39 @@ fn host_key(host: &str) -> String {
         Some(ip) => ip.to_string(),
         None => name.to_ascii_lowercase(),
     }
+}
+
+/// An IPv4 address in any form the system resolver takes (`inet_aton`): one to four parts
+/// separated by dots, each decimal, `0x` hexadecimal or `0` octal, the last filling the bytes
+/// left.
+fn inet_aton(s: &str) -> Option<std::net::Ipv4Addr> {
+    let mut parts = [0u32; 4];
+    let mut n = 0;
+    for p in s.split('.') {
+        let (digits, radix) = match p.strip_prefix("0x").or_else(|| p.strip_prefix("0X")) {
+            Some(h) => (h, 16),
+            None if p.len() > 1 && p.starts_with('0') => (&p[1..], 8),
+            None => (p, 10),
+        };
+        if n == 4 || digits.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) {
+            return None;
+        }
+        parts[n] = u32::from_str_radix(digits, radix).ok()?;
+        n += 1;
+    }
+    let (head, last) = (&parts[..n - 1], parts[n - 1]);
+    let mut addr = 0u32;
+    for (i, &v) in head.iter().enumerate() {
+        if v > 255 {
+            return None;
+        }
+        addr |= v << (24 - 8 * i);
+    }
+    let room = 32 - 8 * head.len();
+    if room < 32 && last >> room != 0 {
+        return None;
+    }
+    Some(std::net::Ipv4Addr::from(addr | last))
 }
 
 /// Whether two hosts reach the same machine's listener as far as can be told without resolving
@@ -612,7 +641,15 @@ mod tests {
             );
         }
         assert!(r.add(cfg("c", "http://127.0.0.1:8000")).is_ok(), "::1 and 127.0.0.1 are two listeners");
-        for same in ["http://[::ffff:127.0.0.1]:8000", "http://2130706433:8000", "http://0.0.0.0:8000"] {
+        for same in [
+            "http://[::ffff:127.0.0.1]:8000",
+            "http://2130706433:8000",
+            "http://0.0.0.0:8000",
+            "http://127.1:8000",
+            "http://0x7f000001:8000",
+            "http://0177.0.0.1:8000",
+            "http://127.0.0.01:8000",
+        ] {
             assert_eq!(
                 r.add(cfg("d", same)).unwrap_err(),
                 RegistryError::SameUrl { name: "d".into(), url: same.into(), other: "c".into() }
@@ -626,6 +663,33 @@ mod tests {
             "port 0"
         );
         assert_eq!(r.snapshot().len(), 6);
+    }
+
+    #[test]
+    fn ipv4_in_the_resolver_s_forms() {
+        for (s, ip) in [
+            ("127.0.0.1", Some("127.0.0.1")),
+            ("127.1", Some("127.0.0.1")),
+            ("127.0.1", Some("127.0.0.1")),
+            ("0x7f000001", Some("127.0.0.1")),
+            ("0x7f.0.0.1", Some("127.0.0.1")),
+            ("0177.0.0.1", Some("127.0.0.1")),
+            ("017700000001", Some("127.0.0.1")),
+            ("2130706433", Some("127.0.0.1")),
+            ("10.0.258", Some("10.0.1.2")),
+            ("256.0.0.1", None),
+            ("1.2.3.4.5", None),
+            ("08.0.0.1", None),
+            ("0x", None),
+            ("127..1", None),
+            ("+1.2.3.4", None),
+            ("4294967296", None),
+            ("1.16777216", None),
+            ("host", None),
+            ("", None),
+        ] {
+            assert_eq!(inet_aton(s).map(|a| a.to_string()), ip.map(str::to_owned), "{s:?}");
+        }
     }
 
     #[test]

@@ -212,10 +212,11 @@ fn retry_after_seconds(class: FailureClass, headers: &HeaderMap) -> Option<u32> 
         return None;
     }
     let v = headers.get(http::header::RETRY_AFTER)?.to_str().ok()?.trim();
-    if v.is_empty() || v.len() > 9 || !v.bytes().all(|b| b.is_ascii_digit()) {
+    if v.is_empty() || !v.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    v.parse::<u32>().ok().map(|s| s.min(MAX_RETRY_AFTER_SECS))
+    // Any number of digits: a wait beyond the cap is the cap.
+    Some(v.parse::<u64>().map_or(MAX_RETRY_AFTER_SECS, |s| s.min(u64::from(MAX_RETRY_AFTER_SECS)) as u32))
 }
 
 /// `worker answered <status>`, then the start of the worker's own error text (its JSON
@@ -1009,7 +1010,11 @@ mod tests {
             "a 503's wait is not passed on"
         );
         assert_eq!(retry_after_seconds(FailureClass::Timeout, &h("600")), None);
-        for bad in ["Wed, 21 Oct 2015 07:28:00 GMT", "-1", "1.5", "", "1000000000"] {
+        assert_eq!(
+            retry_after_seconds(FailureClass::RateLimited, &h("99999999999999999999999")),
+            Some(MAX_RETRY_AFTER_SECS)
+        );
+        for bad in ["Wed, 21 Oct 2015 07:28:00 GMT", "-1", "1.5", ""] {
             assert_eq!(retry_after_seconds(FailureClass::RateLimited, &h(bad)), None, "{bad:?}");
         }
         assert_eq!(retry_after_seconds(FailureClass::RateLimited, &HeaderMap::new()), None);
