@@ -245,8 +245,9 @@ const MIN_DRAIN_BYTES: usize = 16 << 10;
 /// one waits, when the socket's unsent bytes shrink by [`MIN_DRAIN_BYTES`] or empty (a full socket
 /// becomes writable again only once much of it has drained). Both are counted as the
 /// connection's progress, which the stall sweep reads ([`ConnSlot::progress`]). A client whose
-/// kernel keeps its receive window shut for the whole of `limit` shows neither: one reading
-/// slower than about a sixteenth of its receive buffer per `limit` is cut.
+/// kernel keeps its receive window shut for the whole of `limit` shows neither: the window
+/// reopens only in large steps, so one reading less than about a receive window per `limit` is
+/// cut.
 struct WriteDeadline {
     io: tokio::net::TcpStream,
     limit: Duration,
