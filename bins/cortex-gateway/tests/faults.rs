@@ -71,6 +71,27 @@ fn assert_not_over_predicted(r: &Reply) {
 /// The harness of this suite: worker processes.
 type Procs = Harness<SimProcess>;
 
+/// A worker's circuit breaker, and whether it is cooling down, now.
+fn failure_state(h: &Procs, worker: cortex_hash::kv::WorkerId) -> Option<(BreakerState, bool)> {
+    let c = h.gw.gateway.control();
+    let snap = c.cluster().load();
+    snap.worker(worker).map(|e| {
+        let now = c.clock().now();
+        (e.state().breaker(now), e.state().cooldown(now).is_some())
+    })
+}
+
+/// Sends fresh prompts (`prefix 0`, `prefix 1`, …) until one is served by `holder`, at most 50.
+async fn takes_fresh_prompts(h: &Procs, holder: &str, prefix: &str) {
+    for i in 0..50 {
+        let r = served(h, &chat(&format!("{prefix} {i}"), false)).await;
+        if r.header("x-cortex-assigned-worker") == holder {
+            return;
+        }
+    }
+    panic!("the restarted worker got no traffic");
+}
+
 /// Sends `body`, which must succeed, and checks it was not over-predicted.
 async fn served(h: &Procs, body: &Value) -> Reply {
     let r = h.post("/v1/chat/completions", body).await;
@@ -193,40 +214,28 @@ async fn a_worker_restarted_on_its_port_rejoins_with_a_closed_breaker_and_an_emp
     let holder = served(&h, &body).await.header("x-cortex-assigned-worker").to_owned();
     h.wait_hit(&body, |w, hit| w == holder && hit > 0).await;
     let worker_id = h.holder(&holder).worker;
-    let state = |h: &Procs| {
-        let c = h.gw.gateway.control();
-        let snap = c.cluster().load();
-        snap.worker(worker_id).map(|e| {
-            let now = c.clock().now();
-            (e.state().breaker(now), e.state().cooldown(now).is_some())
-        })
-    };
     // The worker fails under load before it dies: the prompt's hit sends the request to it, its
     // 500 opens the breaker (one fault), and the request is served elsewhere.
     h.inject(&holder, &Fault::FailNext { status: 500, count: 1 }).await;
     let r = served(&h, &body).await;
     assert_ne!(r.header("x-cortex-assigned-worker"), holder);
-    assert_eq!(state(&h).map(|s| s.0), Some(BreakerState::Open));
+    assert_eq!(failure_state(&h, worker_id).map(|s| s.0), Some(BreakerState::Open));
     h.kill(&holder);
     h.wait("the dead worker left the pool", || h.live_workers() == 1).await;
     h.restart(&holder);
     h.wait("the restarted worker rejoined", || h.live_workers() == 2).await;
     let holder_id = h.holder(&holder);
     h.wait("its ledger is READY", || h.gw.ledger_state(holder_id) == Some(Readiness::Ready)).await;
-    assert_eq!(state(&h), Some((BreakerState::Closed, false)), "breaker and cooldown of the dead instance");
+    assert_eq!(
+        failure_state(&h, worker_id),
+        Some((BreakerState::Closed, false)),
+        "breaker and cooldown of the dead instance"
+    );
     // Its cache is empty: the prompt is not credited to it.
     assert_eq!(h.hit_on(&body, &holder).await, 0);
     served(&h, &body).await;
     // It takes traffic: fresh prompts are load-balanced onto it.
-    let mut i = 0;
-    loop {
-        let r = served(&h, &chat(&format!("after the restart {i}"), false)).await;
-        if r.header("x-cortex-assigned-worker") == holder {
-            break;
-        }
-        i += 1;
-        assert!(i < 50, "the restarted worker got no traffic");
-    }
+    takes_fresh_prompts(&h, &holder, "after the restart").await;
     h.shutdown().await;
 }
 
@@ -250,36 +259,22 @@ async fn a_worker_restarted_between_two_health_probes_is_rediscovered() {
     let holder = served(&h, &body).await.header("x-cortex-assigned-worker").to_owned();
     h.wait_hit(&body, |w, hit| w == holder && hit > 0).await;
     let worker_id = h.holder(&holder).worker;
-    let breaker = |h: &Procs| {
-        let c = h.gw.gateway.control();
-        let snap = c.cluster().load();
-        snap.worker(worker_id).map(|e| {
-            let now = c.clock().now();
-            (e.state().breaker(now), e.state().cooldown(now).is_some())
-        })
-    };
     h.inject(&holder, &Fault::FailNext { status: 500, count: 1 }).await;
     served(&h, &body).await;
-    assert_eq!(breaker(&h).map(|s| s.0), Some(BreakerState::Open));
+    assert_eq!(failure_state(&h, worker_id).map(|s| s.0), Some(BreakerState::Open));
     h.kill(&holder);
     // A load poll finds the address refusing: the worker leaves at once (no health probe fails
     // in this time).
     h.wait("the killed worker left at once", || h.live_workers() == 1).await;
     h.restart(&holder);
-    h.wait("the breaker of the killed instance reset", || breaker(&h) == Some((BreakerState::Closed, false)))
-        .await;
+    h.wait("the breaker of the killed instance reset", || {
+        failure_state(&h, worker_id) == Some((BreakerState::Closed, false))
+    })
+    .await;
     let holder_id = h.holder(&holder);
     h.wait("its ledger is READY", || h.gw.ledger_state(holder_id) == Some(Readiness::Ready)).await;
     assert_eq!(h.hit_on(&body, &holder).await, 0, "the new process's cache is empty");
-    let mut i = 0;
-    loop {
-        let r = served(&h, &chat(&format!("after the fast restart {i}"), false)).await;
-        if r.header("x-cortex-assigned-worker") == holder {
-            break;
-        }
-        i += 1;
-        assert!(i < 50, "the restarted worker got no traffic");
-    }
+    takes_fresh_prompts(&h, &holder, "after the fast restart").await;
     h.shutdown().await;
 }
 
