@@ -24,7 +24,7 @@ use cortex_proxy::config::{
 };
 use cortex_proxy::observe::AccessLog;
 use cortex_proxy::registry::{Registry, parse_role, parse_unlabeled_stores};
-use cortex_proxy::{EventsOverride, ModelTable, Tls, TlsConfig, Token, WorkerConfig};
+use cortex_proxy::{EventsOverride, ModelTable, Tls, TlsConfig, Token, WorkerConfig, WorkerKey};
 use cortex_radix::LedgerConfig;
 use cortex_sched::{
     BoundedLoad, BreakerConfig, ConfigError, Cooldowns, HealthPolicy, LoadSignals, PolicyConfig, PolicyKind,
@@ -304,6 +304,17 @@ fn token_from_env(key: &str, var: &str) -> Result<Token> {
     bearer_token(key, var, &token)
 }
 
+/// The API key of a model's workers, in the environment variable `var`, for the key `key`:
+/// checked as a bearer token clients send (Cortex is the client here).
+fn worker_key_from_env(key: &str, var: &str) -> Result<WorkerKey> {
+    let secret = std::env::var(var)
+        .ok()
+        .filter(|t| !t.is_empty())
+        .with_context(|| format!("{key}: the environment variable `{var}` is not set or empty"))?;
+    bearer_token(key, var, &secret)?;
+    WorkerKey::new(&secret).with_context(|| format!("{key}: the key in `{var}` is not a header value"))
+}
+
 /// `token`, read from `var` for `key`, if clients can send it.
 fn bearer_token(key: &str, var: &str, token: &str) -> Result<Token> {
     // A bearer token is compared byte for byte with what clients send: only visible ASCII
@@ -380,6 +391,10 @@ pub struct ModelFile {
     /// LoRA adapters served by this model's workers.
     #[serde(default)]
     pub adapters: Vec<AdapterFile>,
+    /// Environment variable holding the API key this model's workers require (their engines'
+    /// `--api-key`).
+    #[serde(default)]
+    pub worker_api_key_env: Option<String>,
 }
 
 /// `engine:`
@@ -926,11 +941,18 @@ impl Config {
             let adapters: Vec<(String, String)> =
                 m.adapters.iter().map(|a| (a.name.clone(), a.path.clone())).collect();
             let name = m.name.clone();
+            let worker_key = match &m.worker_api_key_env {
+                Some(var) => Some(worker_key_from_env(&format!("models[{i}].worker_api_key_env"), var)?),
+                None => None,
+            };
             let spec = model_spec(m, base).with_context(|| format!("models[{i}] ({name})"))?;
             if models.get(Some(&name)).is_some() {
                 bail!("models[{i}].name `{name}` is configured twice");
             }
             models.add_model(spec, proxy.segment_cache_tokens);
+            if let Some(key) = worker_key {
+                models.set_worker_api_key(&name, key);
+            }
             for (j, (a, path)) in adapters.into_iter().enumerate() {
                 if !models.add_adapter(&a, &path, &name) {
                     bail!("models[{i}].adapters[{j}].name `{a}` is already served");
@@ -1619,6 +1641,33 @@ mod tests {
                 "{token:?}: {err}"
             );
         }
+    }
+
+    #[test]
+    fn a_model_s_worker_api_key_is_read_from_its_variable() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let with = |var: &str| {
+            let yaml = minimal("").replace(
+                "    block_size: 16\n",
+                &format!("    block_size: 16\n    worker_api_key_env: {var}\n"),
+            );
+            Config::parse(&yaml).unwrap().into_settings(&base)
+        };
+        // Cargo sets CARGO_PKG_NAME for the test process: a variable that is surely set.
+        let s = with("CARGO_PKG_NAME").unwrap();
+        assert_eq!(s.models.worker_api_key("m"), Some(&WorkerKey::new("cortex-gateway").unwrap()));
+        assert!(format!("{:?}", s.models.worker_api_key("m")).contains("redacted"));
+        assert_eq!(with("CARGO_PKG_NAME").unwrap().models.worker_api_key("other"), None);
+        let err = format!("{:#}", with("CORTEX_TEST_VARIABLE_NEVER_SET").unwrap_err());
+        assert!(
+            err.contains("models[0].worker_api_key_env") && err.contains("CORTEX_TEST_VARIABLE_NEVER_SET"),
+            "{err}"
+        );
+        // Without it, no key.
+        assert_eq!(
+            Config::parse(&minimal("")).unwrap().into_settings(&base).unwrap().models.worker_api_key("m"),
+            None
+        );
     }
 
     /// A valid file of one vLLM model `m`, then `extra`; paths relative to the repository root.

@@ -43,6 +43,36 @@ impl std::fmt::Debug for Token {
     }
 }
 
+/// The bearer token a worker's engine requires (its `--api-key`): Cortex sends
+/// `Authorization: Bearer <key>` on every request to the worker, in place of any the client
+/// sent. Marked sensitive (HTTP/2's header compression leaves it out of its table); its `Debug`
+/// never shows the secret.
+#[derive(Clone, PartialEq, Eq)]
+pub struct WorkerKey(http::HeaderValue);
+
+impl WorkerKey {
+    /// The key `secret` (visible ASCII: the caller checks it, as for [`Token`]).
+    ///
+    /// # Errors
+    /// `secret` cannot be a header value.
+    pub fn new(secret: &str) -> Result<Self, http::header::InvalidHeaderValue> {
+        let mut v = http::HeaderValue::try_from(format!("Bearer {secret}"))?;
+        v.set_sensitive(true);
+        Ok(WorkerKey(v))
+    }
+
+    /// Puts the key in `headers`, replacing every `Authorization` there.
+    pub fn apply(&self, headers: &mut HeaderMap) {
+        headers.insert(http::header::AUTHORIZATION, self.0.clone());
+    }
+}
+
+impl std::fmt::Debug for WorkerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WorkerKey(<redacted>)")
+    }
+}
+
 impl PartialEq for Token {
     fn eq(&self, other: &Self) -> bool {
         constant_time_eq(self.0.as_bytes(), other.0.as_bytes())

@@ -211,7 +211,10 @@ impl Control {
         config.check_model(&self.models).map_err(|e| ProxyError::InvalidRequest(e.to_string()))?;
         let record = {
             let _m = self.lock();
-            self.registry.add(config).map_err(|e: RegistryError| ProxyError::InvalidRequest(e.to_string()))?
+            let key = self.models.worker_api_key(&config.model).cloned();
+            self.registry
+                .add_keyed(config, key)
+                .map_err(|e: RegistryError| ProxyError::InvalidRequest(e.to_string()))?
         };
         let id = record.id;
         let c = Arc::clone(self);

@@ -252,7 +252,7 @@ impl Attempt<'_> {
     ) -> Result<Answer, Failure> {
         let traceparent = span.map(SpanGuard::traceparent);
         let (uri, mut headers) =
-            upstream_head(out.headers, out.rid, traceparent.as_deref(), &self.worker.base, out.route)?;
+            upstream_head(out.headers, out.rid, traceparent.as_deref(), &self.worker, out.route)?;
         let rank = self.cand.holder.rank.0;
         let body = match self.worker.config.engine {
             // Only a multi-rank worker is told a rank; a body that already pins it (the planner
@@ -281,7 +281,8 @@ impl Attempt<'_> {
 
 /// The head of an attempt's upstream request, but for the rank pin: the worker's URI for
 /// `route`, and the client's end-to-end headers with the request id, the trace context (when the
-/// request is traced) and the JSON content type.
+/// request is traced), the JSON content type and, for a worker whose engine requires one, its
+/// API key in place of the client's `Authorization`.
 ///
 /// # Errors
 /// A [`Failure`] (not sent) when the worker's base URI and the route do not make a URI.
@@ -289,10 +290,15 @@ pub fn upstream_head(
     client: &HeaderMap,
     rid: &str,
     traceparent: Option<&str>,
-    base: &Uri,
+    worker: &WorkerRecord,
     route: Route,
 ) -> Result<(Uri, HeaderMap), Failure> {
+    let base = &worker.base;
     let mut headers = upstream::end_to_end(client);
+    // The worker's own key replaces whatever the client sent.
+    if let Some(key) = &worker.api_key {
+        key.apply(&mut headers);
+    }
     upstream::set_header(&mut headers, "x-request-id", rid);
     if let Some(t) = traceparent {
         upstream::set_header(&mut headers, "traceparent", t);

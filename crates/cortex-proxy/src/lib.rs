@@ -47,7 +47,7 @@ pub mod trace;
 pub mod upstream;
 
 pub use admin::Admin;
-pub use auth::Token;
+pub use auth::{Token, WorkerKey};
 pub use config::{AlignmentConfig, Limits, Mode, ModelSpec, ProbeConfig, ProxyConfig, RetryPolicy};
 pub use control::Control;
 pub use error::ProxyError;

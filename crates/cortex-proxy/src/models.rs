@@ -218,6 +218,8 @@ impl ModelRoute {
 pub struct ModelTable {
     by_name: HashMap<String, Arc<ModelRoute>>,
     order: Vec<String>,
+    /// The API key each model's workers require, by model name.
+    worker_keys: HashMap<String, crate::auth::WorkerKey>,
 }
 
 impl ModelTable {
@@ -250,6 +252,23 @@ impl ModelTable {
         self.order.push(name.to_owned());
         self.by_name.insert(name.to_owned(), Arc::new(route));
         true
+    }
+
+    /// Every worker of the served model `model` (static, added by the admin API or discovered)
+    /// requires `key` (its engine's `--api-key`). Returns false, and sets nothing, if `model` is
+    /// not a served model.
+    pub fn set_worker_api_key(&mut self, model: &str, key: crate::auth::WorkerKey) -> bool {
+        if !self.by_name.get(model).is_some_and(|r| r.lora.is_none()) {
+            return false;
+        }
+        self.worker_keys.insert(model.to_owned(), key);
+        true
+    }
+
+    /// The API key the workers of `model` require, if one is set.
+    #[must_use]
+    pub fn worker_api_key(&self, model: &str) -> Option<&crate::auth::WorkerKey> {
+        self.worker_keys.get(model)
     }
 
     /// The route for a request's `model`; a request without one goes to the only model, if there

@@ -399,8 +399,7 @@ impl Driver<'_> {
     ) -> Option<LegRequest> {
         let traceparent = span.map(SpanGuard::traceparent);
         let (uri, mut headers) =
-            upstream_head(self.out.headers, self.out.rid, traceparent.as_deref(), &w.base, self.out.route)
-                .ok()?;
+            upstream_head(self.out.headers, self.out.rid, traceparent.as_deref(), w, self.out.route).ok()?;
         let body = match w.config.engine {
             Engine::Sglang if pin_sglang && w.dp_size() > 1 && self.out.facts.client_rank.is_none() => {
                 request::splice_routed_dp_rank(&body, holder.rank.0)

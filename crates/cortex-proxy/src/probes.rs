@@ -111,6 +111,9 @@ impl Probes {
         *req.uri_mut() = uri;
         req.headers_mut()
             .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+        if let Some(key) = &w.api_key {
+            key.apply(req.headers_mut());
+        }
         let fut = async {
             let resp = self
                 .client

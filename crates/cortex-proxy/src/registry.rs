@@ -388,6 +388,9 @@ pub struct WorkerRecord {
     pub base: Uri,
     /// Its host (for wildcard event endpoints).
     pub host: String,
+    /// The API key its engine requires, sent on every request to it (its model's
+    /// `worker_api_key_env`).
+    pub api_key: Option<crate::auth::WorkerKey>,
     status: Mutex<WorkerStatus>,
 }
 
@@ -490,6 +493,18 @@ impl Registry {
     /// [`RegistryError`] for a bad name or URL ([`WorkerConfig::base_url`]), a name taken, or an
     /// address (scheme, host and port) that is another worker's.
     pub fn add(&self, config: WorkerConfig) -> Result<Arc<WorkerRecord>, RegistryError> {
+        self.add_keyed(config, None)
+    }
+
+    /// [`Registry::add`] for a worker whose engine requires `api_key`.
+    ///
+    /// # Errors
+    /// As [`Registry::add`].
+    pub fn add_keyed(
+        &self,
+        config: WorkerConfig,
+        api_key: Option<crate::auth::WorkerKey>,
+    ) -> Result<Arc<WorkerRecord>, RegistryError> {
         let (base, host) = config.base_url()?;
         let mut guard = self.map.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         if guard.values().any(|w| w.config.name == config.name) {
@@ -513,6 +528,7 @@ impl Registry {
             config,
             base,
             host,
+            api_key,
             status: Mutex::new(WorkerStatus {
                 phase: Phase::Discovering,
                 dp_size: 1,

@@ -293,6 +293,10 @@ pub struct SimConfig {
     pub http_port: u16,
     /// PD options.
     pub pd: PdOptions,
+    /// The engine's `--api-key`: requests without `Authorization: Bearer <key>` are refused with
+    /// 401 where the engine refuses them (SGLang: every path but `/health*` and `/metrics*`;
+    /// vLLM: the `/v1` paths). The simulator's own `/sim/*` paths are never guarded.
+    pub api_key: Option<String>,
 }
 
 impl SimConfig {
@@ -319,6 +323,7 @@ impl SimConfig {
             host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             http_port: 0,
             pd: PdOptions::default(),
+            api_key: None,
         }
     }
 

@@ -190,6 +190,10 @@ struct Args {
     /// How long a vLLM prefill worker keeps a finished request's blocks for the decode side.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     kv_lease: Duration,
+    /// The engine's API key: requests without `Authorization: Bearer <KEY>` get 401 where the
+    /// engine guards them (SGLang: all but /health* and /metrics*; vLLM: /v1/*).
+    #[arg(long, value_name = "KEY")]
+    api_key: Option<String>,
     /// Print one JSON object per worker instead of text.
     #[arg(long)]
     json: bool,
@@ -293,6 +297,7 @@ fn base_config(a: &Args) -> Result<SimConfig> {
     cfg.host = a.host;
     cfg.pd.bootstrap_timeout = a.bootstrap_timeout;
     cfg.pd.kv_lease = a.kv_lease;
+    cfg.api_key.clone_from(&a.api_key);
     cfg.validate().context("invalid configuration")?;
     Ok(cfg)
 }

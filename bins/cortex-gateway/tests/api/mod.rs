@@ -340,6 +340,52 @@ async fn the_public_api_requires_its_bearer_token_when_one_is_set() {
     h.shutdown().await;
 }
 
+/// Workers whose engines require an API key (`--api-key`; the simulator refuses what the engine
+/// refuses) are discovered, polled and served with the model's `worker_api_key_env`, in place of
+/// the client's own `Authorization` (forwarded unchanged when no worker key is set).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_that_require_an_api_key_get_the_model_s_key() {
+    for engine in ["sglang", "vllm"] {
+        let mut keyed = sim(engine);
+        keyed.api_key = Some(format!("{engine}-worker-key"));
+        let key = cortex_proxy::WorkerKey::new(&format!("{engine}-worker-key")).unwrap();
+        // Discovery, the load polls and the health probes all went through: the worker is live.
+        let h = harness_with(
+            engine,
+            vec![keyed],
+            &[],
+            |s| assert!(s.models.set_worker_api_key(MODEL, key)),
+            None,
+        )
+        .await;
+        let url = |p: &str| format!("http://{}{p}", h.addr());
+        let body = json!({"model": MODEL, "prompt": "hi", "max_tokens": 2});
+        let before = computed(&h);
+        for stream in [false, true] {
+            let mut body = body.clone();
+            body["stream"] = json!(stream);
+            let r = call(&h, "POST", &url("/v1/completions"), Some("the-client-s-own"), Some(&body)).await;
+            assert_eq!(r.status, StatusCode::OK, "{engine}: {}", r.body);
+        }
+        assert!(computed(&h) > before, "{engine}: the worker computed the prompts");
+        // `/v1/models` is the workers' own list, fetched with the key.
+        let r = call(&h, "GET", &url("/v1/models"), None, None).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.json()["data"][0]["id"], MODEL, "{}", r.body);
+        if engine == "sglang" {
+            let r = call(&h, "POST", &url("/generate"), None, Some(&json!({"text": "hi"}))).await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        }
+        // The worker itself refuses a request without its key, or with the client's token.
+        let worker = format!("{}/v1/completions", h.sims[0].base_url());
+        for token in [None, Some("the-client-s-own")] {
+            let r = call(&h, "POST", &worker, token, Some(&body)).await;
+            assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{engine} {token:?}: {}", r.body);
+        }
+        h.shutdown().await;
+    }
+}
+
 /// A self-signed certificate for `localhost`, written as `name.cert.pem` and `name.key.pem` in
 /// `dir`; its DER.
 fn write_pair(dir: &std::path::Path, cert: &str, key: &str) -> rustls::pki_types::CertificateDer<'static> {

@@ -162,7 +162,29 @@ async fn route(shared: Arc<Shared>, surface: Surface, req: Request<Incoming>) ->
     if path.starts_with("/sim/") {
         return Ok(sim_route(&shared, req, &path).await);
     }
+    if let Some(key) = &shared.cfg.api_key
+        && guarded(shared.is_vllm(), req.method(), &path)
+        && req.headers().get(http::header::AUTHORIZATION).map(http::HeaderValue::as_bytes)
+            != Some(format!("Bearer {key}").as_bytes())
+    {
+        // Both engines answer exactly this (SGLang's `add_api_key_middleware`, vLLM's
+        // `AuthenticationMiddleware`).
+        return Ok(json_resp(StatusCode::UNAUTHORIZED, &json!({"error": "Unauthorized"})));
+    }
     if shared.is_vllm() { api::vllm(shared, req, &path).await } else { api::sglang(shared, req, &path).await }
+}
+
+/// Whether the engine's `--api-key` guards `path`: SGLang every path but `/health*` and
+/// `/metrics*`, vLLM the `/v1` paths; neither an `OPTIONS` request.
+fn guarded(vllm: bool, method: &http::Method, path: &str) -> bool {
+    if method == http::Method::OPTIONS {
+        return false;
+    }
+    if vllm {
+        path.starts_with("/v1")
+    } else {
+        !(path.starts_with("/health") || path.starts_with("/metrics"))
+    }
 }
 
 fn query_param<'a>(uri: &'a http::Uri, key: &str) -> Option<&'a str> {
