@@ -8,7 +8,7 @@
 //! |---|---|---|
 //! | seq = last + 1 | apply | unchanged (a STALE holder becomes READY: nothing was lost) |
 //! | 0 < seq ≤ last (duplicate or replay overlap) | drop, count | unchanged |
-//! | 0 < seq ≤ last after a disconnection, not READY since (a restarted engine whose first batches were published before the SUB was back) | clear; replay from 0 if the engine has a replay socket, else apply | SYNCING → READY, or READY |
+//! | seq ≠ last + 1 after a disconnection, not READY since (possibly a restarted engine whose first batches were published before the SUB was back) | clear; replay from 0 if the engine has a replay socket, else apply | SYNCING → READY, or READY |
 //! | seq = 0 while a batch was applied (engine restarted; vLLM sends no AllBlocksCleared) | clear, apply | READY |
 //! | seq > last + 1 (gap) | ask the replay socket for last+1…; buffer live batches | SYNCING |
 //! | replay returns a contiguous range to its end marker | apply it, then the buffered batches, skipping duplicates | READY |
@@ -16,7 +16,8 @@
 //! | holder added | ask the replay socket for everything buffered, else start cold from an empty ledger | SYNCING → READY, or READY |
 //! | first batch after start has seq > 0 | replay from 0 if possible, else start cold | SYNCING → READY |
 //! | socket disconnected, or silent while the engine reports running requests | count | STALE |
-//! | a payload that does not decode | clear, continue with the next batch | READY (cold) |
+//! | socket disconnected while replaying | clear, forget the batches held, replay from 0 | SYNCING |
+//! | a payload that does not decode | clear, continue with the next batch (while replaying: as an incomplete replay) | READY (cold) |
 //!
 //! Key decision: a gap is never papered over. A lost batch may have held removes, so applying the
 //! next batch as if nothing happened could make the ledger report blocks the engine no longer
@@ -298,10 +299,25 @@ impl<P> Sequencer<P> {
                     self.fall_back(Reason::ReplayTimeout, out);
                 }
             }
+            Input::Undecodable if self.replaying() => {
+                // A replayed batch's events are lost: the replay cannot fill the gap, and the
+                // holder is not READY before the live batches held meanwhile are applied.
+                self.fall_back(Reason::Undecodable, out);
+            }
             Input::Undecodable => {
                 // The batch's events are lost: rebuild from the next one.
                 out.push(Effect::Clear(Reason::Undecodable));
                 self.set_state(HolderState::Ready, Reason::Undecodable, out);
+            }
+            Input::Disconnected if self.replaying() => {
+                // The engine may have restarted: the batches held and the replay's answers may
+                // come from two engine processes, and a pick of them could keep the dead one's
+                // blocks. Start over from the (new) engine's whole history.
+                self.disconnected = true;
+                self.buffered.clear();
+                self.last = None;
+                out.push(Effect::Clear(Reason::Disconnected));
+                self.start_replay(0, Reason::Disconnected, out);
             }
             Input::Disconnected => {
                 self.disconnected = true;
@@ -352,7 +368,11 @@ impl<P> Sequencer<P> {
                     if self.state != HolderState::Ready {
                         self.set_state(HolderState::Ready, Reason::Resumed, out);
                     }
-                } else if seq <= last && self.disconnected {
+                } else if self.disconnected {
+                    // After a disconnection, a batch that does not follow the last is as likely
+                    // a restarted engine's (its first batches published while this SUB was
+                    // away) as a gap of the same engine's: replaying the gap could mix the two
+                    // engines' histories, so the holder starts over.
                     self.restarted_unseen(seq, payload, out);
                 } else if seq <= last {
                     out.push(Effect::Duplicate { seq });
@@ -604,6 +624,88 @@ mod tests {
         effects.extend(run(&mut m, Input::ReplayEnd));
         assert_eq!(applied(&effects), vec![0, 1, 2]);
         assert_eq!(effects.last(), Some(&Effect::State(HolderState::Ready, Reason::ReplayOk)));
+    }
+
+    /// After a disconnection, a gap is not replayed from where the old engine left off: a
+    /// restarted engine whose first batches were missed would have its later batches replayed on
+    /// top of the dead engine's blocks (READY, over-counting). The holder starts over from 0.
+    #[test]
+    fn a_gap_after_a_disconnection_starts_over_from_the_engine_s_first_batch() {
+        let mut m = ready_at(Replay::Available, 2);
+        run(&mut m, Input::Disconnected);
+        // The new engine's 0–4 were published before the SUB was back; 5 is the first seen.
+        assert_eq!(
+            live(&mut m, 5),
+            vec![
+                Effect::Clear(Reason::Restart),
+                Effect::RequestReplay { from: 0 },
+                Effect::State(HolderState::Syncing, Reason::Restart)
+            ]
+        );
+        let mut effects = Vec::new();
+        for s in 0..5 {
+            effects.extend(run(&mut m, Input::Replayed { seq: s, payload: 100 + s }));
+        }
+        effects.extend(run(&mut m, Input::ReplayEnd));
+        // Only the new engine's batches, in order.
+        assert_eq!(applied(&effects), vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(effects.last(), Some(&Effect::State(HolderState::Ready, Reason::ReplayOk)));
+        // Without a replay socket: cleared, and started from the batch seen.
+        let mut m = ready_at(Replay::Unavailable, 2);
+        run(&mut m, Input::Disconnected);
+        let e = live(&mut m, 5);
+        assert_eq!(e[0], Effect::Clear(Reason::Restart));
+        assert_eq!(applied(&e), vec![5]);
+        // Without the disconnection, the same gap is replayed from the last batch on.
+        let mut m = ready_at(Replay::Available, 2);
+        assert_eq!(live(&mut m, 5)[0], Effect::RequestReplay { from: 3 });
+    }
+
+    /// A disconnection during a replay: the batches held and the replay's answers may come from
+    /// two engine processes (the dead one's 7 and 8, the restarted one's 2 and 3), and no pick of
+    /// them is safe. Everything held is dropped and the replay starts over from 0.
+    #[test]
+    fn a_disconnection_during_a_replay_starts_over() {
+        let mut m = ready_at(Replay::Available, 3);
+        live(&mut m, 7);
+        live(&mut m, 8);
+        assert!(m.replaying());
+        let e = run(&mut m, Input::Disconnected);
+        assert_eq!(
+            e,
+            vec![
+                Effect::Clear(Reason::Disconnected),
+                Effect::RequestReplay { from: 0 },
+                Effect::State(HolderState::Syncing, Reason::Disconnected)
+            ]
+        );
+        assert_eq!(m.buffered(), 0);
+        live(&mut m, 2);
+        live(&mut m, 3);
+        let e = run(&mut m, Input::ReplayTimeout);
+        // The dead engine's 7 and 8 are never applied.
+        assert_eq!(applied(&e), vec![2, 3]);
+        assert_eq!(m.last(), Some(3));
+        assert_eq!(live(&mut m, 4), vec![Effect::Apply { seq: 4, payload: 4 }]);
+    }
+
+    /// A replayed batch that does not decode ends the replay as an incomplete one: the holder is
+    /// not READY before the live batches held meanwhile are applied.
+    #[test]
+    fn an_undecodable_replayed_batch_ends_the_replay() {
+        let mut m = ready_at(Replay::Available, 3);
+        live(&mut m, 7);
+        run(&mut m, Input::Replayed { seq: 4, payload: 4 });
+        assert!(m.replaying());
+        let e = run(&mut m, Input::Undecodable);
+        assert_eq!(e[0], Effect::Clear(Reason::Undecodable));
+        assert_eq!(applied(&e), vec![7], "the batch held is applied before READY");
+        assert_eq!(e.last(), Some(&Effect::State(HolderState::Ready, Reason::Undecodable)));
+        assert!(!m.replaying());
+        assert!(
+            run(&mut m, Input::Replayed { seq: 5, payload: 5 }).is_empty(),
+            "its late replies are ignored"
+        );
     }
 
     #[test]
