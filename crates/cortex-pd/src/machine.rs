@@ -708,6 +708,8 @@ impl PdRequest {
                 self.p = LegState::Failed;
                 out.push(Effect::Blame { holder: pair.prefill, class: f.class });
                 if self.d.pending() {
+                    // Sent at the same time (SGLang): it may be running on its engine.
+                    self.reached = true;
                     self.d = LegState::Failed;
                     out.push(Effect::Cancel(Leg::Decode));
                 }
@@ -727,6 +729,8 @@ impl PdRequest {
                 out.push(Effect::Blame { holder: pair.decode, class: f.class });
                 let prefill_done = self.p == LegState::Done;
                 if self.p.pending() {
+                    // Still running on its engine, for all the decode leg's failure says.
+                    self.reached = true;
                     self.p = LegState::Failed;
                     out.push(Effect::Cancel(Leg::Prefill));
                 }

@@ -319,6 +319,27 @@ fn a_request_that_must_not_run_twice_gets_the_upstream_failure() {
         e.last(),
         Some(Effect::Finish(Outcome::Failed { error: PdError::NotReplayed { .. }, .. }))
     ));
+    // SGLang sends both legs at once: one leg's refused connection cancels the other, which may
+    // already be running on its engine, so the request is not sent again.
+    for refused in [Leg::Decode, Leg::Prefill] {
+        let w = World::new(Engine::Sglang, 2, 2, 0);
+        let mut t = T::new(w, Protocol::Sglang, PdConfig::default(), Replay::Never, false);
+        t.go(Input::Start);
+        let e = t.ev(1, refused, LegEvent::Failed(LegFailure::refused()));
+        assert!(
+            matches!(
+                e.last(),
+                Some(Effect::Finish(Outcome::Failed { error: PdError::NotReplayed { .. }, .. }))
+            ),
+            "{refused:?}: {e:?}"
+        );
+        assert_eq!(dispatched_count(&e), 0, "{refused:?}: {e:?}");
+    }
+}
+
+/// How many pairs `effects` dispatch.
+fn dispatched_count(effects: &[Effect]) -> usize {
+    effects.iter().filter(|e| matches!(e, Effect::Dispatch { .. })).count()
 }
 
 #[test]
