@@ -88,6 +88,8 @@ enum LegEnd {
         failure: LegFailure,
         /// What happened, for the client if no dispatch is left.
         message: String,
+        /// The worker's `Retry-After`, seconds (kept for a rate limit or a quota only).
+        retry_after: Option<u32>,
     },
     /// The worker refused the request itself: passed on to the client as the worker wrote it.
     Rejected {
@@ -170,13 +172,14 @@ impl LegRequest {
                     reached: if f.sent { Reached::Maybe } else { Reached::No },
                 },
                 message: f.message,
+                retry_after: f.retry_after,
             }),
         }
     }
 }
 
 fn failed(class: FailureClass, message: String) -> LegEnd {
-    LegEnd::Failed { failure: LegFailure::sent(class), message }
+    LegEnd::Failed { failure: LegFailure::sent(class), message, retry_after: None }
 }
 
 /// The next frame's data within `idle` (`Ok(None)`: the body ended).
@@ -324,6 +327,7 @@ fn gone(name: HolderId) -> LegFuture {
     Box::pin(std::future::ready(LegEnd::Failed {
         failure: LegFailure::refused(),
         message: format!("worker {:?} is no longer registered", name.worker),
+        retry_after: None,
     }))
 }
 
@@ -358,6 +362,8 @@ struct Driver<'a> {
     output: Option<Held>,
     /// The last failure's message, for the error if no dispatch is left.
     last_message: Option<String>,
+    /// The `Retry-After` of the leg failure that set `last_message`.
+    last_retry_after: Option<u32>,
     buf: Vec<u8>,
 }
 
@@ -584,7 +590,7 @@ impl Driver<'_> {
                         leg.as_str(),
                         self.last_message.as_deref().unwrap_or(class.as_str())
                     ),
-                    retry_after: None,
+                    retry_after: self.last_retry_after,
                 }
             }
             PdError::NotReplayed { leg, class } => ProxyError::Upstream {
@@ -596,7 +602,7 @@ impl Driver<'_> {
                     leg.as_str(),
                     self.last_message.as_deref().unwrap_or(class.as_str())
                 ),
-                retry_after: None,
+                retry_after: self.last_retry_after,
             },
         }
     }
@@ -646,11 +652,12 @@ impl Driver<'_> {
                 self.prefill_answer = Some((answer, sse));
                 input(LegEvent::PrefillDone(transfer));
             }
-            LegEnd::Failed { failure, message } => {
+            LegEnd::Failed { failure, message, retry_after } => {
                 tracing::info!(leg = leg.as_str(), class = failure.class.as_str(), %message, "PD leg failed");
                 metrics::counter!(t::PD_LEG_FAILURES, "leg" => leg.as_str(), "class" => failure.class.as_str())
                     .increment(1);
                 self.last_message = Some(message);
+                self.last_retry_after = retry_after;
                 input(LegEvent::Failed(failure));
             }
             LegEnd::Rejected { status, headers, body, class } => {
@@ -825,6 +832,7 @@ impl Forwarder {
             prefill_answer: None,
             output: None,
             last_message: None,
+            last_retry_after: None,
             buf: Vec::with_capacity(out.body.len() + 256),
         };
         let started = Instant::now();

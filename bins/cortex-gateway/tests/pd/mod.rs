@@ -479,3 +479,20 @@ async fn decode_is_chosen_by_cache_and_skipped_prefill_when_little_is_missing() 
     assert_eq!(legs(&h, &["w0", "w1"]).0, prefill_legs, "no prefill leg");
     h.shutdown().await;
 }
+
+/// When every leg's worker is rate limited, the client gets the last refusing worker's own
+/// `Retry-After` (the simulator says 2 s), as a regular request does, not the gateway's 1 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_pair_passes_the_worker_s_retry_after_on() {
+    for engine in ["vllm", "sglang"] {
+        let h = harness(engine, vec![prefill(engine), decode(engine)], &[]).await;
+        for s in &h.sims {
+            s.fail_next(429, 100);
+        }
+        let r =
+            h.post("/v1/completions", &json!({"model": MODEL, "prompt": "limited", "max_tokens": 3})).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{engine}: {}", r.body);
+        assert_eq!(r.header("retry-after"), "2", "{engine}: {:?}", r.headers);
+        h.shutdown().await;
+    }
+}

@@ -447,7 +447,9 @@ async fn generate_answer(
         let status = StatusCode::from_u16(status).unwrap_or(StatusCode::SERVICE_UNAVAILABLE);
         let mut r = error_resp(flavor, kind, status, "simulated fault");
         if matches!(status.as_u16(), 429 | 503) {
-            r.headers_mut().insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+            // Two seconds: what a client gets through a gateway tells the worker's own apart
+            // from a gateway's one-second default.
+            r.headers_mut().insert(http::header::RETRY_AFTER, HeaderValue::from_static("2"));
         }
         return Ok(r);
     }
