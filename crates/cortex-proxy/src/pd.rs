@@ -906,7 +906,13 @@ impl Forwarder {
         };
         let (leg, holder) = (slot.leg, slot.holder);
         let mode = m.mode();
-        let pair_prefill = m.pair().filter(|_| matches!(leg, Leg::Decode)).map(|p| p.prefill);
+        // A vLLM prefill that returned no `kv_transfer_params` left the decode worker to compute
+        // the prompt itself: no pair served it.
+        let pair_prefill = m
+            .pair()
+            .filter(|_| matches!(leg, Leg::Decode))
+            .filter(|_| mode != PdMode::FallbackSingle(cortex_pd::FallbackCause::NoTransferParams))
+            .map(|p| p.prefill);
         metrics::counter!(t::PD_REQUESTS, "outcome" => "served", "pd" => mode.as_str()).increment(1);
         metrics::histogram!(t::PD_FIRST_BYTE_SECONDS).record(started.elapsed().as_secs_f64());
         if let PdMode::FallbackSingle(cause) = mode {

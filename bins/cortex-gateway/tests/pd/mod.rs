@@ -496,3 +496,24 @@ async fn a_rate_limited_pair_passes_the_worker_s_retry_after_on() {
         h.shutdown().await;
     }
 }
+
+/// A vLLM prefill worker that answers without `kv_transfer_params` (here a regular worker,
+/// without a KV connector, registered as a prefill worker) leaves the decode worker to compute
+/// the prompt: the answer names no prefill worker, and its hit is the decode worker's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_prefill_without_transfer_params_is_not_named_as_the_prefill_worker() {
+    let sims: Vec<cortex_sim::SimWorker> =
+        [sim("vllm"), decode("vllm")].into_iter().map(|c| cortex_sim::SimWorker::start(c).unwrap()).collect();
+    let workers =
+        vec![(sims[0].base_url(), cortex_sim::Role::Prefill), (sims[1].base_url(), cortex_sim::Role::Decode)];
+    let h = crate::common::gateway_in_front("vllm", sims, &workers, &[], |_| {}, None).await;
+    let r = h
+        .post("/v1/completions", &json!({"model": MODEL, "prompt": "no connector here", "max_tokens": 3}))
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.header("x-cortex-pd"), "fallback_single", "{:?}", r.headers);
+    assert_eq!(r.header("x-cortex-assigned-worker"), "w1");
+    assert_eq!(r.header("x-cortex-prefill-worker"), "", "{:?}", r.headers);
+    assert_eq!(r.header("x-cortex-prefill-rank"), "", "{:?}", r.headers);
+    h.shutdown().await;
+}
