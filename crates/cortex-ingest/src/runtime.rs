@@ -97,6 +97,16 @@ const DRAIN: usize = 1024;
 /// a replay) goes to the lane, so that the socket thread keeps reading the other holders.
 const INLINE_MAX: usize = 8;
 
+/// Groups queued to a lane past which the socket thread stops reading the live sockets of that
+/// lane's holders until it catches up: what they publish meanwhile waits in their SUB sockets,
+/// bounded by `receive_hwm`, past which ZeroMQ drops it and the holder sees a gap (replayed or
+/// cleared). Without it a lane slower than its engines would queue without bound.
+const LANE_BACKLOG: usize = 16;
+
+/// How long the socket thread waits before looking again at a socket it left unread for its
+/// lane's backlog.
+const BACKLOG_RECHECK_MS: i64 = 1;
+
 enum SockCmd {
     Add(Subscription),
     RemoveWorker {
@@ -559,8 +569,24 @@ impl SocketThread {
                 }
             };
             let hot = |s: &Slot| watch(s).hot;
-            // A hot socket is looked at whatever its descriptor says, so the wait must not block.
-            let timeout = if slots.iter().any(hot) { 0 } else { -1 };
+            // A live socket whose lane is backlogged is left unread (see `LANE_BACKLOG`).
+            let deferred = |s: &Slot| match *s {
+                Slot::Sub(i) => {
+                    // Acquire: as in `deliver`.
+                    shared.lanes[self.holders[i].lane].queued.load(Ordering::Acquire) >= LANE_BACKLOG
+                }
+                _ => false,
+            };
+            let deferred: Vec<bool> = slots.iter().map(deferred).collect();
+            // A hot socket is looked at whatever its descriptor says, so the wait must not block;
+            // one left unread is looked at again shortly.
+            let timeout = if slots.iter().zip(&deferred).any(|(s, d)| hot(s) && !d) {
+                0
+            } else if deferred.contains(&true) {
+                BACKLOG_RECHECK_MS
+            } else {
+                -1
+            };
             let ready: Vec<bool> = {
                 let mut items: Vec<zmq::PollItem<'_>> =
                     slots.iter().map(|s| zmq::PollItem::from_fd(watch(s).fd, zmq::POLLIN)).collect();
@@ -581,8 +607,15 @@ impl SocketThread {
             // The sockets first, while the indices in `slots` still name them; the commands
             // last, since removing a worker shifts the holders after it.
             let mut wake = false;
-            for (slot, readable) in slots.iter().zip(ready) {
+            for ((slot, readable), deferred) in slots.iter().zip(ready).zip(deferred) {
                 if !readable {
+                    continue;
+                }
+                if deferred && let Slot::Sub(i) = *slot {
+                    // Its descriptor's announcement is spent: look again without it.
+                    self.holders[i].sub_watch.hot = true;
+                    #[cfg(test)]
+                    tests::count_deferral();
                     continue;
                 }
                 match *slot {
@@ -1316,6 +1349,57 @@ mod tests {
 
     fn paths(holder: HolderId) -> (u64, u64) {
         PATHS.lock().unwrap().iter().find(|(h, ..)| *h == holder).map_or((0, 0), |&(_, i, q)| (i, q))
+    }
+
+    /// Live sockets the socket thread left unread for their lane's backlog.
+    static DEFERRALS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+    pub(super) fn count_deferral() {
+        DEFERRALS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// A lane that cannot keep up (held here by the test) stops the socket thread from reading
+    /// its holders' live sockets past `LANE_BACKLOG` queued groups, instead of queuing every
+    /// batch its engine publishes: what comes meanwhile waits in the SUB socket (bounded by
+    /// `receive_hwm`), and the holder catches up in order once the lane is free.
+    #[test]
+    fn a_lane_that_falls_behind_is_queued_no_more_than_its_backlog() {
+        let ledger = Ledger::new(LedgerConfig::default());
+        let ingest =
+            Ingest::start(ledger.clone(), IngestConfig { lanes: 1, ..IngestConfig::default() }).unwrap();
+        let h = holder(941);
+        FORCED.lock().unwrap().push((h, false));
+        let mut engine = FakeEngine::new("slow-lane", None);
+        follow(&ingest, &engine, h);
+        wait(&ingest, h, "the start", |s| s.state == HolderState::Ready);
+        engine.publish(0, &vllm_block_batch(0));
+        wait(&ingest, h, "seq 0", |s| s.last_seq == 0);
+        let lane = &ingest.shared.lanes[0];
+        let deferrals = DEFERRALS.load(std::sync::atomic::Ordering::Relaxed);
+        let held = lane.state.lock().unwrap();
+        let mut most = 0;
+        for seq in 1..=400 {
+            engine.publish(seq, &vllm_block_batch(seq));
+            if seq % 20 == 0 {
+                // Time for the socket thread to read what it may.
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            most = most.max(lane.queued.load(std::sync::atomic::Ordering::Acquire));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        most = most.max(lane.queued.load(std::sync::atomic::Ordering::Acquire));
+        assert!(most <= super::LANE_BACKLOG + 1, "{most} groups queued");
+        assert!(
+            DEFERRALS.load(std::sync::atomic::Ordering::Relaxed) > deferrals,
+            "the socket was never left unread"
+        );
+        drop(held);
+        // Nothing was lost (the SUB held it): every batch applied, in order, with no repair.
+        wait(&ingest, h, "seq 400", |s| s.last_seq == 400 && s.state == HolderState::Ready);
+        assert!((0..=400).all(|b| holds(&ledger, h, b)));
+        let st = ingest.status(h).unwrap();
+        assert_eq!((st.clears, st.transitions(Reason::Gap)), (0, 0), "{st:?}");
+        ingest.shutdown();
     }
 
     pub(super) fn injected_panic(holder: HolderId) {
