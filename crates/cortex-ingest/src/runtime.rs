@@ -116,6 +116,8 @@ enum SockCmd {
     Replay {
         holder: HolderId,
         from: u64,
+        /// The request's id, which its replies carry to the lane.
+        id: u64,
     },
     /// Stop following one holder (given up after panics): its sockets are closed.
     Unsubscribe {
@@ -140,8 +142,9 @@ enum LaneMsg {
         worker: WorkerId,
         done: Sender<()>,
     },
-    /// One holder's inputs in arrival order: everything its socket had ready.
-    Inputs(HolderId, Vec<Input<Payload>>),
+    /// One holder's inputs in arrival order: everything its socket had ready; for a replay's
+    /// replies, the id of the request they answer (the lane drops the replies of any other).
+    Inputs(HolderId, Vec<Input<Payload>>, Option<u64>),
     Shutdown,
 }
 
@@ -157,6 +160,8 @@ struct Shared {
     retired: Mutex<VecDeque<HolderStatus>>,
     /// The next holder incarnation.
     incarnations: AtomicU64,
+    /// The next replay request's id (unique across holders and their rebuilds).
+    replay_ids: AtomicU64,
     progress: Progress,
     commands: Mutex<Commander>,
     lanes: Vec<LaneShared>,
@@ -201,7 +206,14 @@ impl Shared {
 
     /// Hands a holder's inputs to its lane (the socket thread only): applied here and now when
     /// the group is small and the lane has nothing queued and is not draining, else queued.
-    fn deliver(&self, lane: usize, holder: HolderId, mut inputs: Vec<Input<Payload>>, decoder: &Decoder) {
+    fn deliver(
+        &self,
+        lane: usize,
+        holder: HolderId,
+        mut inputs: Vec<Input<Payload>>,
+        replay: Option<u64>,
+        decoder: &Decoder,
+    ) {
         let l = &self.lanes[lane];
         let small = inputs.len() <= INLINE_MAX;
         #[cfg(test)]
@@ -215,7 +227,7 @@ impl Shared {
             {
                 #[cfg(test)]
                 tests::count_path(holder, true);
-                state.handle(self, LaneMsg::Inputs(holder, inputs));
+                state.handle(self, LaneMsg::Inputs(holder, inputs, replay));
                 drop(state);
                 self.progress.notify();
                 return;
@@ -230,7 +242,7 @@ impl Shared {
             }
         }
         // An error means the lane is gone (shutdown).
-        let _ = self.send_lane(lane, LaneMsg::Inputs(holder, inputs));
+        let _ = self.send_lane(lane, LaneMsg::Inputs(holder, inputs, replay));
     }
 
     fn lane_of(&self, holder: HolderId) -> usize {
@@ -288,6 +300,7 @@ impl Ingest {
             holders: Mutex::new(HashMap::new()),
             retired: Mutex::new(VecDeque::new()),
             incarnations: AtomicU64::new(0),
+            replay_ids: AtomicU64::new(1),
             progress: Progress::default(),
             commands: Mutex::new(Commander { tx: cmd_tx, wake: wake_tx }),
             lanes,
@@ -353,6 +366,7 @@ impl Ingest {
             cfg,
             replay,
             rebuilds: 0,
+            replay_id: None,
             given_up: false,
         };
         holder.writer.set_readiness(Readiness::Syncing);
@@ -489,8 +503,8 @@ struct SockHolder {
     /// The `inproc` endpoint `monitor` reads the SUB's events from.
     monitor_endpoint: String,
     replay_endpoint: Option<String>,
-    /// The replay in progress: its socket and how to wait on it.
-    dealer: Option<(zmq::Socket, Watch)>,
+    /// The replay in progress: its socket, how to wait on it, and its request's id.
+    dealer: Option<(zmq::Socket, Watch, u64)>,
     decoder: Decoder,
 }
 
@@ -597,8 +611,8 @@ impl SocketThread {
                     tracing::error!(error = %e, "ingest: zmq poll failed; the event plane stops");
                     // No more events will arrive: no holder's ledger may stay READY.
                     for h in &self.holders {
-                        let _ =
-                            shared.send_lane(h.lane, LaneMsg::Inputs(h.holder, vec![Input::Disconnected]));
+                        let _ = shared
+                            .send_lane(h.lane, LaneMsg::Inputs(h.holder, vec![Input::Disconnected], None));
                     }
                     return;
                 }
@@ -654,7 +668,7 @@ impl SocketThread {
                     self.holders.retain(|h| h.holder.worker != worker);
                     let _ = done.send(());
                 }
-                SockCmd::Replay { holder, from } => self.start_replay(holder, from),
+                SockCmd::Replay { holder, from, id } => self.start_replay(holder, from, id),
                 SockCmd::Unsubscribe { holder } => {
                     self.holders.retain(|h| h.holder != holder);
                     tracing::info!(%holder, "ingest: unsubscribed");
@@ -693,7 +707,7 @@ impl SocketThread {
         })
     }
 
-    fn start_replay(&mut self, holder: HolderId, from: u64) {
+    fn start_replay(&mut self, holder: HolderId, from: u64, id: u64) {
         let Some(h) = self.holders.iter_mut().find(|h| h.holder == holder) else { return };
         let Some(endpoint) = h.replay_endpoint.clone() else { return };
         // A fresh socket per request: replies to an abandoned request die with the old one.
@@ -707,7 +721,7 @@ impl SocketThread {
             Ok(d)
         })();
         // Just sent on (hot): its replies may come without the descriptor firing.
-        match dealer.and_then(|d| Watch::of(&d).map(|w| (d, w))) {
+        match dealer.and_then(|d| Watch::of(&d).map(|w| (d, w, id))) {
             Ok(d) => {
                 tracing::info!(%holder, from, endpoint, "ingest: replay requested");
                 h.dealer = Some(d);
@@ -737,13 +751,13 @@ impl SocketThread {
         // Stopped at `BURST`: the rest is already queued, and nothing will announce it.
         h.sub_watch.hot = received >= BURST;
         if !group.is_empty() {
-            shared.deliver(h.lane, h.holder, group, &h.decoder);
+            shared.deliver(h.lane, h.holder, group, None, &h.decoder);
         }
     }
 
     fn drain_dealer(&mut self, shared: &Shared, i: usize) {
         let h = &mut self.holders[i];
-        let Some((dealer, _)) = h.dealer.as_ref() else { return };
+        let Some(&(ref dealer, _, id)) = h.dealer.as_ref() else { return };
         let parts = &mut self.frames;
         let mut group = Vec::new();
         let mut finished = false;
@@ -773,11 +787,11 @@ impl SocketThread {
             group.push(input);
         }
         if !group.is_empty() {
-            shared.deliver(h.lane, h.holder, group, &h.decoder);
+            shared.deliver(h.lane, h.holder, group, Some(id), &h.decoder);
         }
         if finished {
             h.dealer = None;
-        } else if let Some((_, w)) = h.dealer.as_mut() {
+        } else if let Some((_, w, _)) = h.dealer.as_mut() {
             w.hot = received >= BURST;
         }
     }
@@ -790,7 +804,7 @@ impl SocketThread {
             let event = parts.first().filter(|p| p.len() >= 2).map(|p| u16::from_le_bytes([p[0], p[1]]));
             if event == Some(zmq::SocketEvent::DISCONNECTED.to_raw()) {
                 tracing::warn!(holder = %h.holder, "ingest: publisher disconnected");
-                shared.deliver(h.lane, h.holder, vec![Input::Disconnected], &h.decoder);
+                shared.deliver(h.lane, h.holder, vec![Input::Disconnected], None, &h.decoder);
             }
         }
     }
@@ -921,6 +935,8 @@ struct LaneHolder {
     replay: Replay,
     /// Rebuilds after a panic so far (at most [`MAX_REBUILDS`]).
     rebuilds: u32,
+    /// The id of the last replay requested, whose replies are the only ones taken.
+    replay_id: Option<u64>,
     /// Given up after too many panics: registered, empty and STALE, unsubscribed, any input
     /// still on its way dropped.
     given_up: bool,
@@ -985,9 +1001,15 @@ impl LaneState {
                 self.holders.retain(|id, _| id.worker != worker);
                 let _ = done.send(());
             }
-            LaneMsg::Inputs(id, inputs) => {
+            LaneMsg::Inputs(id, inputs, replay) => {
                 let n = inputs.len();
                 let Some(h) = self.holders.get_mut(&id) else { return Some(n) };
+                if replay.is_some_and(|r| Some(r) != h.replay_id) {
+                    // Replies to a replay given up since (a new one was asked for, or the holder
+                    // was rebuilt): they must not be taken for the current one's.
+                    HolderStats::add(&h.stats.stale_replies, n as u64);
+                    return Some(n);
+                }
                 if inputs.iter().any(|i| matches!(i, Input::Live { .. } | Input::Replayed { .. })) {
                     h.last_event = Instant::now();
                 }
@@ -1157,6 +1179,7 @@ impl LaneHolder {
             last_event: Instant::now(),
             busy_since: None,
             rebuilds: self.rebuilds + 1,
+            replay_id: None,
             given_up: give_up,
             ..self
         })
@@ -1209,7 +1232,10 @@ impl LaneHolder {
                 Effect::RequestReplay { from } => {
                     HolderStats::add(&self.stats.replays_requested, 1);
                     self.replay_deadline = Some(Instant::now() + shared.cfg.replay_timeout);
-                    if shared.command(SockCmd::Replay { holder: self.writer.holder(), from }).is_err() {
+                    // Relaxed: ids need only be unique.
+                    let id = shared.replay_ids.fetch_add(1, Ordering::Relaxed);
+                    self.replay_id = Some(id);
+                    if shared.command(SockCmd::Replay { holder: self.writer.holder(), from, id }).is_err() {
                         return Fate::Removed;
                     }
                 }
@@ -1349,6 +1375,58 @@ mod tests {
 
     fn paths(holder: HolderId) -> (u64, u64) {
         PATHS.lock().unwrap().iter().find(|(h, ..)| *h == holder).map_or((0, 0), |&(_, i, q)| (i, q))
+    }
+
+    /// Replies that answer a replay given up since (another was asked for, or the holder was
+    /// rebuilt) reach the lane after the new request: they carry their request's id, and the
+    /// lane drops them instead of taking them for the new replay's (whose end marker would
+    /// otherwise end it early).
+    #[test]
+    fn replies_to_a_replay_given_up_are_dropped() {
+        use crate::test_support::ReplayFraming;
+        let ledger = Ledger::new(LedgerConfig::default());
+        let ingest =
+            Ingest::start(ledger.clone(), IngestConfig { lanes: 1, ..IngestConfig::default() }).unwrap();
+        let h = holder(951);
+        let mut engine = FakeEngine::new("stale-replies", Some(ReplayFraming::WithTopic));
+        engine.record_only(0, &vllm_block_batch(0));
+        ingest
+            .add_holder(HolderSource {
+                holder: h,
+                wire: Wire::Vllm,
+                model: "test-model".into(),
+                unlabeled: Unlabeled::Plain,
+                publish: engine.pub_endpoint.clone(),
+                replay: engine.replay_endpoint.clone(),
+                topic: String::from_utf8(engine.topic.clone()).unwrap(),
+                capacity_blocks: 10_000,
+                content_deterministic: true,
+            })
+            .unwrap();
+        engine.wait_subscribed();
+        // The start asks for a replay from 0; before it is answered, replies to a request the
+        // holder no longer waits for arrive (id 0 is never a request's).
+        wait(&ingest, h, "the replay request", |s| {
+            s.replays_requested == 1 && s.state == HolderState::Syncing
+        });
+        let stale = vec![
+            super::Input::Replayed {
+                seq: 7,
+                payload: super::Payload::new(zmq::Message::from(vllm_block_batch(7))),
+            },
+            super::Input::ReplayEnd,
+        ];
+        ingest.shared.send_lane(0, super::LaneMsg::Inputs(h, stale, Some(0))).unwrap();
+        wait(&ingest, h, "the stale replies dropped", |s| s.stale_replies == 2);
+        let st = ingest.status(h).unwrap();
+        assert_eq!(st.state, HolderState::Syncing, "the replay goes on: {st:?}");
+        assert!(!holds(&ledger, h, 7));
+        // The real replay's replies are taken.
+        assert_eq!(engine.serve_replay(), 0);
+        wait(&ingest, h, "the replay", |s| s.state == HolderState::Ready && s.last_seq == 0);
+        assert!(holds(&ledger, h, 0) && !holds(&ledger, h, 7));
+        assert_eq!(ingest.status(h).unwrap().transitions(Reason::ReplayOk), 1);
+        ingest.shutdown();
     }
 
     /// Live sockets the socket thread left unread for their lane's backlog.

@@ -31,6 +31,7 @@ pub struct HolderStats {
     pub(crate) transitions: [AtomicU64; Reason::ALL.len()],
     pub(crate) clears: AtomicU64,
     pub(crate) replays_requested: AtomicU64,
+    pub(crate) stale_replies: AtomicU64,
     pub(crate) rank_mismatches: AtomicU64,
     /// Microseconds from the engine's batch timestamp to the batch being visible, last and max.
     pub(crate) apply_lag_us: AtomicU64,
@@ -70,6 +71,8 @@ pub struct HolderStatus {
     pub clears: u64,
     /// Replays requested.
     pub replays_requested: u64,
+    /// Replay replies dropped because they answered a replay given up since.
+    pub stale_replies: u64,
     /// Batches whose DP rank differed from the holder's.
     pub rank_mismatches: u64,
     /// Last engine-timestamp-to-visible lag, microseconds.
@@ -126,6 +129,7 @@ impl HolderStats {
             transitions: std::array::from_fn(|_| AtomicU64::new(0)),
             clears: AtomicU64::new(0),
             replays_requested: AtomicU64::new(0),
+            stale_replies: AtomicU64::new(0),
             rank_mismatches: AtomicU64::new(0),
             apply_lag_us: AtomicU64::new(0),
             apply_lag_max_us: AtomicU64::new(0),
@@ -175,6 +179,7 @@ impl HolderStats {
             transitions: std::array::from_fn(|i| load(&self.transitions[i])),
             clears: load(&self.clears),
             replays_requested: load(&self.replays_requested),
+            stale_replies: load(&self.stale_replies),
             rank_mismatches: load(&self.rank_mismatches),
             apply_lag_us: load(&self.apply_lag_us),
             apply_lag_max_us: load(&self.apply_lag_max_us),
