@@ -252,7 +252,7 @@ impl Attempt<'_> {
     ) -> Result<Answer, Failure> {
         let traceparent = span.map(SpanGuard::traceparent);
         let (uri, mut headers) =
-            upstream_head(out.headers, out.rid, traceparent.as_deref(), &self.worker, out.route)?;
+            upstream_head(out.headers, out.rid, traceparent.as_deref(), self.worker, out.route)?;
         let rank = self.cand.holder.rank.0;
         let body = match self.worker.config.engine {
             // Only a multi-rank worker is told a rank; a body that already pins it (the planner

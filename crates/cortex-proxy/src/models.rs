@@ -258,7 +258,7 @@ impl ModelTable {
     /// requires `key` (its engine's `--api-key`). Returns false, and sets nothing, if `model` is
     /// not a served model.
     pub fn set_worker_api_key(&mut self, model: &str, key: crate::auth::WorkerKey) -> bool {
-        if !self.by_name.get(model).is_some_and(|r| r.lora.is_none()) {
+        if self.by_name.get(model).is_none_or(|r| r.lora.is_some()) {
             return false;
         }
         self.worker_keys.insert(model.to_owned(), key);

@@ -31,7 +31,7 @@ use cortex_proxy::request::{self, Route};
 use cortex_proxy::{Ask, Plan};
 use cortex_sched::{MatchMode, Role};
 use fake::{FakeConfig, MODEL, Options, start};
-use http::{HeaderMap, HeaderValue, StatusCode, Uri};
+use http::{HeaderMap, HeaderValue, StatusCode};
 use serde_json::json;
 
 use counting::allocations;
@@ -86,7 +86,7 @@ async fn the_request_path_allocates_only_its_budget() {
     let mut headers = HeaderMap::new();
     headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     headers.insert(http::header::HOST, HeaderValue::from_static("127.0.0.1"));
-    let base: Uri = h.fakes[0].url().parse().unwrap();
+    let worker = h.gateway.control().registry().snapshot().values().next().cloned().expect("the worker");
     let rid = "cortex-0123456789abcdef0123456789abcdef";
     let planner = h.gateway.planner();
     // Each step twice: the first run on this thread warms its thread-local buffers.
@@ -99,7 +99,7 @@ async fn the_request_path_allocates_only_its_budget() {
         assert_eq!(plan.mode, MatchMode::ExactKvEvents, "the warm prompt is a cache hit");
         assert!(plan.candidates[0].matched_tokens >= 32, "{:?}", plan.candidates[0]);
         let (head, head_n) =
-            allocations(|| upstream_head(&headers, rid, None, &base, Route::Completions).map(|_| ()));
+            allocations(|| upstream_head(&headers, rid, None, &worker, Route::Completions).map(|_| ()));
         head.unwrap();
         if round == 1 {
             counted = vec![("parse", parse), ("ask", ask_n), ("plan", plan_n), ("upstream head", head_n)];
