@@ -17,7 +17,7 @@ fn error_statuses_for_the_next_requests() {
     for _ in 0..2 {
         let r = post(addr, "/v1/completions", &prompt(1));
         assert_eq!(r.status, 503);
-        assert_eq!(r.header("retry-after"), Some("1"));
+        assert_eq!(r.header("retry-after"), Some("2"));
         assert_eq!(r.json()["error"]["code"], 503);
     }
     assert_eq!(post(addr, "/v1/completions", &prompt(1)).status, 200);
