@@ -92,8 +92,11 @@ impl Admission {
             self.waiting.fetch_sub(1, Ordering::Relaxed);
             return Err(ProxyError::Overloaded);
         }
+        // Its place in the queue is given back however the wait ends, a client that leaves
+        // (the request's future dropped while it waits) included.
+        let place = Place(&self.waiting);
         let r = tokio::time::timeout(self.timeout, Arc::clone(&self.slots).acquire_owned()).await;
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        drop(place);
         match r {
             Ok(Ok(p)) => Ok(p),
             Ok(Err(_)) => Err(ProxyError::ShuttingDown),
@@ -104,6 +107,53 @@ impl Admission {
     /// Requests holding a slot now.
     pub(crate) fn in_flight(&self) -> usize {
         self.max_concurrent.saturating_sub(self.slots.available_permits())
+    }
+}
+
+/// A request's place in the admission queue, given back when dropped.
+struct Place<'a>(&'a AtomicUsize);
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        // Relaxed: as in `Admission::acquire`.
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod admission_tests {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Waker};
+
+    use super::*;
+
+    /// A client that leaves while its request waits for a slot gives its place in the queue
+    /// back: before, the count kept it, and every later request found the queue full (429)
+    /// whenever the slots were taken.
+    #[tokio::test]
+    async fn a_request_that_leaves_the_queue_gives_its_place_back() {
+        let limits = Limits {
+            max_concurrent: 1,
+            max_queue: 1,
+            queue_timeout: Duration::from_secs(60),
+            ..Limits::default()
+        };
+        let a = Admission::new(&limits);
+        let held = a.acquire().await.expect("the slot");
+        for _ in 0..3 {
+            let mut cx = Context::from_waker(Waker::noop());
+            {
+                let mut waiting = pin!(a.acquire());
+                assert!(waiting.as_mut().poll(&mut cx).is_pending(), "queued");
+                assert_eq!(a.waiting.load(Ordering::Relaxed), 1);
+                // A second request finds the queue full.
+                assert!(matches!(a.acquire().await, Err(ProxyError::Overloaded)));
+            } // the client leaves: its request's future is dropped while it waits
+            assert_eq!(a.waiting.load(Ordering::Relaxed), 0, "its place is given back");
+        }
+        drop(held);
+        assert!(a.acquire().await.is_ok());
     }
 }
 
