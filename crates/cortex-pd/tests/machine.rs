@@ -216,6 +216,7 @@ fn a_decode_failing_after_the_prefill_succeeded_falls_back_to_a_regular_worker()
         e,
         vec![
             Effect::Blame { holder: pair.decode, class: FailureClass::ServerError },
+            Effect::Blame { holder: pair.prefill, class: FailureClass::ServerError },
             Effect::SendSingle { attempt: 2, leg: Leg::Regular, holder: regular },
         ]
     );
@@ -555,6 +556,7 @@ fn vllm_kv_pull_failure_falls_back_to_a_decode_worker_prefilling_locally() {
         e,
         vec![
             Effect::Blame { holder: pair.decode, class: FailureClass::ServerError },
+            Effect::Blame { holder: pair.prefill, class: FailureClass::ServerError },
             Effect::SendSingle { attempt: 2, leg: Leg::DecodeLocal, holder: other },
         ]
     );

@@ -556,12 +556,19 @@ impl Driver<'_> {
             }
             Effect::Blame { holder, class } => {
                 let now = self.fw.clock().now();
+                let mut booked = false;
                 for slot in [&mut self.prefill, &mut self.serving].into_iter().flatten() {
                     if slot.holder == holder
                         && let Some(b) = slot.booking.take()
                     {
                         b.fail(class, now);
+                        booked = true;
                     }
+                }
+                if !booked && let Some(w) = self.plan.snapshot.worker(holder.worker) {
+                    // A leg that already ended well (a prefill whose transfer then failed): its
+                    // booking is gone, the failure is recorded on its worker.
+                    w.state().record_failure(class, now);
                 }
                 None
             }
@@ -767,7 +774,10 @@ impl Driver<'_> {
         upstream::set_header(
             h,
             "x-cortex-cache-hit-tokens",
-            &hit.map_or(0, |c| c.matched_tokens).to_string(),
+            &hit.map_or(0, |c| {
+                c.matched_tokens.min(self.plan.model.max_cached_tokens(self.plan.prompt_tokens as usize))
+            })
+            .to_string(),
         );
         upstream::set_header(h, "x-cortex-match-mode", mode.as_str());
         if let Some(p) = prefill {

@@ -517,3 +517,29 @@ async fn a_vllm_prefill_without_transfer_params_is_not_named_as_the_prefill_work
     assert_eq!(r.header("x-cortex-prefill-rank"), "", "{:?}", r.headers);
     h.shutdown().await;
 }
+
+/// A vLLM prefill worker whose KV is gone before any decode worker can pull it (its lease
+/// expires at once): every pair fails in the transfer, and the decode worker's answer ("Internal
+/// server error") cannot say whose fault it was. Both ends are blamed, so the prefill worker
+/// cools down too, and the requests are served by a decode worker prefilling locally instead of
+/// every decode worker cooling down in turn (before: 502s and 503s at a few requests a second).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_worker_whose_transfers_fail_does_not_take_the_decode_workers_down() {
+    let mut leaky = slow_sim_role("vllm", cortex_sim::Role::Prefill);
+    leaky.pd.kv_lease = std::time::Duration::from_millis(1);
+    let d = || slow_sim_role("vllm", cortex_sim::Role::Decode);
+    let h = harness("vllm", vec![leaky, d(), d()], &[]).await;
+    for i in 0..8 {
+        let r = h
+            .post(
+                "/v1/completions",
+                &json!({"model": MODEL, "prompt": format!("lease {i}"), "max_tokens": 3}),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "request {i}: {}", r.body);
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    let failed: u64 = h.sims.iter().map(cortex_sim::SimWorker::pd_transfer_failures).sum();
+    assert!(failed > 0, "no transfer failed: the test did not test anything");
+    h.shutdown().await;
+}
