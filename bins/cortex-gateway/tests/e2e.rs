@@ -77,6 +77,30 @@ async fn phase1(engine: &str) {
     h.shutdown().await;
 }
 
+/// A prompt of exactly four blocks: the ledger holds all four after the first request, but an
+/// engine computes at least the last token, so it reuses three; the header says what the engine
+/// reuses, not what the ledger holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hit_header_never_claims_the_last_block_of_a_block_aligned_prompt() {
+    for engine in ["vllm", "sglang"] {
+        let h = harness(engine, vec![sim(engine)], &[]).await;
+        let ids: Vec<u32> = (0..64u32).map(|i| 1_000 + i * 7).collect();
+        let body = serde_json::json!({"model": MODEL, "prompt": ids, "max_tokens": 2});
+        let first = h.post("/v1/completions", &body).await;
+        assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+        let (_, ledger) = h.wait_hit(&body, |_, hit| hit > 0).await;
+        assert_eq!(ledger, 64, "{engine}: the ledger holds the four blocks");
+        let r = h.post("/v1/completions", &body).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.header("x-cortex-match-mode"), "exact_kv_events");
+        assert_eq!(cached_tokens(&r), 48, "{engine}: the engine reuses three blocks");
+        assert_eq!(r.header("x-cortex-cache-hit-tokens"), "48", "{engine}");
+        let v = h.post("/debug/route", &body).await.json();
+        assert_eq!(v["cache_hit_tokens"], 48, "{engine}: {v}");
+        h.shutdown().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn phase1_acceptance_vllm() {
     phase1("vllm").await;

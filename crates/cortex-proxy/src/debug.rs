@@ -107,7 +107,7 @@ pub(crate) fn route(e: &Explanation, registry: &Registry) -> Value {
         "mode": r.mode().as_str(),
         "reason": r.reason().map(|x| x.as_str()),
         "policy": r.policy().as_str(),
-        "cache_hit_tokens": e.plan.as_ref().ok().and_then(|p| p.candidates.first()).map_or(0, |c| c.matched_tokens),
+        "cache_hit_tokens": e.plan.as_ref().ok().and_then(|p| p.candidates.first().map(|c| c.matched_tokens.min(p.max_hit()))).unwrap_or(0),
         "candidates": candidates,
         "excluded": excluded,
     })

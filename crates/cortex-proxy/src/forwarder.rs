@@ -78,6 +78,8 @@ pub struct Forwarder {
 struct Attempt<'a> {
     worker: &'a WorkerRecord,
     cand: &'a Candidate,
+    /// The plan's [`Plan::max_hit`].
+    max_hit: u32,
 }
 
 impl Forwarder {
@@ -175,7 +177,7 @@ impl Forwarder {
                 metrics::counter!(t::RETRIES).increment(1);
             }
             attempts += 1;
-            let attempt = Attempt { worker: &worker, cand };
+            let attempt = Attempt { worker: &worker, cand, max_hit: plan.max_hit() };
             let mode = effective_mode(plan.mode, cand);
             let mut span = out.watch.span("attempt", &worker.config.name, u32::from(cand.holder.rank.0));
             let answer = attempt.send(self, &out, span.as_ref()).await;
@@ -271,7 +273,8 @@ impl Attempt<'_> {
 
     /// The `x-cortex-*` headers of the answer.
     fn cortex_headers(&self, h: &mut HeaderMap, mode: MatchMode, rid: &str) {
-        upstream::set_header(h, "x-cortex-cache-hit-tokens", &self.cand.matched_tokens.to_string());
+        let hit = self.cand.matched_tokens.min(self.max_hit);
+        upstream::set_header(h, "x-cortex-cache-hit-tokens", &hit.to_string());
         upstream::set_header(h, "x-cortex-assigned-worker", &self.worker.config.name);
         upstream::set_header(h, "x-cortex-assigned-rank", &self.cand.holder.rank.0.to_string());
         upstream::set_header(h, "x-cortex-match-mode", mode.as_str());
@@ -326,7 +329,7 @@ fn prediction(
         .then(|| (plan.seq[0], plan.first_page.clone()));
     Prediction {
         holder,
-        predicted_hit: cand.matched_tokens.min(plan.model.max_cached_tokens(plan.prompt_tokens as usize)),
+        predicted_hit: cand.matched_tokens.min(plan.max_hit()),
         exact: mode == MatchMode::ExactKvEvents,
         model: Arc::clone(&plan.model),
         cache_salt: facts.cache_salt.clone(),

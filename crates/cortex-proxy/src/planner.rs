@@ -112,6 +112,16 @@ pub struct Plan {
     pub pending: Arc<PendingPrefixes>,
 }
 
+impl Plan {
+    /// The most prompt tokens a worker can reuse for this request: whole blocks, never the
+    /// last token (both engines compute at least one), so a prompt of exactly n blocks reuses
+    /// at most n − 1 whatever the ledger holds. What `x-cortex-cache-hit-tokens` says at most.
+    #[must_use]
+    pub fn max_hit(&self) -> u32 {
+        self.model.max_cached_tokens(self.prompt_tokens as usize)
+    }
+}
+
 /// What planning decided for a disaggregated request: the rankings of the model's prefill,
 /// decode and (if any) regular pools, decided once on one snapshot and one ledger answer, for the
 /// PD state machine to pick its pair — and its single-worker fallback — from.
