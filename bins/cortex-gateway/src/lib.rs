@@ -263,7 +263,7 @@ async fn forward_events(mut events: mpsc::UnboundedReceiver<RegistryEvent>, inge
                     Err(e) => tracing::error!(%worker, error = %e, "unfollow task failed"),
                 }
             }
-            RegistryEvent::Running(holder, n) => ingest.report_running(holder, n),
+            RegistryEvent::Running(holder, n, stores) => ingest.report_running(holder, n, stores),
         }
     }
 }

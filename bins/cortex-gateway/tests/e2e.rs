@@ -118,11 +118,16 @@ async fn stale_ledger(engine: &str) {
     assert_eq!(first.status, StatusCode::OK, "{}", first.body);
     let holder = first.header("x-cortex-assigned-worker").to_owned();
     h.wait_hit(&body, |w, hit| w == holder && hit > 0).await;
-    // The holder stops stepping while a request runs: busy and silent, so its ledger is STALE.
+    // The holder stops stepping while a request that stores new blocks runs, and its next
+    // batches are lost on the way: it owes events and none arrives, so its ledger is STALE. (A
+    // request of cached blocks only would owe none; a stalled engine whose batches still come
+    // is no publisher gone quiet.)
+    h.worker(&holder).drop_next_batches(0, 1).unwrap();
     h.worker(&holder).stall();
-    // The same prompt: the exact hit sends it to the (now stalled) holder.
+    // The prompt and more: the exact hit on its prefix sends it to the (now stalled) holder.
+    let longer = chat(&format!("{}{}", long_prompt("stale"), long_prompt("and more")), false);
     let stuck = tokio::spawn({
-        let (gw, b) = (h.caller(), body.clone());
+        let (gw, b) = (h.caller(), longer);
         async move { gw.post("/v1/chat/completions", &b).await.status }
     });
     h.wait("the stuck request reached the holder", || h.worker(&holder).in_flight(0).unwrap_or(0) > 0).await;
@@ -155,9 +160,8 @@ async fn stale_ledger(engine: &str) {
     assert_ne!(r.header("x-cortex-assigned-worker"), holder);
     h.worker(&holder).resume();
     assert_eq!(stuck.await.unwrap(), StatusCode::OK);
-    // Its next batch follows the last one without a gap: READY again, nothing lost. (The stuck
-    // request was all hits and published nothing new; a fresh prompt, sent to the worker
-    // directly, does.)
+    // Its batches come again (a fresh prompt's, sent to the worker directly): the lost ones are
+    // replayed, READY again, nothing lost.
     let url = format!("{}/v1/completions", h.worker(&holder).base_url());
     let fresh = json!({"model": MODEL, "prompt": long_prompt("fresh"), "max_tokens": 2});
     assert_eq!(h.send_to("POST", &url, Bytes::from(fresh.to_string())).await.status, StatusCode::OK);
@@ -165,6 +169,45 @@ async fn stale_ledger(engine: &str) {
     // The holder keeps its blocks, and gets credit for them again.
     h.wait_hit_on(&body, &holder).await;
     h.shutdown().await;
+}
+
+/// A worker kept busy with cache hits only stores no block, so it publishes no event: rightly
+/// quiet, its ledger stays READY and its hits exact, however long past `silence_timeout` (500 ms
+/// here). Found by a probe: after 30 s of hits a hot worker went STALE and lost exact routing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_busy_with_cache_hits_only_stays_ready() {
+    for engine in ["vllm", "sglang"] {
+        let h = harness(engine, vec![slow_sim(engine)], &[]).await;
+        let body = chat(&long_prompt("hits only"), false);
+        assert_eq!(h.post("/v1/chat/completions", &body).await.status, StatusCode::OK);
+        h.wait_hit(&body, |_, hit| hit > 0).await;
+        let holder = h.holder("w0");
+        // Four clients for three silence timeouts, each request all hits but for its last block.
+        let until = tokio::time::Instant::now() + std::time::Duration::from_millis(1_500);
+        let clients: Vec<_> = (0..4)
+            .map(|_| {
+                let (gw, b) = (h.caller(), body.clone());
+                tokio::spawn(async move {
+                    let mut modes = Vec::new();
+                    while tokio::time::Instant::now() < until {
+                        let r = gw.post("/v1/chat/completions", &b).await;
+                        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+                        modes.push(r.header("x-cortex-match-mode").to_owned());
+                    }
+                    modes
+                })
+            })
+            .collect();
+        while tokio::time::Instant::now() < until {
+            assert_eq!(h.gw.ledger_state(holder), Some(Readiness::Ready), "{engine}: went STALE");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        for c in clients {
+            let modes = c.await.unwrap();
+            assert!(!modes.is_empty() && modes.iter().all(|m| m == "exact_kv_events"), "{engine}: {modes:?}");
+        }
+        h.shutdown().await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

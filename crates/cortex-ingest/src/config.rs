@@ -28,8 +28,8 @@ pub struct IngestConfig {
     pub lanes: usize,
     /// How long a replay may take before the holder is rebuilt cold.
     pub replay_timeout: Duration,
-    /// How long a holder may publish nothing while its engine reports running requests before
-    /// it is suspected STALE.
+    /// How long a holder may publish nothing after a request that stores new blocks (see
+    /// [`crate::Ingest::report_running`]) before it is suspected STALE.
     pub silence_timeout: Duration,
     /// Whether STALE holders keep exact routing.
     pub stale_routing: StaleRouting,

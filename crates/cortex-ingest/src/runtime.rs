@@ -362,7 +362,7 @@ impl Ingest {
             stats,
             replay_deadline: None,
             last_event: Instant::now(),
-            busy_since: None,
+            expect: None,
             cfg,
             replay,
             rebuilds: 0,
@@ -421,12 +421,18 @@ impl Ingest {
         Ok(())
     }
 
-    /// Reports how many requests a worker's engine says are running (from load polling): a holder
-    /// that stays silent while its engine is busy is suspected STALE.
-    pub fn report_running(&self, holder: HolderId, running: u64) {
+    /// Reports how many requests a worker's engine says are running (from load polling), and
+    /// since when (`stores`) the gateway has sent it requests that store new blocks: a holder
+    /// that publishes nothing for `silence_timeout` after such a request is suspected STALE. An
+    /// engine serving cache hits only stores nothing, so it is rightly quiet however busy.
+    pub fn report_running(&self, holder: HolderId, running: u64, stores: Option<(Instant, Instant)>) {
         if let Some(s) = self.stats_of(holder) {
             // Relaxed: a gauge read by the holder's lane on its next tick.
             s.running.store(running, Ordering::Relaxed);
+            if let Some((first, last)) = stores {
+                let mut e = s.expected.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                *e = Some(e.map_or((first, last), |(f, l)| (f.min(first), l.max(last))));
+            }
         }
     }
 
@@ -925,10 +931,12 @@ struct LaneHolder {
     stats: Arc<HolderStats>,
     replay_deadline: Option<Instant>,
     last_event: Instant,
-    /// When the lane first saw the engine report work without a report of none since: silence
-    /// counts from the later of this and the last event, so an engine idle (and rightly quiet)
-    /// for longer than `silence_timeout` is not STALE the moment it takes a request.
-    busy_since: Option<Instant>,
+    /// The first and the last request that stores new blocks sent to the engine and not yet
+    /// followed by an event: the engine must publish one after each, so silence counts from the
+    /// first (an engine idle, or serving cache hits only, is rightly quiet however long). Two
+    /// points stand for the requests between: an event between them leaves the last owed, which
+    /// can only delay a suspicion, never make a false one.
+    expect: Option<(Instant, Instant)>,
     /// What the holder was registered with, and whether its engine replays: a rebuild
     /// registers it again the same way.
     cfg: HolderConfig,
@@ -1080,17 +1088,26 @@ impl LaneState {
         let now = Instant::now();
         let mut due = Vec::new();
         for (id, h) in self.holders.iter_mut().filter(|(_, h)| !h.given_up) {
-            // Relaxed: a gauge written by the load poller.
-            let busy = h.stats.running.load(Ordering::Relaxed) > 0;
-            h.busy_since = if busy { h.busy_since.or(Some(now)) } else { None };
+            let reported = h.stats.expected.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+            if let Some((first, last)) = reported {
+                h.expect = Some(h.expect.map_or((first, last), |(f, l)| (f.min(first), l.max(last))));
+            }
+            // An event after the requests that obliged one pays them (the report may come after
+            // the event: the load poll lags the requests).
+            h.expect = match h.expect {
+                Some((_, last)) if h.last_event >= last => None,
+                Some((first, last)) if h.last_event >= first => Some((last, last)),
+                e => e,
+            };
             let input = if h.replay_deadline.is_some_and(|d| now >= d) && h.seq.replaying() {
                 h.replay_deadline = None;
                 Some(Input::ReplayTimeout)
             } else if h.seq.state() == HolderState::Ready
-                && h.busy_since
-                    .is_some_and(|b| now.duration_since(h.last_event.max(b)) >= shared.cfg.silence_timeout)
+                && h.expect.is_some_and(|(first, _)| {
+                    now.saturating_duration_since(first) >= shared.cfg.silence_timeout
+                })
             {
-                h.last_event = now;
+                h.expect = None;
                 Some(Input::Silent)
             } else {
                 None
@@ -1177,7 +1194,7 @@ impl LaneHolder {
             seq: Sequencer::new(self.replay, shared.cfg.max_buffered),
             replay_deadline: None,
             last_event: Instant::now(),
-            busy_since: None,
+            expect: None,
             rebuilds: self.rebuilds + 1,
             replay_id: None,
             given_up: give_up,

@@ -15,7 +15,7 @@
 //! | no replay socket, replay incomplete (first replayed seq later than asked, or a hole), or timeout | clear, apply the buffered batches from a contiguous point | READY (cold) |
 //! | holder added | ask the replay socket for everything buffered, else start cold from an empty ledger | SYNCING → READY, or READY |
 //! | first batch after start has seq > 0 | replay from 0 if possible, else start cold | SYNCING → READY |
-//! | socket disconnected, or silent while the engine reports running requests | count | STALE |
+//! | socket disconnected, or silent for too long after a request that stores new blocks | count | STALE |
 //! | socket disconnected while replaying | clear, forget the batches held, replay from 0 | SYNCING |
 //! | a payload that does not decode | clear, continue with the next batch (while replaying: as an incomplete replay) | READY (cold) |
 //!
@@ -70,7 +70,7 @@ pub enum Reason {
     ColdStart,
     /// The socket reported a disconnection.
     Disconnected,
-    /// No event for too long while the engine reported running requests.
+    /// No event for too long after a request that stores new blocks.
     Silent,
     /// Events resumed in order after a suspicion.
     Resumed,
@@ -189,7 +189,7 @@ pub enum Input<P> {
     Undecodable,
     /// The socket reported a disconnection.
     Disconnected,
-    /// No event for too long while the engine reported running requests.
+    /// No event for too long after a request that stores new blocks.
     Silent,
 }
 

@@ -36,8 +36,12 @@ pub struct HolderStats {
     /// Microseconds from the engine's batch timestamp to the batch being visible, last and max.
     pub(crate) apply_lag_us: AtomicU64,
     pub(crate) apply_lag_max_us: AtomicU64,
-    /// Requests the engine last reported running (for silence detection).
+    /// Requests the engine last reported running (shown; silence is judged on `expected`).
     pub(crate) running: AtomicU64,
+    /// When the gateway sent the engine, since the holder's lane last looked, the first and the
+    /// last request that store new blocks: the engine must publish events after each (silence
+    /// detection).
+    pub(crate) expected: std::sync::Mutex<Option<(std::time::Instant, std::time::Instant)>>,
 }
 
 /// A copy of one holder's counters.
@@ -134,6 +138,7 @@ impl HolderStats {
             apply_lag_us: AtomicU64::new(0),
             apply_lag_max_us: AtomicU64::new(0),
             running: AtomicU64::new(0),
+            expected: std::sync::Mutex::new(None),
         }
     }
 

@@ -476,9 +476,16 @@ impl Control {
         let now = self.clock.now();
         for r in reports {
             entry.state().report_load(r.rank, r.load, now);
-            // Queued requests count too: an engine with work and no events is suspicious.
+            // Queued requests count too: an engine with work and no events is suspicious, if the
+            // work stores blocks (a cache hit stores none).
             let busy = u64::from(r.load.running) + u64::from(r.load.waiting);
-            let _ = self.events.send(RegistryEvent::Running(HolderId::new(w.id, r.rank), busy));
+            let at = |t: cortex_sched::Timestamp| {
+                let ago = now.saturating_since(t);
+                std::time::Instant::now().checked_sub(ago).unwrap_or_else(std::time::Instant::now)
+            };
+            let stores =
+                entry.state().take_expected_events(r.rank).map(|(first, last)| (at(first), at(last)));
+            let _ = self.events.send(RegistryEvent::Running(HolderId::new(w.id, r.rank), busy, stores));
         }
         let Some(reported) = discovery::reported_max_running(reports) else { return };
         let max_running =

@@ -173,6 +173,9 @@ impl Forwarder {
             let Some(worker) = self.registry.get(cand.holder.worker) else { continue };
             let Some(mut booking) = plan.snapshot.book(cand, now) else { continue };
             booking.track_prefix(&plan.pending, &plan.seq, now);
+            if computes_new_blocks(plan.prompt_tokens, cand.matched_tokens, plan.model.block_size()) {
+                booking.expect_events(now);
+            }
             if attempts > 0 {
                 metrics::counter!(t::RETRIES).increment(1);
             }
@@ -314,6 +317,13 @@ pub fn upstream_head(
         retry_after: None,
     })?;
     Ok((uri, headers))
+}
+
+/// Whether a prompt of `prompt_tokens` with `cached` of them in the worker's cache (whole
+/// blocks) makes the worker store at least one new full block, and so publish a KV event.
+pub(crate) fn computes_new_blocks(prompt_tokens: u32, cached: u32, block_size: u32) -> bool {
+    let bs = block_size.max(1);
+    prompt_tokens / bs > cached / bs
 }
 
 /// What the alignment checks compare the response with.

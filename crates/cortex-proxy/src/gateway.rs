@@ -120,42 +120,6 @@ impl Drop for Place<'_> {
     }
 }
 
-#[cfg(test)]
-mod admission_tests {
-    use std::future::Future;
-    use std::pin::pin;
-    use std::task::{Context, Waker};
-
-    use super::*;
-
-    /// A client that leaves while its request waits for a slot gives its place in the queue
-    /// back: before, the count kept it, and every later request found the queue full (429)
-    /// whenever the slots were taken.
-    #[tokio::test]
-    async fn a_request_that_leaves_the_queue_gives_its_place_back() {
-        let limits = Limits {
-            max_concurrent: 1,
-            max_queue: 1,
-            queue_timeout: Duration::from_secs(60),
-            ..Limits::default()
-        };
-        let a = Admission::new(&limits);
-        let held = a.acquire().await.expect("the slot");
-        for _ in 0..3 {
-            let mut cx = Context::from_waker(Waker::noop());
-            {
-                let mut waiting = pin!(a.acquire());
-                assert!(waiting.as_mut().poll(&mut cx).is_pending(), "queued");
-                assert_eq!(a.waiting.load(Ordering::Relaxed), 1);
-                // A second request finds the queue full.
-                assert!(matches!(a.acquire().await, Err(ProxyError::Overloaded)));
-            } // the client leaves: its request's future is dropped while it waits
-            assert_eq!(a.waiting.load(Ordering::Relaxed), 0, "its place is given back");
-        }
-        drop(held);
-        assert!(a.acquire().await.is_ok());
-    }
-}
 
 /// How often the `manual` policy's idle assignments are swept (SGLang: every 60 s).
 pub const STICKY_SWEEP_EVERY: Duration = Duration::from_secs(60);
@@ -609,4 +573,41 @@ pub(crate) fn json_response(status: StatusCode, v: &serde_json::Value) -> Respon
     *resp.status_mut() = status;
     resp.headers_mut().insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
     resp
+}
+
+#[cfg(test)]
+mod admission_tests {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Waker};
+
+    use super::*;
+
+    /// A client that leaves while its request waits for a slot gives its place in the queue
+    /// back: before, the count kept it, and every later request found the queue full (429)
+    /// whenever the slots were taken.
+    #[tokio::test]
+    async fn a_request_that_leaves_the_queue_gives_its_place_back() {
+        let limits = Limits {
+            max_concurrent: 1,
+            max_queue: 1,
+            queue_timeout: Duration::from_secs(60),
+            ..Limits::default()
+        };
+        let a = Admission::new(&limits);
+        let held = a.acquire().await.expect("the slot");
+        for _ in 0..3 {
+            let mut cx = Context::from_waker(Waker::noop());
+            {
+                let mut waiting = pin!(a.acquire());
+                assert!(waiting.as_mut().poll(&mut cx).is_pending(), "queued");
+                assert_eq!(a.waiting.load(Ordering::Relaxed), 1);
+                // A second request finds the queue full.
+                assert!(matches!(a.acquire().await, Err(ProxyError::Overloaded)));
+            } // the client leaves: its request's future is dropped while it waits
+            assert_eq!(a.waiting.load(Ordering::Relaxed), 0, "its place is given back");
+        }
+        drop(held);
+        assert!(a.acquire().await.is_ok());
+    }
 }

@@ -48,7 +48,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::alignment::Prediction;
 use crate::error::{Body, ErrorFormat, ProxyError, refusal};
-use crate::forwarder::{Forwarder, Outgoing, upstream_head};
+use crate::forwarder::{Forwarder, Outgoing, computes_new_blocks, upstream_head};
 use crate::observe::SpanGuard;
 use crate::planner::{PdPlan, RANK_HEADER};
 use crate::registry::WorkerRecord;
@@ -388,10 +388,17 @@ impl Driver<'_> {
 
     fn book(&self, leg: Leg, holder: HolderId) -> Option<Booking> {
         let now = self.fw.clock().now();
-        match self.candidate(leg, holder) {
+        let cand = self.candidate(leg, holder);
+        let booking = match cand {
             Some(c) => self.plan.snapshot.book(c, now),
             None => self.plan.snapshot.book_holder(holder, self.plan.prompt_tokens, self.plan.kv_blocks, now),
+        }?;
+        // Every leg stores the prompt's blocks it lacks (a decode leg pulls them).
+        let cached = cand.map_or(0, |c| c.matched_tokens);
+        if computes_new_blocks(self.plan.prompt_tokens, cached, self.plan.model.block_size()) {
+            booking.expect_events(now);
         }
+        Some(booking)
     }
 
     /// The leg request of `body` to `holder`'s worker, its rank pinned the engine's way.

@@ -274,8 +274,10 @@ pub enum RegistryEvent {
     Follow(Vec<HolderSource>),
     /// Stop following every rank of this worker and drop its ledger entries.
     Unfollow(WorkerId),
-    /// The engine reports this many running requests on this holder (silence detection).
-    Running(HolderId, u64),
+    /// The engine reports this many running (and waiting) requests on this holder; and when this
+    /// gateway sent it, since the last report, the first and the last request that store new
+    /// blocks (silence detection: only such work obliges the engine to publish events after it).
+    Running(HolderId, u64, Option<(std::time::Instant, std::time::Instant)>),
 }
 
 /// Where a worker is in its life.

@@ -172,6 +172,11 @@ pub(crate) struct RankState {
     /// a waiting request an engine counts but does not size is taken to be).
     booked_total_requests: AtomicU64,
     booked_total_tokens: AtomicU64,
+    /// Nanoseconds (plus one; 0 = none) of the first and the last booking since the last look
+    /// whose request computes at least one new full block, so that the engine must publish KV
+    /// events after it (see [`WorkerState::take_expected_events`]).
+    expects_first: AtomicU64,
+    expects_last: AtomicU64,
     /// The learner, and the engine's last cumulative prefill totals (updates only).
     learn: Mutex<Learner>,
 }
@@ -225,6 +230,8 @@ impl RankState {
             since_report_tokens: AtomicU64::new(0),
             booked_total_requests: AtomicU64::new(0),
             booked_total_tokens: AtomicU64::new(0),
+            expects_first: AtomicU64::new(0),
+            expects_last: AtomicU64::new(0),
             unanswered: AtomicU32::new(0),
             unanswered_due_sum_ns: AtomicU64::new(0),
             cached_blocks: AtomicU32::new(0),
@@ -596,6 +603,19 @@ impl WorkerState {
         self.rank_state(rank).map(|r| r.learn.lock().unwrap_or_else(PoisonError::into_inner).errors.clone())
     }
 
+    /// When the first and the last request booked on `rank` since the last call that compute
+    /// new blocks were booked: the engine must publish KV events after each
+    /// ([`Booking::expect_events`]). Clears them.
+    #[must_use]
+    pub fn take_expected_events(&self, rank: DpRank) -> Option<(Timestamp, Timestamp)> {
+        let r = self.rank_state(rank)?;
+        // Relaxed (both): see `Booking::expect_events`; a booking between the two swaps moves
+        // the last one only, which the next call reports.
+        let first = r.expects_first.swap(0, Ordering::Relaxed);
+        let last = r.expects_last.swap(0, Ordering::Relaxed);
+        (first > 0).then(|| (Timestamp::from_nanos(first - 1), Timestamp::from_nanos(last.max(first) - 1)))
+    }
+
     /// The cooldown in force at `now`: the class that started it and when it ends.
     #[must_use]
     #[inline]
@@ -823,6 +843,22 @@ impl Booking {
         }
         if let Some(key) = pending.insert(self.holder, Arc::from(seq), now) {
             self.pending = Some((Arc::clone(pending), key));
+        }
+    }
+
+    /// This request computes at least one new full block on its holder (its prompt's full blocks
+    /// past the ones cached there), so the holder's engine will publish KV events for it: an
+    /// engine that goes on computing such requests without publishing anything is suspect,
+    /// where one serving cache hits only is rightly quiet (see
+    /// [`WorkerState::take_expected_events`]).
+    pub fn expect_events(&self, now: Timestamp) {
+        if let Some(r) = self.state.rank_state(self.holder.rank) {
+            let t = now.as_nanos().saturating_add(1);
+            // Relaxed (both): times read and cleared by the load poller; a late look is harmless.
+            let _ = r.expects_first.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                Some(if old == 0 { t } else { old.min(t) })
+            });
+            r.expects_last.fetch_max(t, Ordering::Relaxed);
         }
     }
 
