@@ -120,7 +120,6 @@ impl Drop for Place<'_> {
     }
 }
 
-
 /// How often the `manual` policy's idle assignments are swept (SGLang: every 60 s).
 pub const STICKY_SWEEP_EVERY: Duration = Duration::from_secs(60);
 

@@ -109,7 +109,9 @@ pub enum FallbackReason {
     UnreproduciblePrompt,
     /// See [`Untrusted::TemplateMismatch`].
     TemplateMismatch,
-    /// See [`Untrusted::LedgerNotReady`]; also when no holder of the pool is READY.
+    /// See [`Untrusted::LedgerNotReady`]; also when no holder of the pool is READY, and when no
+    /// holder has a hit while some admissible holder's ledger is syncing or stale (it may hold
+    /// the prefix unseen).
     LedgerNotReady,
     /// See [`Untrusted::ExactRoutingOff`].
     ExactRoutingOff,

@@ -815,6 +815,14 @@ impl<S: Scorer> Scheduler<S> {
             None if over_watermark => (MatchMode::LoadAware, Some(FallbackReason::Watermark)),
             None if top_hit => (MatchMode::ExactKvEvents, None),
             None if any_hit => (MatchMode::LoadAware, Some(FallbackReason::HitOverruled)),
+            // No hit, but a holder the ledger cannot vouch for now (syncing, stale) may hold the
+            // prefix: not a miss the ledger saw.
+            None if out.candidates.iter().any(|c| {
+                c.excluded.is_none() && matches!(c.ledger, LedgerState::Stale | LedgerState::Syncing)
+            }) =>
+            {
+                (MatchMode::LoadAware, Some(FallbackReason::LedgerNotReady))
+            }
             None => (MatchMode::LoadAware, Some(FallbackReason::NoHit)),
         };
     }
