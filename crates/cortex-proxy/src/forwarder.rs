@@ -183,7 +183,7 @@ impl Forwarder {
             let attempt = Attempt { worker: &worker, cand, max_hit: plan.max_hit() };
             let mode = effective_mode(plan.mode, cand);
             let mut span = out.watch.span("attempt", &worker.config.name, u32::from(cand.holder.rank.0));
-            let answer = attempt.send(self, &out, span.as_ref()).await;
+            let answer = key_refused(attempt.send(self, &out, span.as_ref()).await, worker.as_ref());
             if let (Some(s), Ok(a)) = (span.as_mut(), &answer) {
                 s.answered(a.status().as_u16());
             }
@@ -319,6 +319,28 @@ pub fn upstream_head(
     Ok((uri, headers))
 }
 
+/// A worker sent its model's worker API key that answers 401 or 403 refuses the key, not the
+/// client: a failure of that worker (cooled down; the request goes to the next), never passed
+/// to the client as its own credentials' fault.
+pub(crate) fn key_refused(answer: Result<Answer, Failure>, worker: &WorkerRecord) -> Result<Answer, Failure> {
+    match answer {
+        Ok(Answer::Reject { status, .. })
+            if worker.api_key.is_some() && matches!(status.as_u16(), 401 | 403) =>
+        {
+            Err(Failure {
+                class: cortex_sched::FailureClass::ServerError,
+                message: format!(
+                    "worker {} refused the model's worker API key ({status}): check models[].worker_api_key_env",
+                    worker.config.name
+                ),
+                sent: true,
+                retry_after: None,
+            })
+        }
+        other => other,
+    }
+}
+
 /// Whether a prompt of `prompt_tokens` with `cached` of them in the worker's cache (whole
 /// blocks) makes the worker store at least one new full block, and so publish a KV event.
 pub(crate) fn computes_new_blocks(prompt_tokens: u32, cached: u32, block_size: u32) -> bool {
@@ -351,4 +373,55 @@ fn prediction(
 /// holds nothing.
 fn effective_mode(mode: MatchMode, cand: &Candidate) -> MatchMode {
     if mode == MatchMode::ExactKvEvents && cand.matched_tokens == 0 { MatchMode::LoadAware } else { mode }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+    use http::{HeaderMap, StatusCode};
+
+    use super::*;
+    use crate::auth::WorkerKey;
+    use crate::registry::{Registry, WorkerConfig};
+
+    fn worker(key: Option<WorkerKey>) -> Arc<WorkerRecord> {
+        let cfg = WorkerConfig {
+            name: "w0".into(),
+            url: "http://127.0.0.1:9".into(),
+            engine: Engine::Vllm,
+            model: "m".into(),
+            role: cortex_sched::Role::Regular,
+            max_running_requests: None,
+            events: None,
+            unlabeled_stores_unknown: false,
+            bootstrap_port: None,
+        };
+        Registry::new().add_keyed(cfg, key).unwrap()
+    }
+
+    fn refusal(status: u16) -> Result<Answer, Failure> {
+        Ok(Answer::Reject {
+            status: StatusCode::from_u16(status).unwrap(),
+            headers: HeaderMap::new(),
+            body: Bytes::from_static(b"{\"error\":\"Unauthorized\"}"),
+            class: None,
+        })
+    }
+
+    /// A worker sent its model's key that answers 401 or 403 refuses the key: a failure of that
+    /// worker, never the client's refusal; without a key, or for another status, the answer
+    /// stands.
+    #[test]
+    fn a_worker_refusing_its_key_is_a_failure_of_that_worker() {
+        let keyed = worker(Some(WorkerKey::new("s3cr3t-key").unwrap()));
+        for status in [401, 403] {
+            let f = key_refused(refusal(status), &keyed).expect_err("a failure");
+            assert_eq!(f.class, cortex_sched::FailureClass::ServerError);
+            assert!(f.message.contains("worker_api_key_env") && f.message.contains("w0"), "{}", f.message);
+            assert!(!f.message.contains("s3cr3t"), "the key is never shown: {}", f.message);
+        }
+        assert!(matches!(key_refused(refusal(400), &keyed), Ok(Answer::Reject { .. })));
+        let plain = worker(None);
+        assert!(matches!(key_refused(refusal(401), &plain), Ok(Answer::Reject { .. })));
+    }
 }

@@ -48,7 +48,7 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use crate::alignment::Prediction;
 use crate::error::{Body, ErrorFormat, ProxyError, refusal};
-use crate::forwarder::{Forwarder, Outgoing, computes_new_blocks, upstream_head};
+use crate::forwarder::{Forwarder, Outgoing, computes_new_blocks, key_refused, upstream_head};
 use crate::observe::SpanGuard;
 use crate::planner::{PdPlan, RANK_HEADER};
 use crate::registry::WorkerRecord;
@@ -150,6 +150,8 @@ async fn next(slot: &mut Option<Slot>) -> LegEnd {
 /// What one leg sends.
 struct LegRequest {
     client: UpstreamClient,
+    /// The worker (whether its key was refused: see `forwarder::key_refused`).
+    worker: Arc<WorkerRecord>,
     uri: Uri,
     headers: HeaderMap,
     body: Bytes,
@@ -161,7 +163,8 @@ impl LegRequest {
     /// Sends the request and waits for a `2xx` head; anything else ends the leg.
     async fn head(self) -> Result<(Response<Incoming>, Duration), LegEnd> {
         let idle = self.idle_timeout;
-        match upstream::send(&self.client, self.uri, self.headers, self.body, self.head_timeout).await {
+        let answer = upstream::send(&self.client, self.uri, self.headers, self.body, self.head_timeout).await;
+        match key_refused(answer, &self.worker) {
             Ok(Answer::Stream(resp)) => Ok((resp, idle)),
             Ok(Answer::Reject { status, headers, body, class }) => {
                 Err(LegEnd::Rejected { status, headers, body, class })
@@ -404,7 +407,7 @@ impl Driver<'_> {
     /// The leg request of `body` to `holder`'s worker, its rank pinned the engine's way.
     fn request(
         &self,
-        w: &WorkerRecord,
+        w: &Arc<WorkerRecord>,
         holder: HolderId,
         body: Bytes,
         pin_sglang: bool,
@@ -425,6 +428,7 @@ impl Driver<'_> {
         };
         Some(LegRequest {
             client: self.fw.client().clone(),
+            worker: Arc::clone(w),
             uri,
             headers,
             body,
