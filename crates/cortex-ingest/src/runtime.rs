@@ -58,7 +58,7 @@ use cortex_hash::kv::{EventBatch, HolderId, WorkerId};
 use cortex_radix::{HolderConfig, HolderWriter, Ledger, LedgerError, Readiness};
 
 use crate::config::{HolderSource, IngestConfig, StaleRouting, Unlabeled, Wire};
-use crate::seq::{Effect, HolderState, Input, Reason, Replay, Sequencer};
+use crate::seq::{Effect, Fingerprint, HolderState, Input, Reason, Replay, Sequencer};
 use crate::stats::{DECODE_ERROR_KINDS, HolderStats, HolderStatus, Progress};
 
 /// Why the runtime could not do what was asked.
@@ -904,22 +904,34 @@ impl Decoder {
 /// message is released where it was decoded: releasing a ZeroMQ message (its share of the
 /// receive buffer, a reference count the I/O thread also writes) was a third of a busy lane's
 /// time when the lane did it.
-enum Payload {
+struct Payload {
+    /// A hash of the message's bytes, taken when it is read (see [`Fingerprint`]).
+    fp: u64,
+    body: Body,
+}
+
+enum Body {
     Raw(zmq::Message),
     Decoded(Decoded),
 }
 
 impl Payload {
     fn new(msg: zmq::Message) -> Payload {
-        Payload::Raw(msg)
+        Payload { fp: xxhash_rust::xxh3::xxh3_64(&msg), body: Body::Raw(msg) }
     }
 
     /// Decodes the message in place (the message is dropped here).
     fn decode(&mut self, decoder: &Decoder) {
-        if let Payload::Raw(msg) = self {
+        if let Body::Raw(msg) = &self.body {
             let decoded = decoder.decode(msg);
-            *self = Payload::Decoded(decoded);
+            self.body = Body::Decoded(decoded);
         }
+    }
+}
+
+impl Fingerprint for Payload {
+    fn fingerprint(&self) -> u64 {
+        self.fp
     }
 }
 
@@ -1289,9 +1301,9 @@ impl LaneHolder {
     /// Applies one batch (decoding it if the socket thread did not): Ok(false) if it does not
     /// decode.
     fn apply(&mut self, seq: u64, payload: Payload) -> Result<bool, LedgerError> {
-        let decoded = match payload {
-            Payload::Decoded(d) => d,
-            Payload::Raw(msg) => self.decoder.decode(&msg),
+        let decoded = match payload.body {
+            Body::Decoded(d) => d,
+            Body::Raw(msg) => self.decoder.decode(&msg),
         };
         let holder = self.writer.holder();
         let batch = match decoded {

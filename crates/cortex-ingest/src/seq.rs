@@ -7,7 +7,8 @@
 //! | observation | action | state after |
 //! |---|---|---|
 //! | seq = last + 1 | apply | unchanged (a STALE holder becomes READY: nothing was lost) |
-//! | 0 < seq ≤ last (duplicate or replay overlap) | drop, count | unchanged |
+//! | 0 < seq ≤ last, the same bytes as the batch applied under that number (sent again, or a replay's overlap) | drop, count | unchanged |
+//! | 0 < seq ≤ last, other bytes or a number too old to compare (a restarted engine whose first batches, seq 0 included, were lost on the way: a relay, a PUB that dropped them before the SUB was back) | clear; replay from 0 if the engine has a replay socket, else apply | SYNCING → READY, or READY |
 //! | seq ≠ last + 1 after a disconnection, not READY since (possibly a restarted engine whose first batches were published before the SUB was back) | clear; replay from 0 if the engine has a replay socket, else apply | SYNCING → READY, or READY |
 //! | seq = 0 while a batch was applied (engine restarted; vLLM sends no AllBlocksCleared) | clear, apply | READY |
 //! | seq > last + 1 (gap) | ask the replay socket for last+1…; buffer live batches | SYNCING |
@@ -28,6 +29,24 @@
 //! runtime feeds it [`zmq::Message`]s and executes the [`Effect`]s it returns in order.
 
 use std::collections::VecDeque;
+
+/// What tells one batch from another with the same sequence number: an engine that sends a batch
+/// again sends the same bytes, a restarted engine's batch of that number is another (its time
+/// stamp alone differs). A hash of the payload's bytes.
+pub trait Fingerprint {
+    /// The payload's fingerprint.
+    fn fingerprint(&self) -> u64;
+}
+
+impl Fingerprint for u64 {
+    fn fingerprint(&self) -> u64 {
+        *self
+    }
+}
+
+/// Applied batches whose fingerprints are kept, to tell a batch sent again (a duplicate) from a
+/// restarted engine's batch of the same number.
+const RECENT: usize = 4096;
 
 /// A holder's state as the event plane sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -228,9 +247,11 @@ pub struct Sequencer<P> {
     disconnected: bool,
     buffered: VecDeque<(u64, P)>,
     max_buffered: usize,
+    /// The last [`RECENT`] applied batches' numbers and fingerprints, oldest first.
+    recent: VecDeque<(u64, u64)>,
 }
 
-impl<P> Sequencer<P> {
+impl<P: Fingerprint> Sequencer<P> {
     /// A machine for a holder just added: SYNCING until its first batch.
     #[must_use]
     pub fn new(replay: Replay, max_buffered: usize) -> Self {
@@ -243,6 +264,7 @@ impl<P> Sequencer<P> {
             disconnected: false,
             buffered: VecDeque::new(),
             max_buffered: max_buffered.max(1),
+            recent: VecDeque::new(),
         }
     }
 
@@ -375,7 +397,13 @@ impl<P> Sequencer<P> {
                     // engines' histories, so the holder starts over.
                     self.restarted_unseen(seq, payload, out);
                 } else if seq <= last {
-                    out.push(Effect::Duplicate { seq });
+                    if self.applied_as(seq) == Some(payload.fingerprint()) {
+                        out.push(Effect::Duplicate { seq });
+                    } else {
+                        // Not the batch applied under that number: a restarted engine whose
+                        // first batches (its seq 0 among them) never arrived.
+                        self.restarted_unseen(seq, payload, out);
+                    }
                 } else if self.replay == Replay::Available {
                     self.start_replay(last + 1, Reason::Gap, out);
                     self.buffered.push_back((seq, payload));
@@ -447,11 +475,10 @@ impl<P> Sequencer<P> {
             return;
         }
         self.phase = Phase::Live;
-        if self.last.is_none() && self.buffered.is_empty() {
-            // The engine had nothing buffered (an idle engine just started): the next live batch,
-            // whatever its number, is the baseline.
-            self.cold = true;
-        }
+        // The engine had nothing buffered (an idle engine just started): its next batch is its
+        // seq 0. A later number means its first batches were published and lost before this
+        // SUB saw them (a slow joiner); they are asked for from the replay again, and only an
+        // engine that no longer has them makes the holder start cold from what it sees.
         // Catch up with what arrived live meanwhile.
         while let Some((seq, payload)) = self.buffered.pop_front() {
             match self.last {
@@ -504,7 +531,18 @@ impl<P> Sequencer<P> {
     fn apply(&mut self, seq: u64, payload: P, out: &mut Vec<Effect<P>>) {
         self.last = Some(seq);
         self.cold = false;
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, payload.fingerprint()));
         out.push(Effect::Apply { seq, payload });
+    }
+
+    /// The fingerprint of the batch applied under `seq`, if it is among the recent ones.
+    fn applied_as(&self, seq: u64) -> Option<u64> {
+        // Newest first: numbers only repeat across a restart, where the newest is the one that
+        // counts.
+        self.recent.iter().rev().find(|(s, _)| *s == seq).map(|(_, fp)| *fp)
     }
 
     fn set_state(&mut self, state: HolderState, why: Reason, out: &mut Vec<Effect<P>>) {
@@ -708,6 +746,42 @@ mod tests {
         );
     }
 
+    /// A restarted engine whose first batches, seq 0 among them, never arrived, with no
+    /// disconnection seen (a relay in between, or a PUB that dropped them before the SUB was
+    /// back): its batch numbered at or below the last is not the one applied under that number,
+    /// so it is a restart, not a duplicate. Taken for duplicates, every batch up to the old
+    /// engine's last would have been dropped, and then the new engine's applied on the dead one's
+    /// blocks (a probe saw exactly that: ~30 batches lost, then over-claims).
+    #[test]
+    fn a_lower_number_with_other_bytes_is_a_restart_whose_first_batches_were_lost() {
+        let mut m = ready_at(Replay::Available, 30);
+        // The same batch sent again is a duplicate.
+        assert_eq!(live(&mut m, 12), vec![Effect::Duplicate { seq: 12 }]);
+        // The restarted engine's seq 1 (its 0 lost): other bytes.
+        assert_eq!(
+            run(&mut m, Input::Live { seq: 1, payload: 1_001 }),
+            vec![
+                Effect::Clear(Reason::Restart),
+                Effect::RequestReplay { from: 0 },
+                Effect::State(HolderState::Syncing, Reason::Restart)
+            ]
+        );
+        let mut effects = run(&mut m, Input::Replayed { seq: 0, payload: 1_000 });
+        effects.extend(run(&mut m, Input::Replayed { seq: 1, payload: 1_001 }));
+        effects.extend(run(&mut m, Input::ReplayEnd));
+        assert_eq!(applied(&effects), vec![0, 1]);
+        assert_eq!(m.last(), Some(1));
+        // Without a replay socket: cleared, and started from the batch seen.
+        let mut m = ready_at(Replay::Unavailable, 30);
+        let e = run(&mut m, Input::Live { seq: 2, payload: 2_002 });
+        assert_eq!(e[0], Effect::Clear(Reason::Restart));
+        assert_eq!(applied(&e), vec![2]);
+        // A number older than the fingerprints kept cannot be a batch sent again: a restart.
+        let mut m = ready_at(Replay::Unavailable, RECENT as u64 + 10);
+        let e = live(&mut m, 3);
+        assert_eq!(e[0], Effect::Clear(Reason::Restart));
+    }
+
     #[test]
     fn after_a_disconnection_the_same_engine_resumes_without_a_clear() {
         let mut m = ready_at(Replay::Unavailable, 5);
@@ -841,10 +915,33 @@ mod tests {
             run(&mut m, Input::Start),
             vec![Effect::RequestReplay { from: 0 }, Effect::State(HolderState::Syncing, Reason::ColdStart)]
         );
-        // An idle engine buffered nothing: READY, and its first batch (any number) is the baseline.
+        // An idle engine buffered nothing: READY; its next batch is its seq 0.
         let e = run(&mut m, Input::ReplayEnd);
         assert_eq!(e, vec![Effect::State(HolderState::Ready, Reason::ReplayOk)]);
-        assert_eq!(live(&mut m, 7), vec![Effect::Apply { seq: 7, payload: 7 }]);
+        assert_eq!(live(&mut m, 0), vec![Effect::Apply { seq: 0, payload: 0 }]);
+        // A later number: its first batches were lost on the way (a probe saw 0-5 lost while
+        // the engine's ring still held them); they are asked for again.
+        let mut m = Sequencer::new(Replay::Available, 100);
+        run(&mut m, Input::Start);
+        run(&mut m, Input::ReplayEnd);
+        assert_eq!(
+            live(&mut m, 6),
+            vec![Effect::RequestReplay { from: 0 }, Effect::State(HolderState::Syncing, Reason::ColdStart)]
+        );
+        let mut e = Vec::new();
+        for s in 0..6 {
+            e.extend(run(&mut m, Input::Replayed { seq: s, payload: s }));
+        }
+        e.extend(run(&mut m, Input::ReplayEnd));
+        assert_eq!(applied(&e), (0..=6).collect::<Vec<_>>());
+        // An engine that no longer has them: started cold from the batch seen.
+        let mut m = Sequencer::new(Replay::Available, 100);
+        run(&mut m, Input::Start);
+        run(&mut m, Input::ReplayEnd);
+        live(&mut m, 7);
+        let e = run(&mut m, Input::ReplayEnd);
+        assert_eq!(applied(&e), vec![7]);
+        assert_eq!(live(&mut m, 8), vec![Effect::Apply { seq: 8, payload: 8 }]);
         let mut m = Sequencer::new(Replay::Unavailable, 100);
         assert_eq!(run(&mut m, Input::Start), vec![Effect::State(HolderState::Ready, Reason::ColdStart)]);
         assert_eq!(live(&mut m, 3), vec![Effect::Apply { seq: 3, payload: 3 }]);

@@ -290,6 +290,31 @@ fn restart_clears_and_reapplies() {
     assert_eq!(synthetic_overlap(&s.ledger, h, 4), 1, "only what the restarted engine stored");
 }
 
+/// A publisher restarted behind the same socket (a relay, or a PUB that dropped its first
+/// batches before the SUB was back): no disconnection is seen and its seq 0 never arrives. Its
+/// next batches are numbered below the last applied but carry other bytes: a restart, cleared,
+/// not a run of duplicates dropped until the new numbers pass the old ones.
+#[test]
+fn a_restart_seen_through_a_relay_without_its_first_batch_is_cleared() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(16, 0);
+    follow(&s, &engine, h);
+    publish_vllm(&mut engine, 0..20);
+    wait_seq(&s, h, 19);
+    assert_eq!(synthetic_overlap(&s.ledger, h, 20), 20);
+    // The "restarted" engine: its batch 0 is lost; 1, 2 and 3 store other blocks (the chain's
+    // blocks 100 to 102, on no parent the ledger holds: a new chain).
+    for (seq, batch) in [(1, 100), (2, 101), (3, 102)] {
+        engine.send_live(seq, &vllm_block_batch(batch));
+    }
+    wait_seq(&s, h, 3);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!((st.clears, st.duplicates), (1, 0), "{st:?}");
+    assert_eq!(st.transitions(Reason::Restart), 1, "{st:?}");
+    assert_eq!(synthetic_overlap(&s.ledger, h, 20), 0, "the old engine's blocks are gone");
+}
+
 #[test]
 fn duplicates_are_dropped() {
     let s = setup(IngestConfig::default());
