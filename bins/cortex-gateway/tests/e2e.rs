@@ -405,6 +405,22 @@ async fn a_429_moves_the_request_elsewhere() {
     h.shutdown().await;
 }
 
+/// A worker's 429 cools it down for the `Retry-After` it sent (the simulator says 2 s), not the
+/// configured rate-limit cooldown (5 s): a client that obeys the worker's word is served then,
+/// instead of getting a 503 for a cluster that is serving again (a probe's finding).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rate_limited_worker_is_cooled_down_for_its_own_retry_after() {
+    let h = harness("vllm", vec![sim("vllm")], &[]).await;
+    h.sims[0].fail_next(429, 1);
+    let body = json!({"model": MODEL, "prompt": "limited", "max_tokens": 2});
+    let r = h.post("/v1/completions", &body).await;
+    assert_eq!((r.status, r.header("retry-after")), (StatusCode::TOO_MANY_REQUESTS, "2"), "{}", r.body);
+    tokio::time::sleep(std::time::Duration::from_millis(2_300)).await;
+    let r = h.post("/v1/completions", &body).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    h.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_clear_client_errors() {
     let h = harness("vllm", vec![sim("vllm")], &[]).await;

@@ -230,7 +230,8 @@ impl Forwarder {
                     tracing::info!(worker = %worker.config.name, class = f.class.as_str(), message = %f.message, "attempt failed");
                     metrics::counter!(t::UPSTREAM_ERRORS, "class" => f.class.as_str(), "stage" => "head")
                         .increment(1);
-                    booking.fail(f.class, self.clock.now());
+                    let asked = f.retry_after.map(|s| Duration::from_secs(u64::from(s)));
+                    booking.fail_for(f.class, self.clock.now(), asked);
                     last = Some(f);
                 }
             }

@@ -567,19 +567,21 @@ impl Driver<'_> {
             }
             Effect::Blame { holder, class } => {
                 let now = self.fw.clock().now();
+                // The worker's own word on when to come back (a rate limit's `Retry-After`).
+                let asked = self.last_retry_after.map(|s| Duration::from_secs(u64::from(s)));
                 let mut booked = false;
                 for slot in [&mut self.prefill, &mut self.serving].into_iter().flatten() {
                     if slot.holder == holder
                         && let Some(b) = slot.booking.take()
                     {
-                        b.fail(class, now);
+                        b.fail_for(class, now, asked);
                         booked = true;
                     }
                 }
                 if !booked && let Some(w) = self.plan.snapshot.worker(holder.worker) {
                     // A leg that already ended well (a prefill whose transfer then failed): its
                     // booking is gone, the failure is recorded on its worker.
-                    w.state().record_failure(class, now);
+                    w.state().record_failure_for(class, now, asked);
                 }
                 None
             }

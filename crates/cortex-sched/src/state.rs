@@ -664,9 +664,17 @@ impl WorkerState {
     /// Records a failure: sets the cooldown of its class (never shortening one in force), and
     /// counts a worker fault toward the circuit breaker.
     pub fn record_failure(&self, class: FailureClass, now: Timestamp) {
+        self.record_failure_for(class, now, None);
+    }
+
+    /// [`WorkerState::record_failure`], the cooldown `for` this long instead of the class's when
+    /// the worker said when to come back (its `Retry-After` on a rate limit or a quota).
+    pub fn record_failure_for(&self, class: FailureClass, now: Timestamp, cooldown: Option<Duration>) {
         // Relaxed: display only.
         self.last_failure.store(class.code(), Ordering::Relaxed);
-        if let Some(d) = self.policy.cooldowns.for_class(class) {
+        let told =
+            cooldown.filter(|_| matches!(class, FailureClass::RateLimited | FailureClass::QuotaExhausted));
+        if let Some(d) = told.or_else(|| self.policy.cooldowns.for_class(class)) {
             let until = now.as_nanos().saturating_add(duration_nanos(d));
             // Relaxed: a deadline hint (see `cooldown`); fetch_max never shortens a longer one.
             let prev = self.cooldown_until.fetch_max(until, Ordering::Relaxed);
@@ -968,9 +976,15 @@ impl Booking {
     }
 
     /// The request failed: records the failure (cooldown, breaker) and releases the booking.
-    pub fn fail(mut self, class: FailureClass, now: Timestamp) {
+    pub fn fail(self, class: FailureClass, now: Timestamp) {
+        self.fail_for(class, now, None);
+    }
+
+    /// [`Booking::fail`], with the cooldown the worker asked for (its `Retry-After` on a rate
+    /// limit or a quota; see [`WorkerState::record_failure_for`]).
+    pub fn fail_for(mut self, class: FailureClass, now: Timestamp, cooldown: Option<Duration>) {
         self.release_prefill(Some(now));
-        self.state.record_failure(class, now);
+        self.state.record_failure_for(class, now, cooldown);
     }
 }
 

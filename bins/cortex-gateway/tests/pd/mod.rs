@@ -493,6 +493,15 @@ async fn a_rate_limited_pair_passes_the_worker_s_retry_after_on() {
             h.post("/v1/completions", &json!({"model": MODEL, "prompt": "limited", "max_tokens": 3})).await;
         assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{engine}: {}", r.body);
         assert_eq!(r.header("retry-after"), "2", "{engine}: {:?}", r.headers);
+        // The workers are cooled down for what they asked (2 s), not the configured 5 s: a
+        // client that obeys the Retry-After is served.
+        for s in &h.sims {
+            s.fail_next(429, 0);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2_300)).await;
+        let again = json!({"model": MODEL, "prompt": "again", "max_tokens": 3});
+        let r = h.post("/v1/completions", &again).await;
+        assert_eq!(r.status, StatusCode::OK, "{engine}: {}", r.body);
         h.shutdown().await;
     }
 }
