@@ -301,7 +301,7 @@ fn token_from_env(key: &str, var: &str) -> Result<Token> {
         .ok()
         .filter(|t| !t.is_empty())
         .with_context(|| format!("{key}: the environment variable `{var}` is not set or empty"))?;
-    bearer_token(key, var, &token)
+    bearer_token(key, var, &token, "clients send")
 }
 
 /// The API key of a model's workers, in the environment variable `var`, for the key `key`:
@@ -311,15 +311,16 @@ fn worker_key_from_env(key: &str, var: &str) -> Result<WorkerKey> {
         .ok()
         .filter(|t| !t.is_empty())
         .with_context(|| format!("{key}: the environment variable `{var}` is not set or empty"))?;
-    bearer_token(key, var, &secret)?;
+    bearer_token(key, var, &secret, "Cortex sends its workers")?;
     WorkerKey::new(&secret).with_context(|| format!("{key}: the key in `{var}` is not a header value"))
 }
 
-/// `token`, read from `var` for `key`, if clients can send it.
-fn bearer_token(key: &str, var: &str, token: &str) -> Result<Token> {
-    // A bearer token is compared byte for byte with what clients send: only visible ASCII
+/// `token`, read from `var` for `key`, if it can be sent unchanged (by `who`, for the message).
+/// The message says what is wrong and where, never which character: the value is a secret.
+fn bearer_token(key: &str, var: &str, token: &str, who: &str) -> Result<Token> {
+    // A bearer token is compared byte for byte with what is sent: only visible ASCII
     // (0x21–0x7E) goes through every client and proxy unchanged.
-    if let Some(c) = token.chars().find(|c| !matches!(c, '\x21'..='\x7e')) {
+    if let Some((at, c)) = token.char_indices().find(|(_, c)| !matches!(c, '\x21'..='\x7e')) {
         let what = if c.is_whitespace() {
             "whitespace"
         } else if c.is_ascii_control() {
@@ -328,9 +329,8 @@ fn bearer_token(key: &str, var: &str, token: &str) -> Result<Token> {
             "a non-ASCII character"
         };
         bail!(
-            "{key}: the token in `{var}` contains {what} ({}); a bearer token must be visible ASCII \
-             (0x21 to 0x7E), which clients send unchanged",
-            c.escape_unicode()
+            "{key}: the value of `{var}` has {what} at byte {at}; a bearer token must be visible \
+             ASCII (0x21 to 0x7E), which {who} unchanged"
         );
     }
     Ok(Token::new(token))
@@ -1626,20 +1626,28 @@ mod tests {
 
     #[test]
     fn a_bearer_token_must_be_visible_ascii() {
-        assert_eq!(bearer_token("auth.token_env", "T", "a-Z_0~!").unwrap(), Token::new("a-Z_0~!"));
+        assert_eq!(
+            bearer_token("auth.token_env", "T", "a-Z_0~!", "clients send").unwrap(),
+            Token::new("a-Z_0~!")
+        );
         for (token, says) in [
-            ("tok en", "whitespace (\\u{20})"),
-            ("tok\ten", "whitespace (\\u{9})"),
-            ("tok\x01en", "a control character (\\u{1})"),
-            ("tok\x7fen", "a control character (\\u{7f})"),
-            ("tokén", "a non-ASCII character (\\u{e9})"),
-            ("tok\u{a0}en", "whitespace (\\u{a0})"),
+            ("qqx en", "whitespace at byte 3"),
+            ("qqx\ten", "whitespace at byte 3"),
+            ("qqx\x01en", "a control character at byte 3"),
+            ("qqx\x7fen", "a control character at byte 3"),
+            ("qqxén", "a non-ASCII character at byte 3"),
+            ("qqx\u{a0}en", "whitespace at byte 3"),
         ] {
-            let err = format!("{:#}", bearer_token("admin.token_env", "ADMIN_TOKEN", token).unwrap_err());
+            let err = format!(
+                "{:#}",
+                bearer_token("admin.token_env", "ADMIN_TOKEN", token, "clients send").unwrap_err()
+            );
             assert!(
                 err.contains("admin.token_env") && err.contains("`ADMIN_TOKEN`") && err.contains(says),
                 "{token:?}: {err}"
             );
+            // The secret's characters are never shown.
+            assert!(!err.contains("qqx") && !err.contains("\\u{"), "{err}");
         }
     }
 
