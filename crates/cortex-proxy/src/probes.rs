@@ -147,15 +147,23 @@ impl Probes {
         };
         match self.call_told(w, Method::GET, path, None).await {
             Ok((s, _)) if s.is_success() => Probed::Up,
+            Ok((s, _)) => {
+                // Why it is down, for `/debug/workers` (a worker key refused, above all).
+                w.update(|st| st.last_error = Some(format!("{path} answered {s}{}", key_hint(w, s))));
+                Probed::Down
+            }
             Err(e) if e.refused => Probed::Refused,
-            _ => Probed::Down,
+            Err(e) => {
+                w.update(|st| st.last_error = Some(e.message));
+                Probed::Down
+            }
         }
     }
 
     async fn get_ok(&self, w: &WorkerRecord, path: &str) -> Result<Bytes, String> {
         let (status, body) = self.get(w, path).await?;
         if !status.is_success() {
-            return Err(format!("{path} answered {status}"));
+            return Err(format!("{path} answered {status}{}", key_hint(w, status)));
         }
         Ok(body)
     }
@@ -221,11 +229,13 @@ impl Probes {
                         None
                     }
                 };
-                served = self
-                    .get_json(w, "/v1/models")
-                    .await
-                    .map(|v| discovery::served_models(&v))
-                    .unwrap_or_default();
+                served = match self.get_json(w, "/v1/models").await {
+                    Ok(v) => discovery::served_models(&v),
+                    // A worker that refuses Cortex's requests cannot serve them: not a worker
+                    // whose model is merely unconfirmed.
+                    Err(e) if e.contains(" 401 ") || e.contains(" 403 ") => return Err(e),
+                    Err(_) => Vec::new(),
+                };
                 // Under several names (`--served-model-name a b`), the configured one is the fact.
                 let model = served.iter().find(|m| **m == w.config.model).or(served.first()).cloned();
                 discovery::vllm_discovery(&metrics, sources.as_ref(), model, &w.host)
@@ -276,6 +286,16 @@ impl Probes {
         let v: Value = serde_json::from_slice(&b).ok()?;
         let n = v.get("usage")?.get("prompt_tokens")?.as_u64()?;
         Some(n == ours.len() as u64)
+    }
+}
+
+/// What a 401 or 403 from `w` means for an operator: its engine wants an API key Cortex does not
+/// send, or refuses the one it sends (empty for other statuses).
+fn key_hint(w: &WorkerRecord, status: StatusCode) -> &'static str {
+    match (status.as_u16(), &w.api_key) {
+        (401 | 403, None) => " (the worker requires an API key: set its model's worker_api_key_env)",
+        (401 | 403, Some(_)) => " (the worker refuses its model's worker API key: check worker_api_key_env)",
+        _ => "",
     }
 }
 

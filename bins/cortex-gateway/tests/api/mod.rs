@@ -386,6 +386,61 @@ async fn workers_that_require_an_api_key_get_the_model_s_key() {
     }
 }
 
+/// A worker whose engine wants an API key Cortex does not send, or refuses the one it sends,
+/// stays out of the pool, and its `last_error` says which and names the setting (a probe found
+/// a vLLM worker live with every request refused, `last_error` empty).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_refusing_cortex_s_key_says_so() {
+    for (engine, ours, says) in [
+        ("vllm", None, "requires an API key"),
+        ("vllm", Some("wrong"), "refuses its model's worker API key"),
+        ("sglang", None, "requires an API key"),
+        ("sglang", Some("wrong"), "refuses its model's worker API key"),
+    ] {
+        let mut keyed = sim(engine);
+        keyed.api_key = Some("right".into());
+        let worker = cortex_sim::SimWorker::start(keyed).unwrap();
+        let qwen = cortex_gateway::demo::repo_root().join("golden/models/qwen3");
+        let yaml = format!(
+            "listen: '127.0.0.1:0'
+models:
+  - {{name: {MODEL}, engine: {engine}, tokenizer: '{}', tokenizer_config: '{}', block_size: 16}}
+workers:
+  - {{name: w0, url: '{}', engine: {engine}, model: {MODEL}}}
+probes: {{health_interval: 100ms, load_interval: 100ms, timeout: 2s}}
+",
+            qwen.join("tokenizer.json").display(),
+            qwen.join("tokenizer_config.json").display(),
+            worker.base_url(),
+        );
+        let mut settings = cortex_gateway::config::Config::parse(&yaml)
+            .unwrap()
+            .into_settings(&cortex_gateway::demo::repo_root())
+            .unwrap();
+        if let Some(k) = ours {
+            assert!(settings.models.set_worker_api_key(MODEL, cortex_proxy::WorkerKey::new(k).unwrap()));
+        }
+        let gw = cortex_gateway::start(settings, None).await.unwrap();
+        let record = gw.gateway.control().registry().by_name("w0").unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let error = loop {
+            if let Some(e) = record.status().last_error.filter(|e| e.contains("401")) {
+                break e;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{engine} {ours:?}: {:?}", record.status());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(error.contains(says) && error.contains("worker_api_key_env"), "{engine} {ours:?}: {error}");
+        assert!(!error.contains("right") && !error.contains("wrong"), "no key is shown: {error}");
+        assert_eq!(
+            gw.gateway.control().live_workers(),
+            0,
+            "{engine} {ours:?}: a refusing worker is not live"
+        );
+        gw.shutdown().await;
+    }
+}
+
 /// A self-signed certificate for `localhost`, written as `name.cert.pem` and `name.key.pem` in
 /// `dir`; its DER.
 fn write_pair(dir: &std::path::Path, cert: &str, key: &str) -> rustls::pki_types::CertificateDer<'static> {
