@@ -372,6 +372,10 @@ pub fn refusal(
     };
     let json = format.body(&message, kind, code);
     headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if status == StatusCode::UNAUTHORIZED && !headers.contains_key(http::header::WWW_AUTHENTICATE) {
+        // A 401 says how to authenticate (RFC 9110 §15.5.2); the engines use bearer keys.
+        headers.insert(http::header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
     let mut resp = Response::new(full(json.to_string()));
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
@@ -558,6 +562,15 @@ mod tests {
         assert_eq!(r.status().as_u16(), 405);
         assert_eq!(r.headers()[http::header::ALLOW], "GET, POST");
         assert!(ProxyError::Overloaded.into_response("x").headers().get(http::header::ALLOW).is_none());
+        // A worker's own 401, passed on, says how to authenticate too (its own scheme kept).
+        let r = refusal(StatusCode::UNAUTHORIZED, HeaderMap::new(), b"{}", None, ErrorFormat::OpenAi);
+        assert_eq!(r.headers()[http::header::WWW_AUTHENTICATE], "Bearer");
+        let mut h = HeaderMap::new();
+        h.insert(http::header::WWW_AUTHENTICATE, HeaderValue::from_static("Basic realm=\"x\""));
+        let r = refusal(StatusCode::UNAUTHORIZED, h, b"{}", None, ErrorFormat::OpenAi);
+        assert_eq!(r.headers()[http::header::WWW_AUTHENTICATE], "Basic realm=\"x\"");
+        let r = refusal(StatusCode::BAD_REQUEST, HeaderMap::new(), b"{}", None, ErrorFormat::OpenAi);
+        assert!(r.headers().get(http::header::WWW_AUTHENTICATE).is_none());
     }
 
     /// The bytes of a response built from [`full`].
