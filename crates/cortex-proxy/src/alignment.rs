@@ -165,6 +165,10 @@ pub struct Prediction {
     pub cache_salt: Option<String>,
     /// The first block: its identity and tokens, when the prompt has one.
     pub first_block: Option<(SeqHash, Vec<Token>)>,
+    /// [`Ledger::events_applied`] of the holder before the request was sent, when known: a
+    /// block check finding the first block missing with no event applied since cannot tell a
+    /// misaligned worker from events late or lost on the way (a gap not yet seen).
+    pub events_before: Option<u64>,
 }
 
 /// What was known when a served request's response ended, for its block check.
@@ -175,6 +179,8 @@ struct Seen {
     computed: Option<bool>,
     /// [`Ledger::history_lost`] of the holder then.
     history_lost: Option<u64>,
+    /// [`Prediction::events_before`].
+    events_before: Option<u64>,
 }
 
 /// Runs the continuous checks and keeps their verdicts. Shared by the forwarder (which records)
@@ -246,6 +252,7 @@ impl Verifier {
                 let seen = Seen {
                     computed: c.cached_tokens.map(|cached| (cached as usize) < page.len()),
                     history_lost: v.ledger.history_lost(p.holder),
+                    events_before: p.events_before,
                 };
                 tokio::spawn(async move {
                     tokio::time::sleep(v.cfg.settle).await;
@@ -258,6 +265,12 @@ impl Verifier {
                 });
             }
         })
+    }
+
+    /// The holder's [`Ledger::events_applied`] now, for [`Prediction::events_before`].
+    #[must_use]
+    pub fn events_applied(&self, holder: HolderId) -> Option<u64> {
+        self.ledger.events_applied(holder)
     }
 
     /// After a worker served a request it holds the request's first block (both engines store
@@ -293,6 +306,12 @@ impl Verifier {
         let check = match (held, engine.map(|e| self.ledger.block(holder, e))) {
             (false, _) if !complete && seen.computed != Some(true) => return,
             (false, _) if self.ledger.lost_lately(holder, seq) => return,
+            // Not one event of the worker's since the request was sent: its store is late or was
+            // lost on the way (the sequencer sees a gap only at the next batch), which says
+            // nothing of how the worker hashes.
+            (false, _) if seen.events_before.is_some() && self.ledger.events_applied(holder) == seen.events_before => {
+                return;
+            }
             (false, _) => Check::Failed(
                 "the worker published no block matching the gateway's tokens for a request it served".into(),
             ),
@@ -404,7 +423,8 @@ mod tests {
         w.apply(&KvEvent::Stored(ev)).expect("store");
         w.apply(&KvEvent::Removed(BlockRemoved { blocks: vec![engine], medium: Medium::Gpu }))
             .expect("remove");
-        let seen = || Seen { computed: Some(true), history_lost: ledger.history_lost(holder) };
+        let seen =
+            || Seen { computed: Some(true), history_lost: ledger.history_lost(holder), events_before: None };
         v.block_check(holder, stored, None, seen());
         assert_eq!(
             v.tracker.samples(holder.worker),
@@ -416,6 +436,39 @@ mod tests {
             matches!(v.verdict(holder.worker), Verdict::Misaligned(_)),
             "a block never stored went unnoticed"
         );
+    }
+
+    /// A first block missing when no event of the worker's was applied since the request was
+    /// sent says nothing (its store is late, or lost in a gap the sequencer has not seen yet): a
+    /// probe saw a worker marked misaligned while its events were being dropped, and left so
+    /// after the gap was replayed. Once events came and the block is still missing, it counts.
+    #[test]
+    fn a_missing_block_with_no_event_since_the_request_says_nothing() {
+        use cortex_hash::kv::{BlockStored, DpRank, KvEvent, Lineage, Medium, StoredBlock};
+        use cortex_hash::{BlockHash, Engine, Namespace, chain};
+        let cfg = AlignmentConfig { window: 4, tolerance: 0.2, min_samples: 1, ..AlignmentConfig::default() };
+        let ledger = cortex_radix::Ledger::new(cortex_radix::LedgerConfig::default());
+        let v = Verifier::new(cfg, Arc::clone(&ledger), Arc::new(Registry::new()));
+        let holder = HolderId::new(WorkerId(2), DpRank(0));
+        let hc = cortex_radix::HolderConfig { capacity_blocks: 64, content_deterministic: false };
+        let mut w = ledger.add_holder(holder, hc).expect("holder");
+        w.set_readiness(Readiness::Ready);
+        let l = Lineage::new(Namespace::new(Engine::Vllm, 16, "m", None), None);
+        let missing = chain(l.root, BlockHash::from_bits(9));
+        let before = ledger.events_applied(holder);
+        let seen = || Seen {
+            computed: Some(true),
+            history_lost: ledger.history_lost(holder),
+            events_before: before,
+        };
+        v.block_check(holder, missing, None, seen());
+        assert_eq!(v.tracker.samples(holder.worker), 0, "no event since the request: no verdict");
+        // An event of the worker's arrives, and it is another block: the request's is missing.
+        let block = StoredBlock { engine: EngineHash::from_u64(5), content: BlockHash::from_bits(5) };
+        let ev = BlockStored { parent: None, blocks: vec![block], lineage: Some(l), medium: Medium::Gpu };
+        w.apply(&KvEvent::Stored(ev)).expect("store");
+        v.block_check(holder, missing, None, seen());
+        assert!(matches!(v.verdict(holder.worker), Verdict::Misaligned(_)), "events came, the block did not");
     }
 
     #[test]

@@ -183,6 +183,8 @@ impl Forwarder {
             let attempt = Attempt { worker: &worker, cand, max_hit: plan.max_hit() };
             let mode = effective_mode(plan.mode, cand);
             let mut span = out.watch.span("attempt", &worker.config.name, u32::from(cand.holder.rank.0));
+            // For the block check: the worker's events the ledger had applied before this request.
+            let events_before = self.verifier.events_applied(cand.holder);
             let answer = key_refused(attempt.send(self, &out, span.as_ref()).await, worker.as_ref());
             if let (Some(s), Ok(a)) = (span.as_mut(), &answer) {
                 s.answered(a.status().as_u16());
@@ -198,8 +200,14 @@ impl Forwarder {
                             .get(http::header::CONTENT_TYPE)
                             .and_then(|v| v.to_str().ok())
                             .is_some_and(|v| v.starts_with("text/event-stream"));
-                    let on_complete =
-                        self.verifier.on_complete(prediction(&plan, out.facts, cand, mode, &self.verifier));
+                    let on_complete = self.verifier.on_complete(prediction(
+                        &plan,
+                        out.facts,
+                        cand,
+                        mode,
+                        &self.verifier,
+                        events_before,
+                    ));
                     let mut relay =
                         RelayBody::new(incoming, booking, self.clock, sse, self.idle_timeout, on_complete)
                             .holding(permit)
@@ -356,6 +364,7 @@ fn prediction(
     cand: &Candidate,
     mode: MatchMode,
     verifier: &Verifier,
+    events_before: Option<u64>,
 ) -> Prediction {
     let holder = cand.holder;
     let first_block = (!plan.seq.is_empty() && verifier.samples_block(holder.worker))
@@ -367,6 +376,7 @@ fn prediction(
         model: Arc::clone(&plan.model),
         cache_salt: facts.cache_salt.clone(),
         first_block,
+        events_before,
     }
 }
 

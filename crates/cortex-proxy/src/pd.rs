@@ -721,6 +721,7 @@ impl Driver<'_> {
             model: Arc::clone(&self.plan.model),
             cache_salt: self.out.facts.cache_salt.clone(),
             first_block,
+            events_before: None,
         }
     }
 

@@ -679,6 +679,16 @@ impl Ledger {
         reg.by_id.get(&holder).map(|h| h.held.load(StdOrdering::Relaxed))
     }
 
+    /// How many events `holder`'s writer has applied, `None` if it is not registered: a count
+    /// that moves whenever its engine's events reach the ledger. Takes the registry lock: for
+    /// verification off the request path.
+    #[must_use]
+    pub fn events_applied(&self, holder: HolderId) -> Option<u64> {
+        let reg = self.shared.registry.lock();
+        // Relaxed: a monotone counter read as a status.
+        reg.by_id.get(&holder).map(|h| h.applied.load(Ordering::Relaxed))
+    }
+
     /// How many times `holder`'s writer said the ledger lost part of its engine's history
     /// ([`HolderWriter::mark_history_lost`]), `None` if it is not registered. Zero means the
     /// ledger has followed the engine's every event since its cache was empty, so a block the
