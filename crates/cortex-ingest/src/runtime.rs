@@ -1030,9 +1030,6 @@ impl LaneState {
                     HolderStats::add(&h.stats.stale_replies, n as u64);
                     return Some(n);
                 }
-                if inputs.iter().any(|i| matches!(i, Input::Live { .. } | Input::Replayed { .. })) {
-                    h.last_event = Instant::now();
-                }
                 // One input at a time, so that after a rebuild the rest of the group reaches
                 // the rebuilt holder.
                 for input in inputs {
@@ -1238,8 +1235,11 @@ impl LaneHolder {
         while let Some(effect) = pending.pop_front() {
             match effect {
                 Effect::Apply { seq, payload } => match self.apply(seq, payload) {
-                    Ok(true) => {}
+                    // The engine's events reach the ledger (silence detection); a batch dropped
+                    // as a duplicate does not count.
+                    Ok(true) => self.last_event = Instant::now(),
                     Ok(false) => {
+                        self.last_event = Instant::now();
                         // Undecodable: its events are lost; the machine says what to do, first.
                         self.seq.step(Input::Undecodable, more);
                         for e in more.drain(..).rev() {

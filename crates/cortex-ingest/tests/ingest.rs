@@ -560,6 +560,29 @@ fn only_work_that_stores_blocks_obliges_an_engine_to_publish() {
     s.ingest.shutdown();
 }
 
+/// A batch sent again (dropped as a duplicate) is not the event a request that stored blocks
+/// owes: a relay re-sending an old batch every half second kept a holder whose new batches were
+/// all lost READY (a probe's finding).
+#[test]
+fn a_duplicate_does_not_settle_what_a_request_owes() {
+    let timeout = Duration::from_secs(1);
+    let s = setup(IngestConfig { silence_timeout: timeout, ..IngestConfig::default() });
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(17, 0);
+    follow(&s, &engine, h);
+    publish_vllm(&mut engine, 0..3);
+    wait_seq(&s, h, 2);
+    s.ingest.report_running(h, 1, Some((Instant::now(), Instant::now())));
+    for _ in 0..8 {
+        std::thread::sleep(Duration::from_millis(200));
+        engine.send_live(1, &vllm_block_batch(1));
+    }
+    let st = s.ingest.status(h).unwrap();
+    assert!(st.duplicates >= 4, "{st:?}");
+    assert_eq!(st.transitions(Reason::Silent), 1, "{st:?}");
+    s.ingest.shutdown();
+}
+
 #[test]
 fn an_idle_engine_is_ready_without_any_event() {
     let s = setup(IngestConfig::default());

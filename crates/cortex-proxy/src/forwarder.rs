@@ -336,12 +336,16 @@ pub(crate) fn key_refused(answer: Result<Answer, Failure>, worker: &WorkerRecord
         Ok(Answer::Reject { status, .. })
             if worker.api_key.is_some() && matches!(status.as_u16(), 401 | 403) =>
         {
+            let message = format!(
+                "worker {} refused the model's worker API key ({status}): check models[].worker_api_key_env",
+                worker.config.name
+            );
+            // Where an operator looks (`/debug/workers`): a key rotated on an engine whose probes
+            // need none (vLLM's `/health`, `/metrics`) shows nowhere else.
+            worker.update(|s| s.last_error = Some(message.clone()));
             Err(Failure {
                 class: cortex_sched::FailureClass::ServerError,
-                message: format!(
-                    "worker {} refused the model's worker API key ({status}): check models[].worker_api_key_env",
-                    worker.config.name
-                ),
+                message,
                 sent: true,
                 retry_after: None,
             })
@@ -430,6 +434,8 @@ mod tests {
             assert_eq!(f.class, cortex_sched::FailureClass::ServerError);
             assert!(f.message.contains("worker_api_key_env") && f.message.contains("w0"), "{}", f.message);
             assert!(!f.message.contains("s3cr3t"), "the key is never shown: {}", f.message);
+            // And it is where an operator looks.
+            assert_eq!(keyed.status().last_error.as_deref(), Some(f.message.as_str()));
         }
         assert!(matches!(key_refused(refusal(400), &keyed), Ok(Answer::Reject { .. })));
         let plain = worker(None);
