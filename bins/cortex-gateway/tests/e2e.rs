@@ -210,6 +210,39 @@ async fn a_worker_busy_with_cache_hits_only_stays_ready() {
     }
 }
 
+/// The same after the ledger was rebuilt cold: the engine holds a prefix the ledger never
+/// learned (stored before the gateway followed it, no replay), so the ledger takes each request
+/// for new work; the engine's `cached_tokens` says it was all hits, and a hit owes no event (a
+/// probe saw this worker go STALE 5 s into such traffic).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_serving_hits_the_ledger_does_not_know_stays_ready() {
+    for engine in ["vllm", "sglang"] {
+        let mut cfg = slow_sim(engine);
+        cfg.events.replay = false;
+        let worker = SimWorker::start(cfg).unwrap();
+        let body = chat(&long_prompt("warm before the gateway"), false);
+        let url = format!("{}/v1/chat/completions", worker.base_url());
+        let direct = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build::<_, Full<Bytes>>(hyper_util::client::legacy::connect::HttpConnector::new());
+        let req = Request::post(&url)
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))
+            .unwrap();
+        assert_eq!(direct.request(req).await.unwrap().status(), StatusCode::OK);
+        let workers = vec![(worker.base_url(), cortex_sim::Role::Unified)];
+        let h = common::gateway_in_front(engine, vec![worker], &workers, &[], |_| {}, None).await;
+        let holder = h.holder("w0");
+        let until = tokio::time::Instant::now() + std::time::Duration::from_millis(1_500);
+        while tokio::time::Instant::now() < until {
+            let r = h.post("/v1/chat/completions", &body).await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+            assert!(cached_tokens(&r) > 0, "{engine}: the engine serves it from its cache");
+            assert_eq!(h.gw.ledger_state(holder), Some(Readiness::Ready), "{engine}: went STALE");
+        }
+        h.shutdown().await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stale_ledger_is_routed_by_load_and_says_so_sglang() {
     stale_ledger("sglang").await;

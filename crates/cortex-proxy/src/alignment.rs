@@ -267,6 +267,13 @@ impl Verifier {
         })
     }
 
+    /// Whether the ledger has followed every event of the holder's engine since its cache was
+    /// empty ([`Ledger::history_lost`] is 0): then what it holds is what the engine holds.
+    #[must_use]
+    pub fn history_complete(&self, holder: HolderId) -> bool {
+        self.ledger.history_lost(holder) == Some(0)
+    }
+
     /// The holder's [`Ledger::events_applied`] now, for [`Prediction::events_before`].
     #[must_use]
     pub fn events_applied(&self, holder: HolderId) -> Option<u64> {

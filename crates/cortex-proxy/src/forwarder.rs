@@ -173,9 +173,17 @@ impl Forwarder {
             let Some(worker) = self.registry.get(cand.holder.worker) else { continue };
             let Some(mut booking) = plan.snapshot.book(cand, now) else { continue };
             booking.track_prefix(&plan.pending, &plan.seq, now);
-            if computes_new_blocks(plan.prompt_tokens, cand.matched_tokens, plan.model.block_size()) {
+            // Whether it stores new blocks, so that its engine owes KV events: the ledger says so
+            // at once when it has followed the engine's whole history; after a rebuild it knows
+            // less than the engine, and the engine's own `cached_tokens` settles it when the
+            // answer ends (see `owed_events`).
+            let trusted = self.verifier.history_complete(cand.holder);
+            if trusted
+                && computes_new_blocks(plan.prompt_tokens, cand.matched_tokens, plan.model.block_size())
+            {
                 booking.expect_events(now);
             }
+            let owed = (!trusted).then(|| (Arc::clone(booking.worker_state()), cand.holder.rank, now));
             if attempts > 0 {
                 metrics::counter!(t::RETRIES).increment(1);
             }
@@ -200,7 +208,7 @@ impl Forwarder {
                             .get(http::header::CONTENT_TYPE)
                             .and_then(|v| v.to_str().ok())
                             .is_some_and(|v| v.starts_with("text/event-stream"));
-                    let on_complete = self.verifier.on_complete(prediction(
+                    let check = self.verifier.on_complete(prediction(
                         &plan,
                         out.facts,
                         cand,
@@ -208,6 +216,14 @@ impl Forwarder {
                         &self.verifier,
                         events_before,
                     ));
+                    let (bs, prompt, ledger_cached) =
+                        (plan.model.block_size(), plan.prompt_tokens, cand.matched_tokens);
+                    let on_complete: upstream::OnComplete = Box::new(move |c: upstream::Completion| {
+                        if let Some(owed) = &owed {
+                            owed_events(owed, &c, (prompt, ledger_cached, bs));
+                        }
+                        check(c);
+                    });
                     let mut relay =
                         RelayBody::new(incoming, booking, self.clock, sse, self.idle_timeout, on_complete)
                             .holding(permit)
@@ -351,6 +367,23 @@ pub(crate) fn key_refused(answer: Result<Answer, Failure>, worker: &WorkerRecord
             })
         }
         other => other,
+    }
+}
+
+/// Notes on the worker, when a request's answer ends, that its engine owes KV events for it if
+/// it computed a new full block: judged by the engine's own `cached_tokens` when the answer
+/// reports them (after a ledger rebuilt cold, the ledger knows less than the engine, and a
+/// request it took for new work may be all cache hits, which store nothing), else by the
+/// ledger's match. `owed`: the worker, the rank and when the request was sent.
+fn owed_events(
+    owed: &(Arc<cortex_sched::WorkerState>, cortex_hash::kv::DpRank, cortex_sched::Timestamp),
+    c: &upstream::Completion,
+    (prompt, ledger_cached, bs): (u32, u32, u32),
+) {
+    let (state, rank, sent) = owed;
+    let prompt = c.prompt_tokens.unwrap_or(prompt);
+    if computes_new_blocks(prompt, c.cached_tokens.unwrap_or(ledger_cached), bs) {
+        state.expect_events(*rank, *sent);
     }
 }
 

@@ -396,9 +396,13 @@ impl Driver<'_> {
             Some(c) => self.plan.snapshot.book(c, now),
             None => self.plan.snapshot.book_holder(holder, self.plan.prompt_tokens, self.plan.kv_blocks, now),
         }?;
-        // Every leg stores the prompt's blocks it lacks (a decode leg pulls them).
+        // Every leg stores the prompt's blocks it lacks (a decode leg pulls them): owed events, by
+        // the ledger's word when it has followed the engine's whole history (a ledger rebuilt
+        // cold knows less than the engine: no obligation is inferred from it).
         let cached = cand.map_or(0, |c| c.matched_tokens);
-        if computes_new_blocks(self.plan.prompt_tokens, cached, self.plan.model.block_size()) {
+        if self.fw.verifier().history_complete(holder)
+            && computes_new_blocks(self.plan.prompt_tokens, cached, self.plan.model.block_size())
+        {
             booking.expect_events(now);
         }
         Some(booking)

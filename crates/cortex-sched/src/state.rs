@@ -603,6 +603,20 @@ impl WorkerState {
         self.rank_state(rank).map(|r| r.learn.lock().unwrap_or_else(PoisonError::into_inner).errors.clone())
     }
 
+    /// A request sent to `rank` at `sent` computed at least one new full block, so the engine
+    /// must publish KV events after `sent` (see [`Booking::expect_events`]; the forwarder calls
+    /// this when the answer ends, with what the engine said it had cached).
+    pub fn expect_events(&self, rank: DpRank, sent: Timestamp) {
+        if let Some(r) = self.rank_state(rank) {
+            let t = sent.as_nanos().saturating_add(1);
+            // Relaxed (both): times read and cleared by the load poller; a late look is harmless.
+            let _ = r.expects_first.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
+                Some(if old == 0 { t } else { old.min(t) })
+            });
+            r.expects_last.fetch_max(t, Ordering::Relaxed);
+        }
+    }
+
     /// When the first and the last request booked on `rank` since the last call that compute
     /// new blocks were booked: the engine must publish KV events after each
     /// ([`Booking::expect_events`]). Clears them.
@@ -860,14 +874,7 @@ impl Booking {
     /// where one serving cache hits only is rightly quiet (see
     /// [`WorkerState::take_expected_events`]).
     pub fn expect_events(&self, now: Timestamp) {
-        if let Some(r) = self.state.rank_state(self.holder.rank) {
-            let t = now.as_nanos().saturating_add(1);
-            // Relaxed (both): times read and cleared by the load poller; a late look is harmless.
-            let _ = r.expects_first.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |old| {
-                Some(if old == 0 { t } else { old.min(t) })
-            });
-            r.expects_last.fetch_max(t, Ordering::Relaxed);
-        }
+        self.state.expect_events(self.holder.rank, now);
     }
 
     /// Records the time to first token the decision estimated for this request on its holder
