@@ -1419,20 +1419,7 @@ mod tests {
         let h = holder(951);
         let mut engine = FakeEngine::new("stale-replies", Some(ReplayFraming::WithTopic));
         engine.record_only(0, &vllm_block_batch(0));
-        ingest
-            .add_holder(HolderSource {
-                holder: h,
-                wire: Wire::Vllm,
-                model: "test-model".into(),
-                unlabeled: Unlabeled::Plain,
-                publish: engine.pub_endpoint.clone(),
-                replay: engine.replay_endpoint.clone(),
-                topic: String::from_utf8(engine.topic.clone()).unwrap(),
-                capacity_blocks: 10_000,
-                content_deterministic: true,
-            })
-            .unwrap();
-        engine.wait_subscribed();
+        follow(&ingest, &engine, h);
         // The start asks for a replay from 0; before it is answered, replies to a request the
         // holder no longer waits for arrive (id 0 is never a request's).
         wait(&ingest, h, "the replay request", |s| {
@@ -1532,7 +1519,7 @@ mod tests {
                 model: model.into(),
                 unlabeled: Unlabeled::Plain,
                 publish: engine.pub_endpoint.clone(),
-                replay: None,
+                replay: engine.replay_endpoint.clone(),
                 topic: String::from_utf8(engine.topic.clone()).unwrap(),
                 capacity_blocks: 10_000,
                 content_deterministic: true,

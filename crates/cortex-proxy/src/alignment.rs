@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex};
 
 use cortex_hash::kv::{EngineHash, HolderId, WorkerId};
 use cortex_hash::{SeqHash, Token};
-use cortex_radix::{DumpState, HolderFilter, Ledger, OverlapScores, QueryOptions, Readiness};
+use cortex_radix::{DumpState, HolderFilter, HolderProgress, Ledger, OverlapScores, QueryOptions, Readiness};
 use tokio::sync::Notify;
 
 use crate::config::AlignmentConfig;
@@ -165,7 +165,7 @@ pub struct Prediction {
     pub cache_salt: Option<String>,
     /// The first block: its identity and tokens, when the prompt has one.
     pub first_block: Option<(SeqHash, Vec<Token>)>,
-    /// [`Ledger::events_applied`] of the holder before the request was sent, when known: a
+    /// The holder's events applied ([`Ledger::progress`]) before the request was sent, when known: a
     /// block check finding the first block missing with no event applied since cannot tell a
     /// misaligned worker from events late or lost on the way (a gap not yet seen).
     pub events_before: Option<u64>,
@@ -267,17 +267,12 @@ impl Verifier {
         })
     }
 
-    /// Whether the ledger has followed every event of the holder's engine since its cache was
-    /// empty ([`Ledger::history_lost`] is 0): then what it holds is what the engine holds.
+    /// How far the ledger has followed the holder's engine ([`Ledger::progress`]): the events
+    /// applied (for [`Prediction::events_before`]) and whether it has followed every one since
+    /// the engine's cache was empty (`history_lost` 0: what it holds, the engine holds).
     #[must_use]
-    pub fn history_complete(&self, holder: HolderId) -> bool {
-        self.ledger.history_lost(holder) == Some(0)
-    }
-
-    /// The holder's [`Ledger::events_applied`] now, for [`Prediction::events_before`].
-    #[must_use]
-    pub fn events_applied(&self, holder: HolderId) -> Option<u64> {
-        self.ledger.events_applied(holder)
+    pub fn progress(&self, holder: HolderId) -> Option<HolderProgress> {
+        self.ledger.progress(holder)
     }
 
     /// After a worker served a request it holds the request's first block (both engines store
@@ -316,7 +311,10 @@ impl Verifier {
             // Not one event of the worker's since the request was sent: its store is late or was
             // lost on the way (the sequencer sees a gap only at the next batch), which says
             // nothing of how the worker hashes.
-            (false, _) if seen.events_before.is_some() && self.ledger.events_applied(holder) == seen.events_before => {
+            (false, _)
+                if seen.events_before.is_some()
+                    && self.ledger.progress(holder).map(|p| p.events_applied) == seen.events_before =>
+            {
                 return;
             }
             (false, _) => Check::Failed(
@@ -462,7 +460,7 @@ mod tests {
         w.set_readiness(Readiness::Ready);
         let l = Lineage::new(Namespace::new(Engine::Vllm, 16, "m", None), None);
         let missing = chain(l.root, BlockHash::from_bits(9));
-        let before = ledger.events_applied(holder);
+        let before = ledger.progress(holder).map(|p| p.events_applied);
         let seen = || Seen {
             computed: Some(true),
             history_lost: ledger.history_lost(holder),

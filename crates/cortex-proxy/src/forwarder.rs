@@ -177,7 +177,9 @@ impl Forwarder {
             // at once when it has followed the engine's whole history; after a rebuild it knows
             // less than the engine, and the engine's own `cached_tokens` settles it when the
             // answer ends (see `owed_events`).
-            let trusted = self.verifier.history_complete(cand.holder);
+            // One read of the ledger's progress: this and the block check's `events_before`.
+            let progress = self.verifier.progress(cand.holder);
+            let trusted = progress.is_some_and(|p| p.history_lost == 0);
             if trusted
                 && computes_new_blocks(plan.prompt_tokens, cand.matched_tokens, plan.model.block_size())
             {
@@ -192,7 +194,7 @@ impl Forwarder {
             let mode = effective_mode(plan.mode, cand);
             let mut span = out.watch.span("attempt", &worker.config.name, u32::from(cand.holder.rank.0));
             // For the block check: the worker's events the ledger had applied before this request.
-            let events_before = self.verifier.events_applied(cand.holder);
+            let events_before = progress.map(|p| p.events_applied);
             let answer = key_refused(attempt.send(self, &out, span.as_ref()).await, worker.as_ref());
             if let (Some(s), Ok(a)) = (span.as_mut(), &answer) {
                 s.answered(a.status().as_u16());

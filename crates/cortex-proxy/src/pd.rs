@@ -400,7 +400,7 @@ impl Driver<'_> {
         // the ledger's word when it has followed the engine's whole history (a ledger rebuilt
         // cold knows less than the engine: no obligation is inferred from it).
         let cached = cand.map_or(0, |c| c.matched_tokens);
-        if self.fw.verifier().history_complete(holder)
+        if self.fw.verifier().progress(holder).is_some_and(|p| p.history_lost == 0)
             && computes_new_blocks(self.plan.prompt_tokens, cached, self.plan.model.block_size())
         {
             booking.expect_events(now);

@@ -334,6 +334,15 @@ struct HolderShared {
     held: StdAtomicU64,
 }
 
+/// How far a holder's writer has followed its engine ([`Ledger::progress`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HolderProgress {
+    /// Events applied: moves whenever the engine's events reach the ledger.
+    pub events_applied: u64,
+    /// [`Ledger::history_lost`].
+    pub history_lost: u64,
+}
+
 /// The registered holders, by id and by slot.
 #[derive(Default)]
 struct Registry {
@@ -679,14 +688,16 @@ impl Ledger {
         reg.by_id.get(&holder).map(|h| h.held.load(StdOrdering::Relaxed))
     }
 
-    /// How many events `holder`'s writer has applied, `None` if it is not registered: a count
-    /// that moves whenever its engine's events reach the ledger. Takes the registry lock: for
-    /// verification off the request path.
+    /// How far `holder`'s writer has followed its engine, `None` if it is not registered: the
+    /// events it applied and [`Ledger::history_lost`], read under one lock of the registry.
     #[must_use]
-    pub fn events_applied(&self, holder: HolderId) -> Option<u64> {
+    pub fn progress(&self, holder: HolderId) -> Option<HolderProgress> {
         let reg = self.shared.registry.lock();
-        // Relaxed: a monotone counter read as a status.
-        reg.by_id.get(&holder).map(|h| h.applied.load(Ordering::Relaxed))
+        reg.by_id.get(&holder).map(|h| HolderProgress {
+            // Relaxed (both): monotone counters read as a status.
+            events_applied: h.applied.load(Ordering::Relaxed),
+            history_lost: h.history_lost.load(StdOrdering::Relaxed),
+        })
     }
 
     /// How many times `holder`'s writer said the ledger lost part of its engine's history

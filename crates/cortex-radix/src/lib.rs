@@ -48,7 +48,7 @@ mod table;
 
 pub use ledger::{
     ApplyOutcome, BUDGET_BYTES_PER_BLOCK, DumpBlock, DumpState, EarlyExit, HolderConfig, HolderDump,
-    HolderFilter, HolderWriter, Ledger, LedgerConfig, LedgerError, LedgerStats, MAX_HOLDERS, QueryOptions,
-    Readiness,
+    HolderFilter, HolderProgress, HolderWriter, Ledger, LedgerConfig, LedgerError, LedgerStats, MAX_HOLDERS,
+    QueryOptions, Readiness,
 };
 pub use overlap::{Overlap, OverlapScores};
