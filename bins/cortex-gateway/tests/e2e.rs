@@ -97,6 +97,9 @@ async fn the_hit_header_never_claims_the_last_block_of_a_block_aligned_prompt() 
         assert_eq!(r.header("x-cortex-cache-hit-tokens"), "48", "{engine}");
         let v = h.post("/debug/route", &body).await.json();
         assert_eq!(v["cache_hit_tokens"], 48, "{engine}: {v}");
+        // The dry run explains the score's terms (the request path computes only their sum).
+        let affinity = v["candidates"][0]["score"]["affinity"].as_f64();
+        assert!(affinity.is_some_and(|a| a > 0.0), "{engine}: the hit's time saved: {v}");
         h.shutdown().await;
     }
 }

@@ -335,7 +335,8 @@ impl Planner {
         let p = self.prepare(&ask.facts).await?;
         let snapshot = self.cluster.load();
         let mut overlap = OverlapScores::with_capacity(16);
-        let mut ranking = Ranking::with_capacity(16);
+        // The view shows each score's terms, which the request path does not compute.
+        let mut ranking = Ranking::with_capacity(16).explaining();
         let decided = self.decide(&p, ask, role, &snapshot, &mut overlap, &mut ranking);
         let (untrusted, model) = (p.untrusted.clone(), Arc::clone(&p.model));
         let plan = self.keep(p, ask, &snapshot, decided, &mut ranking);

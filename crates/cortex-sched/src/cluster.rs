@@ -211,6 +211,9 @@ pub struct Snapshot {
     /// Worker id → entry index, when ids are dense enough for a table (`u32::MAX`: absent);
     /// empty otherwise (binary search on `workers`).
     by_id: Vec<u32>,
+    /// Worker id → its placement, when `by_id` is a table (`pool` is `u32::MAX` where absent):
+    /// a ledger answer's holder is placed in one read, not two.
+    placement_by_id: Vec<Placement>,
 }
 
 impl Snapshot {
@@ -312,7 +315,10 @@ impl Snapshot {
         } else {
             Vec::new()
         };
-        Snapshot { version, workers, holders, pools, placement, by_id }
+        let absent = Placement { pool: u32::MAX, offset: 0, ranks: 0 };
+        let placement_by_id =
+            by_id.iter().map(|&i| placement.get(i as usize).copied().unwrap_or(absent)).collect();
+        Snapshot { version, workers, holders, pools, placement, by_id, placement_by_id }
     }
 
     /// Increases by one at every rebuild.
@@ -345,8 +351,11 @@ impl Snapshot {
     /// The index of `holder` within pool `pool` (what the ledger's per-holder answer maps to).
     #[inline]
     pub(crate) fn index_in_pool(&self, pool: u32, holder: HolderId) -> Option<usize> {
-        let w = self.worker_index(holder.worker)?;
-        let p = self.placement[w];
+        let p = if self.placement_by_id.is_empty() {
+            self.placement[self.worker_index(holder.worker)?]
+        } else {
+            *self.placement_by_id.get(holder.worker.0 as usize)?
+        };
         (p.pool == pool && holder.rank.0 < p.ranks).then(|| (p.offset + u32::from(holder.rank.0)) as usize)
     }
 

@@ -293,7 +293,9 @@ pub struct Candidate {
     /// `cache_aware`: the estimated time to first token on this holder, milliseconds (0 for
     /// other policies and excluded candidates).
     pub est_ttft_ms: f32,
-    /// The score breakdown (zero for excluded candidates and liveness-only policies).
+    /// The score (zero for excluded candidates and liveness-only policies). Its terms besides
+    /// `total` are filled only when the ranking explains itself ([`Ranking::explaining`]); they
+    /// are zero otherwise.
     pub score: Score,
     /// Sort key (ascending) built by the policy (see `scheduler::key`).
     pub(crate) key: u64,
@@ -365,6 +367,8 @@ pub struct Ranking {
     pub(crate) mode: MatchMode,
     pub(crate) reason: Option<FallbackReason>,
     pub(crate) policy: PolicyKind,
+    /// Whether each candidate's score carries its terms (see [`Ranking::explaining`]).
+    pub(crate) explain: bool,
 }
 
 impl Default for Ranking {
@@ -387,7 +391,18 @@ impl Ranking {
             mode: MatchMode::FallbackRoundRobin,
             reason: None,
             policy: PolicyKind::CacheAware,
+            explain: false,
         }
+    }
+
+    /// This ranking, whose decisions fill each candidate's score with its terms
+    /// ([`Scorer::score`](crate::Scorer::score)), not only the `total` that orders them
+    /// ([`Scorer::total`](crate::Scorer::total)): for a view that explains a decision. The
+    /// terms cost a twentieth of a 64-holder decision, which the request path does not pay.
+    #[must_use]
+    pub fn explaining(mut self) -> Self {
+        self.explain = true;
+        self
     }
 
     pub(crate) fn reset(&mut self, policy: PolicyKind) {

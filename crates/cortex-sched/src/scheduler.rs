@@ -620,13 +620,15 @@ impl<S: Scorer> Scheduler<S> {
         out: &mut Ranking,
     ) -> Option<usize> {
         let n = out.candidates.len() as u64;
+        let explain = out.explain;
         // As in `bound_and_score`: every key is below `u64::MAX`.
         let mut best = (u64::MAX, usize::MAX);
         for (i, c) in out.candidates.iter_mut().enumerate() {
             if c.excluded.is_some() {
                 continue;
             }
-            let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c);
+            let key =
+                Self::score_one(scorer, &pool[i], req, (counted, time, explain), (i as u64, n, offset), c);
             if key < best.0 {
                 best = (key, i);
             }
@@ -636,12 +638,12 @@ impl<S: Scorer> Scheduler<S> {
 
     /// Scores the admissible candidate `c`, the `i`-th of `n`, and keys it by its score; returns
     /// the key. See [`Scheduler::score_all`].
-    #[inline]
+    #[inline(always)]
     fn score_one<T: Scorer + ?Sized>(
         scorer: &T,
         slot: &HolderSlot,
         req: &Request<'_>,
-        (counted, time): (bool, bool),
+        (counted, time, explain): (bool, bool, bool),
         (i, n, offset): (u64, u64, u64),
         c: &mut Candidate,
     ) -> u64 {
@@ -661,7 +663,12 @@ impl<S: Scorer> Scheduler<S> {
             overhead_s: f.overhead_s,
             cache_fill: f.cache_fill,
         };
-        c.score = scorer.score(&input);
+        // Otherwise the terms stay as the gather wrote them: zero.
+        if explain {
+            c.score = scorer.score(&input);
+        } else {
+            c.score.total = scorer.total(&input);
+        }
         if time {
             c.est_ttft_ms = input.est_ttft_ms() as f32;
         }
@@ -832,8 +839,25 @@ impl<S: Scorer> Scheduler<S> {
     /// tokens, then fewest active) and the score with `scorer` (see [`Scheduler::score_all`]).
     /// Writes the ranking's keys as [`Scheduler::order`] would (ordered by
     /// [`Scheduler::rank`] unless the scores change again). One copy per scorer: the loop holds
-    /// only its arithmetic.
+    /// only its arithmetic, and one per `EXPLAIN` (whether the scores carry their terms).
     fn bound_and_score<T: Scorer + ?Sized>(
+        scorer: &T,
+        pool: &[HolderSlot],
+        req: &Request<'_>,
+        cap: Option<u64>,
+        (counted, time): (bool, bool),
+        offset: u64,
+        out: &mut Ranking,
+    ) -> Pass {
+        if out.explain {
+            Self::bound_and_score_with::<T, true>(scorer, pool, req, cap, (counted, time), offset, out)
+        } else {
+            Self::bound_and_score_with::<T, false>(scorer, pool, req, cap, (counted, time), offset, out)
+        }
+    }
+
+    /// [`Scheduler::bound_and_score`] with `out.explain` fixed to `EXPLAIN`.
+    fn bound_and_score_with<T: Scorer + ?Sized, const EXPLAIN: bool>(
         scorer: &T,
         pool: &[HolderSlot],
         req: &Request<'_>,
@@ -871,7 +895,8 @@ impl<S: Scorer> Scheduler<S> {
             {
                 best = Some((i, c.matched_tokens, c.active_requests));
             }
-            let key = Self::score_one(scorer, &pool[i], req, (counted, time), (i as u64, n, offset), c);
+            let key =
+                Self::score_one(scorer, &pool[i], req, (counted, time, EXPLAIN), (i as u64, n, offset), c);
             out.order[front] = key | i as u64;
             front += 1;
             if key < top.0 {

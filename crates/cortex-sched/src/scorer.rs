@@ -57,9 +57,18 @@ impl ScoreInput {
 
 /// Orders admissible candidates: higher `total` first.
 pub trait Scorer: Send + Sync {
-    /// The score and its breakdown. Called once per admissible candidate per decision, so it
-    /// must be cheap and must not allocate.
+    /// The score and its breakdown: called once per admissible candidate by a decision whose
+    /// ranking explains itself ([`Ranking::explaining`](crate::Ranking::explaining)), so it must
+    /// be cheap and must not allocate.
     fn score(&self, input: &ScoreInput) -> Score;
+
+    /// The score's `total` alone, what every other decision calls once per admissible
+    /// candidate. It must equal `self.score(input).total` bit for bit; the default computes the
+    /// whole score. A scorer whose terms cost more than their sum overrides it.
+    #[inline]
+    fn total(&self, input: &ScoreInput) -> f32 {
+        self.score(input).total
+    }
 }
 
 /// `α·matched_tokens − β·active_requests − γ·expected_queue_latency_ms`.
@@ -69,19 +78,34 @@ pub struct WeightedScorer {
     pub weights: Weights,
 }
 
-impl Scorer for WeightedScorer {
+impl WeightedScorer {
+    /// The affinity, load and queue terms.
     #[inline]
-    fn score(&self, i: &ScoreInput) -> Score {
+    fn terms(&self, i: &ScoreInput) -> (f64, f64, f64) {
         let w = self.weights;
         let affinity = w.alpha_per_token * f64::from(i.matched_tokens);
         let load = -w.beta_per_request * f64::from(i.active_requests);
         let queue = -w.gamma_per_ms * i.queue_latency_ms;
+        (affinity, load, queue)
+    }
+}
+
+impl Scorer for WeightedScorer {
+    #[inline]
+    fn score(&self, i: &ScoreInput) -> Score {
+        let (affinity, load, queue) = self.terms(i);
         Score {
             affinity: affinity as f32,
             load: load as f32,
             queue: queue as f32,
             total: (affinity + load + queue) as f32,
         }
+    }
+
+    #[inline]
+    fn total(&self, i: &ScoreInput) -> f32 {
+        let (affinity, load, queue) = self.terms(i);
+        (affinity + load + queue) as f32
     }
 }
 
@@ -97,13 +121,22 @@ pub struct TimeScorer {
     pub recompute_weight: f64,
 }
 
+impl TimeScorer {
+    /// The load term, milliseconds: the active requests' share and the prefill work the
+    /// request adds.
+    #[inline]
+    fn load_ms(&self, i: &ScoreInput) -> f64 {
+        let uncached = f64::from(i.prompt_tokens.saturating_sub(i.matched_tokens));
+        // Copying into a cache with room evicts nothing: the weight scales with how full it is.
+        -self.per_active_ms * f64::from(i.active_requests)
+            - self.recompute_weight * f64::from(i.cache_fill) * i.secs_per_token * uncached * 1e3
+    }
+}
+
 impl Scorer for TimeScorer {
     #[inline]
     fn score(&self, i: &ScoreInput) -> Score {
-        let uncached = f64::from(i.prompt_tokens.saturating_sub(i.matched_tokens));
-        // Copying into a cache with room evicts nothing: the weight scales with how full it is.
-        let load = -self.per_active_ms * f64::from(i.active_requests)
-            - self.recompute_weight * f64::from(i.cache_fill) * i.secs_per_token * uncached * 1e3;
+        let load = self.load_ms(i);
         let queue = -i.secs_per_token * f64::from(i.queue_tokens) * 1e3;
         let affinity = i.secs_per_token * f64::from(i.matched_tokens) * 1e3;
         Score {
@@ -112,6 +145,11 @@ impl Scorer for TimeScorer {
             queue: queue as f32,
             total: (-i.est_ttft_ms() + load) as f32,
         }
+    }
+
+    #[inline]
+    fn total(&self, i: &ScoreInput) -> f32 {
+        (-i.est_ttft_ms() + self.load_ms(i)) as f32
     }
 }
 
@@ -139,6 +177,43 @@ mod tests {
             cache_fill: 1.0,
         });
         assert_eq!(got, Score { affinity: 200.0, load: -12.0, queue: -5.0, total: 183.0 });
+    }
+
+    /// `total` is `score().total`, bit for bit, for both scorers: the decision orders by the
+    /// one and the debug view shows the other.
+    #[test]
+    fn the_total_alone_is_the_score_s_total() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            x = x.wrapping_mul(0x5851_f42d_4c95_7f2d).wrapping_add(0x1405_7b7e_f767_814f);
+            x >> 11
+        };
+        let weighted = WeightedScorer {
+            weights: Weights { alpha_per_token: 0.7, beta_per_request: 3.0, gamma_per_ms: 0.25 },
+        };
+        for _ in 0..20_000 {
+            let mut r = || (next() % 100_000) as u32;
+            let input = ScoreInput {
+                holder: HolderId::new(WorkerId(1), DpRank(0)),
+                matched_tokens: r(),
+                prompt_tokens: r(),
+                active_requests: r() % 64,
+                queue_latency_ms: f64::from(r()) / 7.0,
+                kv_usage: None,
+                capacity: Capacity::default(),
+                queue_tokens: r(),
+                secs_per_token: 1.0 / f64::from(r().max(1)),
+                overhead_s: f64::from(r()) * 1e-6,
+                cache_fill: (r() % 1_001) as f32 / 1_000.0,
+            };
+            let time = TimeScorer {
+                per_active_ms: f64::from(r() % 100) / 10.0,
+                recompute_weight: f64::from(r() % 4),
+            };
+            for (s, name) in [(&time as &dyn Scorer, "time"), (&weighted as &dyn Scorer, "weighted")] {
+                assert_eq!(s.total(&input).to_bits(), s.score(&input).total.to_bits(), "{name}: {input:?}");
+            }
+        }
     }
 
     #[test]

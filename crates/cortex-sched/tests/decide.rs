@@ -51,7 +51,8 @@ impl Fixture {
         Fixture {
             cluster,
             sched: Scheduler::new(config).expect("valid config"),
-            out: Ranking::with_capacity(64),
+            // Its candidates' scores carry their terms, which the tests read.
+            out: Ranking::with_capacity(64).explaining(),
             overlap: OverlapScores::with_capacity(64),
             bookings: Vec::new(),
         }
@@ -886,6 +887,40 @@ fn the_first_ranked_are_in_order_and_sort_all_orders_the_rest() {
 
 // ---------------------------------------------------------------------------------------------
 // cache_aware: time to first token
+
+/// A ranking that does not explain itself decides the same: every candidate, the order, the
+/// mode and the reason, with the score's terms left at zero and its total the same.
+#[test]
+fn a_decision_explained_or_not_is_the_same_decision() {
+    for config in [SchedConfig::default(), v1(SchedConfig::default())] {
+        // A second scheduler of the same seed: the same tie-break rotation.
+        let twin = Scheduler::new(config).expect("valid config");
+        let mut f = Fixture::new(6, config);
+        f.hits(&[(h(2), 100), (h(1), 10), (h(4), 60)]).load(h(2), 2, 900).load(h(0), 1, 300);
+        let explained = f.decide().clone();
+        let mut plain = Ranking::with_capacity(64);
+        let overlap = std::mem::take(&mut f.overlap);
+        let snap = f.cluster.load();
+        let req = Request::new(
+            MODEL,
+            Role::Regular,
+            ms(10),
+            PROMPT,
+            CacheView::Overlap { scores: &overlap, block_tokens: BLOCK },
+        );
+        twin.decide(&snap, &req, &mut plain).expect("a candidate");
+        assert_eq!((plain.mode(), plain.reason()), (explained.mode(), explained.reason()));
+        let (a, b): (Vec<_>, Vec<_>) = (explained.admissible().collect(), plain.admissible().collect());
+        assert_eq!(a.len(), b.len());
+        assert!(a.iter().any(|c| c.score.affinity != 0.0) && a.iter().any(|c| c.score.load != 0.0), "{a:?}");
+        for (e, p) in a.iter().zip(&b) {
+            assert_eq!(p.score, Score { total: e.score.total, ..Score::default() }, "{p:?}");
+            let mut same = **p;
+            same.score = e.score;
+            assert_eq!(same, **e);
+        }
+    }
+}
 
 /// Equal queues: the holder with the longest exact hit has the least to prefill, so the
 /// shortest estimated TTFT; the breakdown is in milliseconds at the prior (10,000 tokens/s).
