@@ -728,13 +728,16 @@ impl PdRequest {
                 self.output_held = false;
                 out.push(Effect::Blame { holder: pair.decode, class: f.class });
                 let prefill_done = self.p == LegState::Done;
-                if prefill_done {
-                    // A decode leg failing after its prefill finished failed in the transfer as
-                    // likely as on its own worker (a KV the prefill worker no longer holds, a
-                    // bootstrap it no longer answers; vLLM's decode says only "Internal server
-                    // error"): both ends take the blame, so a prefill worker whose transfers
-                    // fail is cooled down too instead of taking every decode worker down with
-                    // it.
+                // A decode leg failing after its prefill finished failed in the transfer as
+                // likely as on its own worker (a KV the prefill worker no longer holds, a
+                // bootstrap it no longer answers; vLLM's decode says only "Internal server
+                // error"): both ends take the blame, so a prefill worker whose transfers fail is
+                // cooled down too instead of taking every decode worker down with it. Not for a
+                // decode worker's own refusal to admit (a rate limit, a quota): that is its word
+                // on itself, and its `Retry-After` is its own.
+                let transfer_may_have_failed =
+                    matches!(f.class, FailureClass::ServerError | FailureClass::Timeout);
+                if prefill_done && transfer_may_have_failed {
                     out.push(Effect::Blame { holder: pair.prefill, class: f.class });
                 }
                 if self.p.pending() {

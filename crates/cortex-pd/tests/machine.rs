@@ -228,6 +228,21 @@ fn a_decode_failing_after_the_prefill_succeeded_falls_back_to_a_regular_worker()
     assert_eq!(t.ev(2, Leg::Regular, LegEvent::Done), vec![served(TRANSFER_FAILED, 2)]);
 }
 
+/// A decode worker that refuses to admit the request (a rate limit, a quota) after the prefill
+/// finished said so about itself: the prefill worker is not blamed (it would be cooled down
+/// for the decode worker's `Retry-After`).
+#[test]
+fn a_decode_worker_s_rate_limit_blames_only_the_decode_worker() {
+    for class in [FailureClass::RateLimited, FailureClass::QuotaExhausted] {
+        let mut t = T::sglang(World::new(Engine::Sglang, 1, 2, 2));
+        let (_, pair, _) = dispatched(&t.go(Input::Start));
+        t.ev(1, Leg::Prefill, LegEvent::PrefillDone(Transfer::Ready));
+        let e = t.ev(1, Leg::Decode, fail(class));
+        assert_eq!(e[0], Effect::Blame { holder: pair.decode, class }, "{e:?}");
+        assert!(!e.contains(&Effect::Blame { holder: pair.prefill, class }), "{class:?}: {e:?}");
+    }
+}
+
 #[test]
 fn sglang_without_a_regular_worker_rechooses_the_decode_after_a_transfer_failure() {
     let mut t = T::sglang(World::new(Engine::Sglang, 1, 2, 0));

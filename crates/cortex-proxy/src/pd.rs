@@ -365,8 +365,10 @@ struct Driver<'a> {
     output: Option<Held>,
     /// The last failure's message, for the error if no dispatch is left.
     last_message: Option<String>,
-    /// The `Retry-After` of the leg failure that set `last_message`.
-    last_retry_after: Option<u32>,
+    /// The `Retry-After` of the leg failure that set `last_message`, and the holder that sent
+    /// it: only that worker is cooled down for it (its pair's other worker, blamed with it, for
+    /// its class's own cooldown).
+    last_retry_after: Option<(HolderId, u32)>,
     buf: Vec<u8>,
 }
 
@@ -572,7 +574,10 @@ impl Driver<'_> {
             Effect::Blame { holder, class } => {
                 let now = self.fw.clock().now();
                 // The worker's own word on when to come back (a rate limit's `Retry-After`).
-                let asked = self.last_retry_after.map(|s| Duration::from_secs(u64::from(s)));
+                let asked = self
+                    .last_retry_after
+                    .filter(|&(from, _)| from == holder)
+                    .map(|(_, s)| Duration::from_secs(u64::from(s)));
                 let mut booked = false;
                 for slot in [&mut self.prefill, &mut self.serving].into_iter().flatten() {
                     if slot.holder == holder
@@ -614,7 +619,7 @@ impl Driver<'_> {
                         leg.as_str(),
                         self.last_message.as_deref().unwrap_or(class.as_str())
                     ),
-                    retry_after: self.last_retry_after,
+                    retry_after: self.last_retry_after.map(|(_, s)| s),
                 }
             }
             PdError::NotReplayed { leg, class } => ProxyError::Upstream {
@@ -626,7 +631,7 @@ impl Driver<'_> {
                     leg.as_str(),
                     self.last_message.as_deref().unwrap_or(class.as_str())
                 ),
-                retry_after: self.last_retry_after,
+                retry_after: self.last_retry_after.map(|(_, s)| s),
             },
         }
     }
@@ -681,7 +686,7 @@ impl Driver<'_> {
                 metrics::counter!(t::PD_LEG_FAILURES, "leg" => leg.as_str(), "class" => failure.class.as_str())
                     .increment(1);
                 self.last_message = Some(message);
-                self.last_retry_after = retry_after;
+                self.last_retry_after = retry_after.map(|s| (holder, s));
                 input(LegEvent::Failed(failure));
             }
             LegEnd::Rejected { status, headers, body, class } => {
