@@ -283,11 +283,15 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
         ))
     })?;
     only_known(obj, &WORKER_FIELDS, "a worker")?;
+    // A key that is there must be a string: a wrongly typed one is refused, never read as absent
+    // (a `role` of `["prefill"]` would make a prefill worker a regular one).
+    let opt = |k: &str| match v.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(x)) => Ok(Some(x.as_str())),
+        Some(other) => Err(ProxyError::InvalidRequest(format!("`{k}` must be a string, not {other}"))),
+    };
     let s = |k: &str| {
-        v.get(k)
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-            .ok_or_else(|| ProxyError::InvalidRequest(format!("`{k}` is required")))
+        opt(k)?.map(str::to_owned).ok_or_else(|| ProxyError::InvalidRequest(format!("`{k}` is required")))
     };
     let engine = match s("engine")?.as_str() {
         "vllm" => Engine::Vllm,
@@ -296,9 +300,8 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
             return Err(ProxyError::InvalidRequest(format!("`engine` must be vllm or sglang, not {other}")));
         }
     };
-    let role = parse_role(v.get("role").and_then(Value::as_str))
-        .map_err(|e| ProxyError::InvalidRequest(format!("`role` {e}")))?;
-    let unlabeled_stores_unknown = parse_unlabeled_stores(v.get("unlabeled_stores").and_then(Value::as_str))
+    let role = parse_role(opt("role")?).map_err(|e| ProxyError::InvalidRequest(format!("`role` {e}")))?;
+    let unlabeled_stores_unknown = parse_unlabeled_stores(opt("unlabeled_stores")?)
         .map_err(|e| ProxyError::InvalidRequest(format!("`unlabeled_stores` {e}")))?;
     let max_running_requests = match v.get("max_running_requests") {
         None | Some(Value::Null) => None,
@@ -470,5 +473,14 @@ mod tests {
         }
         let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": "leader"});
         assert!(worker_config(&v).unwrap_err().to_string().contains("leader"));
+        // A wrongly typed value is refused by name, not taken as the default.
+        for (key, bad) in
+            [("role", json!(["prefill"])), ("unlabeled_stores", json!(true)), ("name", json!(7))]
+        {
+            let mut v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m"});
+            v[key] = bad;
+            let err = worker_config(&v).unwrap_err().to_string();
+            assert!(err.contains(&format!("`{key}` must be a string")), "{key}: {err}");
+        }
     }
 }
