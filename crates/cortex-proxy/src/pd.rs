@@ -638,7 +638,7 @@ impl Driver<'_> {
 
     /// The machine's input for what the leg in `which` (the prefill slot, or the serving one)
     /// ended with; the output is kept for the commit.
-    fn observe(&mut self, which: Leg, end: LegEnd, inputs: &mut Vec<Input>) -> Option<Ended> {
+    fn observe(&mut self, which: Leg, end: LegEnd, m: &PdRequest, inputs: &mut Vec<Input>) -> Option<Ended> {
         let slot = if which == Leg::Prefill { &mut self.prefill } else { &mut self.serving };
         let s = slot.as_mut()?;
         s.fut = None;
@@ -700,7 +700,8 @@ impl Driver<'_> {
                 }
                 metrics::counter!(t::PD_REQUESTS, "outcome" => "rejected", "pd" => "none").increment(1);
                 let mut resp = refusal(status, headers, &body, class, ErrorFormat::of(self.out.route));
-                self.cortex_headers(resp.headers_mut(), leg, holder, None);
+                // Attributed as an answer is: the mode so far, the pair's prefill worker.
+                self.cortex_headers(resp.headers_mut(), leg, holder, Some((m.mode(), served_pair(m, leg))));
                 return Some(Ended::Rejected(resp));
             }
         }
@@ -811,6 +812,16 @@ impl Driver<'_> {
     }
 }
 
+/// The prefill worker of the pair whose `leg` answers, if a pair serves it. A vLLM prefill that
+/// returned no `kv_transfer_params` left the decode worker to compute the prompt itself: no pair
+/// served it.
+fn served_pair(m: &PdRequest, leg: Leg) -> Option<HolderId> {
+    m.pair()
+        .filter(|_| matches!(leg, Leg::Decode))
+        .filter(|_| m.mode() != PdMode::FallbackSingle(cortex_pd::FallbackCause::NoTransferParams))
+        .map(|p| p.prefill)
+}
+
 fn body_error(e: &cortex_pd::JsonError) -> ProxyError {
     ProxyError::InvalidRequest(format!("the body cannot be prepared for disaggregation: {e}"))
 }
@@ -903,7 +914,7 @@ impl Forwarder {
                 // server of a prefill worker that just died): let the prefill leg report first,
                 // briefly, so the machine blames the right worker.
                 if let Ok(first) = tokio::time::timeout(PREFILL_SETTLE, next(&mut d.prefill)).await
-                    && let Some(end) = d.observe(Leg::Prefill, first, &mut inputs)
+                    && let Some(end) = d.observe(Leg::Prefill, first, &m, &mut inputs)
                 {
                     match end {
                         Ended::Rejected(resp) => return Ok(resp),
@@ -912,7 +923,7 @@ impl Forwarder {
                     }
                 }
             }
-            if let Some(end) = d.observe(which, end, &mut inputs) {
+            if let Some(end) = d.observe(which, end, &m, &mut inputs) {
                 match end {
                     Ended::Rejected(resp) => return Ok(resp),
                     Ended::Failed(e) => return Err(e),
@@ -939,13 +950,7 @@ impl Forwarder {
         };
         let (leg, holder) = (slot.leg, slot.holder);
         let mode = m.mode();
-        // A vLLM prefill that returned no `kv_transfer_params` left the decode worker to compute
-        // the prompt itself: no pair served it.
-        let pair_prefill = m
-            .pair()
-            .filter(|_| matches!(leg, Leg::Decode))
-            .filter(|_| mode != PdMode::FallbackSingle(cortex_pd::FallbackCause::NoTransferParams))
-            .map(|p| p.prefill);
+        let pair_prefill = served_pair(m, leg);
         metrics::counter!(t::PD_REQUESTS, "outcome" => "served", "pd" => mode.as_str()).increment(1);
         metrics::histogram!(t::PD_FIRST_BYTE_SECONDS).record(started.elapsed().as_secs_f64());
         if let PdMode::FallbackSingle(cause) = mode {

@@ -100,6 +100,10 @@ async fn a_disaggregated_refusal_is_an_openai_error_too() {
     let e = openai_error(&r);
     assert_eq!(e["code"], "context_length_exceeded", "{}", r.body);
     assert!(e["message"].as_str().unwrap().contains("maximum context length"), "{e}");
+    // Attributed as an answer is: the pair's mode, the decision's match mode and hit.
+    assert_eq!(r.header("x-cortex-pd"), "disaggregated", "{:?}", r.headers);
+    assert_eq!(r.header("x-cortex-match-mode"), "load_aware", "{:?}", r.headers);
+    assert_eq!(r.header("x-cortex-cache-hit-tokens"), "0", "{:?}", r.headers);
     h.shutdown().await;
 }
 
