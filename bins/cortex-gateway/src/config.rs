@@ -1002,6 +1002,9 @@ impl Config {
                     p => p,
                 },
             };
+            w.check_bootstrap_port()
+                .map_err(anyhow::Error::msg)
+                .with_context(|| format!("workers[{i}].bootstrap_port"))?;
             w.check_model(&models).with_context(|| format!("workers[{i}].engine"))?;
             registry.add(w.clone()).with_context(|| format!("workers[{i}]"))?;
             workers.push(w);
@@ -1101,6 +1104,41 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
         prefill: policy(s.prefill_policy.as_deref(), d.pools.prefill, "prefill_policy")?,
         decode: policy(s.decode_policy.as_deref(), d.pools.decode, "decode_policy")?,
     };
+    // A setting only some policies read is refused when no pool's policy does: it would have
+    // no effect.
+    let kinds = [pools.regular.kind(), pools.prefill.kind(), pools.decode.kind()];
+    let inert = |key: &str, set: bool, readers: &[PolicyKind]| -> Result<()> {
+        if set && !kinds.iter().any(|k| readers.contains(k)) {
+            let names: Vec<&str> = readers.iter().map(|k| k.as_str()).collect();
+            bail!(
+                "scheduler.{key} applies only to {}, which no pool uses (policy, prefill_policy, decode_policy: {}): \
+                 it would have no effect",
+                names.join(", "),
+                kinds.map(PolicyKind::as_str).join(", ")
+            );
+        }
+        Ok(())
+    };
+    let weighted =
+        [PolicyKind::CacheAwareV1, PolicyKind::LeastLoad, PolicyKind::PowerOfTwo, PolicyKind::Manual];
+    inert("alpha", s.alpha.is_some(), &[PolicyKind::CacheAwareV1])?;
+    inert("beta", s.beta.is_some(), &weighted)?;
+    inert("gamma", s.gamma.is_some(), &weighted)?;
+    inert("watermark_queue_latency", s.watermark_queue_latency.is_some(), &[PolicyKind::CacheAwareV1])?;
+    inert(
+        "watermark_inflight_fraction",
+        s.watermark_inflight_fraction.is_some(),
+        &[PolicyKind::CacheAware, PolicyKind::CacheAwareV1],
+    )?;
+    inert("per_active_ms", s.per_active_ms.is_some(), &[PolicyKind::CacheAware])?;
+    inert("recompute_weight", s.recompute_weight.is_some(), &[PolicyKind::CacheAware])?;
+    if s.transfer_tokens_per_sec.is_some() && pools.decode.kind() != PolicyKind::CacheAware {
+        bail!(
+            "scheduler.transfer_tokens_per_sec applies only to decode_policy: cache_aware (it prices a decode \
+             worker's pulls), not {}: it would have no effect",
+            pools.decode.kind().as_str()
+        );
+    }
     let cfg = SchedConfig {
         weights: Weights {
             alpha_per_token: s.alpha.unwrap_or(d.weights.alpha_per_token),
@@ -1481,11 +1519,28 @@ mod tests {
     fn the_documented_example_is_valid() {
         let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
         let text = std::fs::read_to_string(docs.join("cortex.example.yaml")).unwrap();
-        let mut cfg = Config::parse(&text).unwrap();
-        assert!(cfg.admin.is_some());
-        // The admin token comes from the environment, which a test should not set.
-        cfg.admin = None;
-        let s = cfg.into_settings(&docs).unwrap();
+        // As it is: what `--check-config` on it says.
+        Config::parse(&text).unwrap().into_settings(&docs).unwrap();
+        // With its commented-out sections (`# key:` at the start of a line, and the lines under
+        // it) uncommented, but the admin listener's, whose token comes from the environment.
+        let mut open = String::new();
+        let mut section = false;
+        for line in text.lines() {
+            let body = line.strip_prefix("# ");
+            section = match body {
+                Some(b)
+                    if !b.starts_with(' ')
+                        && b.split_whitespace().next().is_some_and(|k| k.ends_with(':')) =>
+                {
+                    matches!(b.split(':').next(), Some("discovery"))
+                }
+                Some(b) => section && b.starts_with(' '),
+                None => false,
+            };
+            open.push_str(if section { body.unwrap_or(line) } else { line });
+            open.push('\n');
+        }
+        let s = Config::parse(&open).unwrap().into_settings(&docs).unwrap();
         assert_eq!(s.workers.len(), 2);
         assert_eq!(s.workers[1].events.as_ref().map(|e| e.publish_port_base), Some(5557));
         assert!(!s.workers[0].unlabeled_stores_unknown);
@@ -1915,8 +1970,9 @@ mod tests {
     fn pd_roles_pool_policies_and_the_pd_section() {
         let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let yaml = minimal;
-        let s = Config::parse(&yaml(
-            "workers:\n  - {name: p, url: 'http://h:1', engine: vllm, model: m, role: prefill, bootstrap_port: 8998}\n  - {name: d, url: 'http://h:2', engine: vllm, model: m, role: decode}\nscheduler: {prefill_policy: least_load, decode_policy: round_robin}\npd: {transfer_failure: rechoose_decode, replay: never, bootstrap_port: 9000}\nretry: {max_attempts: 5, budget: 10s}\n",
+        let sglang = |extra: &str| yaml(extra).replace("    engine: vllm\n", "    engine: sglang\n");
+        let s = Config::parse(&sglang(
+            "workers:\n  - {name: p, url: 'http://h:1', engine: sglang, model: m, role: prefill, bootstrap_port: 8998}\n  - {name: d, url: 'http://h:2', engine: sglang, model: m, role: decode}\nscheduler: {prefill_policy: least_load, decode_policy: round_robin}\npd: {transfer_failure: rechoose_decode, replay: never, bootstrap_port: 9000}\nretry: {max_attempts: 5, budget: 10s}\n",
         ))
         .unwrap()
         .into_settings(&base)
@@ -1943,6 +1999,27 @@ mod tests {
                 "workers:\n  - {name: w, url: 'http://h:1', engine: sglang, model: m, bootstrap_port: 0}\n",
                 "workers[0].bootstrap_port",
             ),
+            // A bootstrap port nothing reads: a vLLM prefill worker's.
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, role: prefill, bootstrap_port: 8998}\n",
+                "workers[0].bootstrap_port: applies only to an SGLang prefill worker",
+            ),
+            // Settings no pool's policy reads.
+            ("scheduler: {alpha: 2}\n", "scheduler.alpha applies only to cache_aware_v1"),
+            ("scheduler: {gamma: 2}\n", "scheduler.gamma applies only to cache_aware_v1, least_load"),
+            ("scheduler: {watermark_queue_latency: 1s}\n", "scheduler.watermark_queue_latency applies only"),
+            (
+                "scheduler: {policy: round_robin, prefill_policy: least_load, decode_policy: random, per_active_ms: 1}\n",
+                "scheduler.per_active_ms applies only to cache_aware",
+            ),
+            (
+                "scheduler: {policy: round_robin, prefill_policy: round_robin, decode_policy: random, beta: 1}\n",
+                "scheduler.beta applies only",
+            ),
+            (
+                "scheduler: {decode_policy: least_load, transfer_tokens_per_sec: 1000}\n",
+                "decode_policy: cache_aware",
+            ),
         ] {
             let err =
                 format!("{:#}", Config::parse(&yaml(extra)).unwrap().into_settings(&base).err().unwrap());
@@ -1950,6 +2027,14 @@ mod tests {
         }
         let err = Config::parse(&yaml("pd: {max_attempts: 2}\n")).unwrap_err().to_string();
         assert!(err.contains("unknown field `max_attempts`"), "retries are retry's: {err}");
+        // Where a pool's policy reads them, the same settings are taken.
+        for extra in [
+            "scheduler: {policy: cache_aware_v1, alpha: 2, watermark_queue_latency: 1s}\n",
+            "scheduler: {decode_policy: power_of_two, beta: 1, gamma: 1}\n",
+            "scheduler: {per_active_ms: 1, recompute_weight: 0, transfer_tokens_per_sec: 1000}\n",
+        ] {
+            assert!(Config::parse(&yaml(extra)).unwrap().into_settings(&base).is_ok(), "{extra}");
+        }
     }
 
     /// The `config_yaml` fuzz target on stable: every saved corpus input (`fuzz/corpus/config_yaml`,

@@ -320,7 +320,7 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
                 .ok_or_else(|| ProxyError::InvalidRequest("`bootstrap_port` must be a port number".into()))?,
         ),
     };
-    Ok(WorkerConfig {
+    let w = WorkerConfig {
         name: s("name")?,
         url: s("url")?,
         engine,
@@ -333,7 +333,9 @@ pub fn worker_config(v: &Value) -> Result<WorkerConfig, ProxyError> {
         },
         unlabeled_stores_unknown,
         bootstrap_port,
-    })
+    };
+    w.check_bootstrap_port().map_err(|e| ProxyError::InvalidRequest(format!("`bootstrap_port` {e}")))?;
+    Ok(w)
 }
 
 #[cfg(test)]
@@ -468,11 +470,17 @@ mod tests {
         let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": "decode"});
         assert_eq!(worker_config(&v).unwrap().role, cortex_sched::Role::Decode);
         for bad in [json!(0), json!(70000), json!("8998")] {
-            let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "bootstrap_port": bad});
+            let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": "prefill", "bootstrap_port": bad});
             assert!(worker_config(&v).unwrap_err().to_string().contains("bootstrap_port"));
         }
         let v = json!({"name": "a", "url": "u", "engine": "sglang", "model": "m", "role": "leader"});
         assert!(worker_config(&v).unwrap_err().to_string().contains("leader"));
+        // Where nothing reads it, a bootstrap port is refused.
+        for (engine, role) in [("sglang", "decode"), ("sglang", "regular"), ("vllm", "prefill")] {
+            let v = json!({"name": "a", "url": "u", "engine": engine, "model": "m", "role": role, "bootstrap_port": 8998});
+            let err = worker_config(&v).unwrap_err().to_string();
+            assert!(err.contains("applies only to an SGLang prefill worker"), "{engine} {role}: {err}");
+        }
         // A wrongly typed value is refused by name, not taken as the default.
         for (key, bad) in
             [("role", json!(["prefill"])), ("unlabeled_stores", json!(true)), ("name", json!(7))]

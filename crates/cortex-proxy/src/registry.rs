@@ -91,6 +91,23 @@ impl WorkerConfig {
         Ok((base, host))
     }
 
+    /// Refuses a `bootstrap_port` where nothing reads it: only an SGLang prefill worker's is
+    /// sent (to both legs, for the decode worker to reach its bootstrap server).
+    ///
+    /// # Errors
+    /// What the port would have been for, when the worker is not an SGLang prefill worker.
+    pub fn check_bootstrap_port(&self) -> Result<(), String> {
+        if self.bootstrap_port.is_some() && (self.engine != Engine::Sglang || self.role != Role::Prefill) {
+            return Err(format!(
+                "applies only to an SGLang prefill worker (the bootstrap server its decode workers reach); \
+                 this one is a {} {} worker",
+                self.engine.as_str(),
+                self.role.as_str()
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks the worker's model: configured in `models`, and for the worker's engine.
     ///
     /// # Errors

@@ -81,7 +81,8 @@ pub struct Args {
     #[arg(long, default_value = "auto")]
     pub python: String,
     /// Extra settings of Cortex's `scheduler:` section, as YAML flow-map entries applied to every
-    /// Cortex policy (for example `gamma: 2, bounded_load_epsilon: 0.5`); see
+    /// Cortex policy (for example `recompute_weight: 0.5, bounded_load_epsilon: 0.5`; a setting no
+    /// pool of a policy reads is refused, as in the gateway); see
     /// docs/configuration.md.
     #[arg(long, default_value = "")]
     pub scheduler: String,
