@@ -17,8 +17,9 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Everything CI runs: fmt check, clippy (warnings denied), all tests, tidy, golden --check
-    /// and cargo-deny (installed if missing), with the time of each step.
+    /// Everything CI runs: fmt check, clippy (warnings denied), all tests, tidy, golden --check,
+    /// cargo-deny (installed if missing), pd-check, sdk-check, deploy-check and obs-check, with
+    /// the time of each step.
     Ci {
         /// Run `.ci/run` as a fresh machine does instead: on a clone of the committed HEAD under
         /// `target/fresh-ci` (or `--dir`), with an empty cargo home and an empty target directory.
@@ -104,7 +105,8 @@ enum Cmd {
     SdkCheck(xtask::sdk_check::Args),
     /// The Grafana dashboard and the alert rules against a real Prometheus scraping the demo.
     ObsCheck(xtask::obs_check::Args),
-    /// Long differential and fuzz runs (the tokenizer's by default), `--minutes` per target.
+    /// Long differential and fuzz runs, every target by default (`--target` for one, `--list`),
+    /// `--minutes` per target.
     Fuzz(xtask::fuzz::Args),
 }
 
