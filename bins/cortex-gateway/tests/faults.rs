@@ -609,7 +609,6 @@ fn a_killed_worker_process_is_gone_until_restarted_on_its_port() {
 /// Invariant of the harness: the over-prediction check every test relies on fails on a hit
 /// claimed beyond what the worker reports cached, and passes one within it.
 #[test]
-#[should_panic(expected = "over-predicted hit")]
 fn the_over_prediction_check_fails_on_an_over_claimed_hit() {
     let reply = |claimed: u64, cached: u64| {
         let mut headers = http::HeaderMap::new();
@@ -618,10 +617,15 @@ fn the_over_prediction_check_fails_on_an_over_claimed_hit() {
             json!({"usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": cached}}});
         Reply { status: StatusCode::OK, headers, body: usage.to_string() }
     };
+    // Within what was cached: passes (a panic here fails the test).
     assert_not_over_predicted(&reply(48, 48));
-    // 100 prompt tokens: at most 96 can be a hit, so 200 is capped to 96 — still above 80.
+    // 100 prompt tokens: at most 96 can be a hit, so 200 is capped to 96.
     assert_not_over_predicted(&reply(200, 96));
-    assert_not_over_predicted(&reply(200, 80));
+    // Capped to 96, still above 80: fails, and says why.
+    let over = std::panic::catch_unwind(|| assert_not_over_predicted(&reply(200, 80)));
+    let why = over.expect_err("a hit claimed beyond the cached tokens must fail the check");
+    let why = why.downcast_ref::<String>().map(String::as_str).or(why.downcast_ref::<&str>().copied());
+    assert!(why.is_some_and(|w| w.contains("over-predicted hit")), "{why:?}");
 }
 
 /// Kills the child when dropped, so a failing assertion never leaves a gateway running.

@@ -789,6 +789,18 @@ async fn request_heads_over_max_header_bytes_get_431_on_both_versions() {
     assert!(got.starts_with("HTTP/1.1 431"), "{got}");
     let got = exchange(srv.addr, head(40).as_bytes()).await;
     assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    // HTTP/1.1: up to 100 header fields are served, more get 431.
+    let fields = |n: usize| {
+        let mut h = String::from("GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n");
+        for i in 2..n {
+            h.push_str(&format!("x-f{i}: v\r\n"));
+        }
+        h + "\r\n"
+    };
+    let got = exchange(srv.addr, fields(100).as_bytes()).await;
+    assert!(got.starts_with("HTTP/1.1 200"), "100 fields: {got}");
+    let got = exchange(srv.addr, fields(101).as_bytes()).await;
+    assert!(got.starts_with("HTTP/1.1 431"), "101 fields: {got}");
     let (mut send, _conn) = h2(srv.addr).await;
     let resp = send.send_request(h2_get(&[("x-big", "a".repeat(100 * 1024))])).await.unwrap();
     assert_eq!(resp.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
