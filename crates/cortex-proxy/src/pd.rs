@@ -365,10 +365,12 @@ struct Driver<'a> {
     output: Option<Held>,
     /// The last failure's message, for the error if no dispatch is left.
     last_message: Option<String>,
-    /// The `Retry-After` of the leg failure that set `last_message`, and the holder that sent
-    /// it: only that worker is cooled down for it (its pair's other worker, blamed with it, for
-    /// its class's own cooldown).
-    last_retry_after: Option<(HolderId, u32)>,
+    /// The `Retry-After` of the leg failure that set `last_message`.
+    last_retry_after: Option<u32>,
+    /// Each failed leg's `Retry-After`, by the holder that sent it (the latest per holder): a
+    /// worker is cooled down for its own, never for another's (a pair's other worker, blamed
+    /// with it, gets its class's cooldown). Empty unless a leg failed.
+    retry_after_of: Vec<(HolderId, u32)>,
     buf: Vec<u8>,
 }
 
@@ -575,9 +577,11 @@ impl Driver<'_> {
                 let now = self.fw.clock().now();
                 // The worker's own word on when to come back (a rate limit's `Retry-After`).
                 let asked = self
-                    .last_retry_after
-                    .filter(|&(from, _)| from == holder)
-                    .map(|(_, s)| Duration::from_secs(u64::from(s)));
+                    .retry_after_of
+                    .iter()
+                    .rev()
+                    .find(|&&(from, _)| from == holder)
+                    .map(|&(_, s)| Duration::from_secs(u64::from(s)));
                 let mut booked = false;
                 for slot in [&mut self.prefill, &mut self.serving].into_iter().flatten() {
                     if slot.holder == holder
@@ -619,7 +623,7 @@ impl Driver<'_> {
                         leg.as_str(),
                         self.last_message.as_deref().unwrap_or(class.as_str())
                     ),
-                    retry_after: self.last_retry_after.map(|(_, s)| s),
+                    retry_after: self.last_retry_after,
                 }
             }
             PdError::NotReplayed { leg, class } => ProxyError::Upstream {
@@ -631,7 +635,7 @@ impl Driver<'_> {
                     leg.as_str(),
                     self.last_message.as_deref().unwrap_or(class.as_str())
                 ),
-                retry_after: self.last_retry_after.map(|(_, s)| s),
+                retry_after: self.last_retry_after,
             },
         }
     }
@@ -686,7 +690,10 @@ impl Driver<'_> {
                 metrics::counter!(t::PD_LEG_FAILURES, "leg" => leg.as_str(), "class" => failure.class.as_str())
                     .increment(1);
                 self.last_message = Some(message);
-                self.last_retry_after = retry_after.map(|s| (holder, s));
+                self.last_retry_after = retry_after;
+                if let Some(s) = retry_after {
+                    self.retry_after_of.push((holder, s));
+                }
                 input(LegEvent::Failed(failure));
             }
             LegEnd::Rejected { status, headers, body, class } => {
@@ -877,6 +884,7 @@ impl Forwarder {
             output: None,
             last_message: None,
             last_retry_after: None,
+            retry_after_of: Vec::new(),
             buf: Vec::with_capacity(out.body.len() + 256),
         };
         let started = Instant::now();
