@@ -213,6 +213,36 @@ async fn a_worker_busy_with_cache_hits_only_stays_ready() {
     }
 }
 
+/// A request the engine refuses (a 4xx) or fails (a 5xx) stores nothing, so its engine owes no
+/// KV event for it: the ledger stays READY past `silence_timeout` (500 ms here) and the prefix
+/// the worker holds keeps its exact hit. Found by a probe: one refused or failed request made a
+/// healthy worker STALE, out of exact routing (and out of routing with `unready_holders:
+/// excluded`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_or_failed_request_owes_no_event() {
+    for engine in ["vllm", "sglang"] {
+        let h = harness(engine, vec![sim(engine)], &[]).await;
+        let body = chat(&long_prompt("held before the refusals"), false);
+        assert_eq!(h.post("/v1/chat/completions", &body).await.status, StatusCode::OK);
+        h.wait_hit(&body, |_, hit| hit > 0).await;
+        let holder = h.holder("w0");
+        for (i, status) in [400u16, 503].into_iter().enumerate() {
+            h.sims[0].fail_next(status, 1);
+            let fresh = chat(&long_prompt(&format!("never stored {i}")), false);
+            let r = h.post("/v1/chat/completions", &fresh).await;
+            assert_ne!(r.status, StatusCode::OK, "{engine}: the worker was to answer {status}");
+        }
+        let until = tokio::time::Instant::now() + std::time::Duration::from_millis(2_000);
+        while tokio::time::Instant::now() < until {
+            assert_eq!(h.gw.ledger_state(holder), Some(Readiness::Ready), "{engine}: went STALE");
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        // The worker is cooled down for its 503 by now no longer; the prefix is an exact hit.
+        h.wait_hit(&body, |_, hit| hit > 0).await;
+        h.shutdown().await;
+    }
+}
+
 /// The same after the ledger was rebuilt cold: the engine holds a prefix the ledger never
 /// learned (stored before the gateway followed it, no replay), so the ledger takes each request
 /// for new work; the engine's `cached_tokens` says it was all hits, and a hit owes no event (a

@@ -180,11 +180,10 @@ impl Forwarder {
             // One read of the ledger's progress: this and the block check's `events_before`.
             let progress = self.verifier.progress(cand.holder);
             let trusted = progress.is_some_and(|p| p.history_lost == 0);
-            if trusted
-                && computes_new_blocks(plan.prompt_tokens, cand.matched_tokens, plan.model.block_size())
-            {
-                booking.expect_events(now);
-            }
+            // Owed only once the engine takes the request (its answer's head is a success): an
+            // engine that refuses or fails it stores nothing and publishes nothing.
+            let owes = trusted
+                && computes_new_blocks(plan.prompt_tokens, cand.matched_tokens, plan.model.block_size());
             let owed = (!trusted).then(|| (Arc::clone(booking.worker_state()), cand.holder.rank, now));
             if attempts > 0 {
                 metrics::counter!(t::RETRIES).increment(1);
@@ -201,6 +200,9 @@ impl Forwarder {
             }
             match answer {
                 Ok(Answer::Stream(resp)) => {
+                    if owes {
+                        booking.expect_events(now);
+                    }
                     let (up, incoming) = resp.into_parts();
                     let mut headers = upstream::end_to_end(&up.headers);
                     attempt.cortex_headers(&mut headers, mode, out.rid);

@@ -40,7 +40,7 @@ use cortex_pd::{
     Effect, Input, Leg, LegEvent, LegFailure, Mode as PdMode, NO_REPLAY_HEADER, Outcome, PdError, PdRequest,
     Pools, Protocol, Reached, Transfer, vllm,
 };
-use cortex_sched::{Booking, Candidate, FailureClass, MatchMode, Role};
+use cortex_sched::{Booking, Candidate, FailureClass, MatchMode, Role, Timestamp};
 use http::{HeaderMap, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
 use hyper::body::{Body as HttpBody, Incoming};
@@ -127,6 +127,10 @@ struct Slot {
     holder: HolderId,
     sent: Instant,
     booking: Option<Booking>,
+    /// When the leg was booked, if its engine owes KV events once it takes the request (it
+    /// stores the prompt's blocks it lacks): registered on the leg's success only, since an
+    /// engine that refuses or fails the request stores nothing.
+    owes: Option<Timestamp>,
     fut: Option<LegFuture>,
     /// The leg's client span (a traced request), ended with the slot, or with the relay of the
     /// serving leg's answer.
@@ -136,6 +140,13 @@ struct Slot {
 impl Slot {
     fn running(slot: &Option<Slot>) -> bool {
         slot.as_ref().is_some_and(|s| s.fut.is_some())
+    }
+
+    /// The engine took the leg (a success head): the KV events it owes are expected now.
+    fn accepted(&mut self) {
+        if let (Some(t), Some(b)) = (self.owes.take(), self.booking.as_ref()) {
+            b.expect_events(t);
+        }
     }
 }
 
@@ -393,23 +404,22 @@ impl Driver<'_> {
         self.plan.candidate(role_of(leg), holder)
     }
 
-    fn book(&self, leg: Leg, holder: HolderId) -> Option<Booking> {
+    /// Books the leg; with it, when the engine will owe KV events once it takes the request.
+    fn book(&self, leg: Leg, holder: HolderId) -> (Option<Booking>, Option<Timestamp>) {
         let now = self.fw.clock().now();
         let cand = self.candidate(leg, holder);
         let booking = match cand {
             Some(c) => self.plan.snapshot.book(c, now),
             None => self.plan.snapshot.book_holder(holder, self.plan.prompt_tokens, self.plan.kv_blocks, now),
-        }?;
+        };
         // Every leg stores the prompt's blocks it lacks (a decode leg pulls them): owed events, by
         // the ledger's word when it has followed the engine's whole history (a ledger rebuilt
         // cold knows less than the engine: no obligation is inferred from it).
         let cached = cand.map_or(0, |c| c.matched_tokens);
-        if self.fw.verifier().progress(holder).is_some_and(|p| p.history_lost == 0)
-            && computes_new_blocks(self.plan.prompt_tokens, cached, self.plan.model.block_size())
-        {
-            booking.expect_events(now);
-        }
-        Some(booking)
+        let owes = booking.is_some()
+            && self.fw.verifier().progress(holder).is_some_and(|p| p.history_lost == 0)
+            && computes_new_blocks(self.plan.prompt_tokens, cached, self.plan.model.block_size());
+        (booking, owes.then_some(now))
     }
 
     /// The leg request of `body` to `holder`'s worker, its rank pinned the engine's way.
@@ -453,14 +463,14 @@ impl Driver<'_> {
         fut: LegFuture,
         span: Option<SpanGuard>,
     ) -> Slot {
-        let mut booking = self.book(leg, holder);
+        let (mut booking, owes) = self.book(leg, holder);
         // The worker that computes the prompt holds it next: the prefill leg, or a single one.
         if leg != Leg::Decode
             && let Some(b) = booking.as_mut()
         {
             b.track_prefix(&self.plan.pending, &self.plan.seq, self.fw.clock().now());
         }
-        Slot { attempt, leg, holder, sent: Instant::now(), booking, fut: Some(fut), span }
+        Slot { attempt, leg, holder, sent: Instant::now(), booking, owes, fut: Some(fut), span }
     }
 
     /// The client span of a leg to `holder` (when the request is traced).
@@ -657,6 +667,9 @@ impl Driver<'_> {
         }
         let (attempt, leg, holder, sent) = (s.attempt, s.leg, s.holder, s.sent);
         let mut input = |event| inputs.push(Input::Leg { attempt, leg, event });
+        if matches!(end, LegEnd::Output(_) | LegEnd::PrefillDone { .. }) {
+            s.accepted();
+        }
         match end {
             LegEnd::Output(held) => {
                 let whole = held.rest.is_none();

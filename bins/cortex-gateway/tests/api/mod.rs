@@ -104,6 +104,19 @@ async fn a_disaggregated_refusal_is_an_openai_error_too() {
     assert_eq!(r.header("x-cortex-pd"), "disaggregated", "{:?}", r.headers);
     assert_eq!(r.header("x-cortex-match-mode"), "load_aware", "{:?}", r.headers);
     assert_eq!(r.header("x-cortex-cache-hit-tokens"), "0", "{:?}", r.headers);
+    // Refused, the legs stored nothing: neither engine owes an event, neither ledger goes STALE
+    // past `silence_timeout` (500 ms here).
+    let until = tokio::time::Instant::now() + Duration::from_millis(1_500);
+    while tokio::time::Instant::now() < until {
+        for w in ["w0", "w1"] {
+            assert_eq!(
+                h.gw.ledger_state(h.holder(w)),
+                Some(cortex_radix::Readiness::Ready),
+                "{w} went STALE"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     h.shutdown().await;
 }
 
