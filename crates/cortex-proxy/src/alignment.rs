@@ -155,6 +155,9 @@ pub fn hit_check(predicted: u32, realized: u32) -> Check {
 pub struct Prediction {
     /// The holder that served it.
     pub holder: HolderId,
+    /// Its worker's name when the request was sent: the hit counters' label, even if the worker
+    /// is removed before the answer ends.
+    pub worker: String,
     /// Cached tokens predicted, capped as the engine counts them.
     pub predicted_hit: u32,
     /// Whether the decision rested on the ledger (`exact_kv_events`): only then is a hit checked.
@@ -234,7 +237,7 @@ impl Verifier {
         let v = Arc::clone(self);
         Box::new(move |c: Completion| {
             if let Some(realized) = c.cached_tokens {
-                let worker = v.registry.name(p.holder.worker).unwrap_or_default();
+                let worker = p.worker.clone();
                 metrics::counter!(t::PREDICTED_HIT_TOKENS, "worker" => worker.clone())
                     .increment(u64::from(p.predicted_hit));
                 metrics::counter!(t::REALIZED_HIT_TOKENS, "worker" => worker.clone())
@@ -336,7 +339,9 @@ impl Verifier {
     /// Records a check of `worker`; a changed verdict is logged and announced.
     pub fn record(&self, worker: WorkerId, check: Check) {
         let ok = matches!(check, Check::Ok);
-        let name = self.registry.name(worker).unwrap_or_default();
+        // A worker removed since: its verdict is gone with it, and a check is not counted under
+        // no name.
+        let Some(name) = self.registry.name(worker) else { return };
         metrics::counter!(t::ALIGNMENT_CHECKS, "worker" => name.clone(), "result" => if ok { "ok" } else { "failed" })
             .increment(1);
         if let Some(v) = self.tracker.record(worker, check) {

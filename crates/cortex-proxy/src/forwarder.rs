@@ -213,6 +213,7 @@ impl Forwarder {
                             .and_then(|v| v.to_str().ok())
                             .is_some_and(|v| v.starts_with("text/event-stream"));
                     let check = self.verifier.on_complete(prediction(
+                        &worker.config.name,
                         &plan,
                         out.facts,
                         cand,
@@ -400,6 +401,7 @@ pub(crate) fn computes_new_blocks(prompt_tokens: u32, cached: u32, block_size: u
 
 /// What the alignment checks compare the response with.
 fn prediction(
+    worker: &str,
     plan: &Plan,
     facts: &RequestFacts,
     cand: &Candidate,
@@ -412,6 +414,7 @@ fn prediction(
         .then(|| (plan.seq[0], plan.first_page.clone()));
     Prediction {
         holder,
+        worker: worker.to_owned(),
         predicted_hit: cand.matched_tokens.min(plan.max_hit()),
         exact: mode == MatchMode::ExactKvEvents,
         model: Arc::clone(&plan.model),

@@ -746,6 +746,7 @@ impl Driver<'_> {
             .then(|| (self.plan.seq[0], self.plan.first_page.clone()));
         Prediction {
             holder,
+            worker: self.worker(holder).map(|w| w.config.name.clone()).unwrap_or_default(),
             predicted_hit: predicted.min(self.plan.model.max_cached_tokens(self.plan.prompt_tokens as usize)),
             exact,
             model: Arc::clone(&self.plan.model),

@@ -530,14 +530,38 @@ async fn a_removed_workers_gauges_leave_metrics() {
         h.gw.ingest.status(holder).is_some_and(|st| st.batches == published())
     })
     .await;
+    // One request is in flight across the removal (its worker stalled until then): when it
+    // ends, its hit counters are the removed worker's, not a worker named "".
+    extra.stall();
+    let in_flight = tokio::spawn({
+        let client = h.client.clone();
+        let body = json!({"model": MODEL, "prompt": long_prompt("across the removal"), "max_tokens": 2});
+        let uri = format!("http://{}/v1/completions", h.addr());
+        async move {
+            let req = Request::post(uri)
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body.to_string())))
+                .unwrap();
+            let resp = client.request(req).await.unwrap();
+            let status = resp.status();
+            resp.into_body().collect().await.unwrap();
+            status
+        }
+    });
+    h.wait("the request reached the worker", || extra.in_flight(0).unwrap_or(0) > 0).await;
     let resp = h.client.request(admin("DELETE", &format!("/admin/workers/{gone}"), None)).await.unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     h.wait("the removed worker left the pool", || h.live_workers() == 0).await;
+    // What it had published when it was removed (the stalled request publishes after).
+    let published_when_removed = published();
+    extra.resume();
+    assert_eq!(in_flight.await.unwrap(), StatusCode::OK);
     let text = scrape(&h).await;
+    assert!(!text.contains("worker=\"\""), "a series under no worker name:\n{text}");
     // Its final event counts are counted, though it left the registry before this scrape.
     let batches = samples(&text, "cortex_event_batches_total", gone).iter().sum::<f64>();
     assert!(batches > batches_before, "{batches} after {batches_before}");
-    assert_eq!(batches, published() as f64, "{text}");
+    assert_eq!(batches, published_when_removed as f64, "{text}");
     let series: Vec<&str> =
         text.lines().filter(|l| !l.starts_with('#') && l.contains(&format!("worker=\"{gone}\""))).collect();
     assert!(
