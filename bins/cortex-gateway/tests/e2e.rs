@@ -640,6 +640,37 @@ async fn admin_api_takes_the_events_of_a_worker_that_does_not_advertise_them() {
     extra.shutdown();
 }
 
+/// An SGLang engine on a port configured for vLLM (restarted as the other engine) would be
+/// followed and routed as vLLM: its `/v1/models` says `owned_by: sglang`, so it stays out of the
+/// pool with the reason in `/debug/workers` (a probe found it joined, with no error shown).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_engine_configured_as_vllm_stays_out() {
+    let h = harness("vllm", vec![sim("vllm")], &[]).await;
+    let mut other = sim("sglang");
+    other.model_name = MODEL.to_owned();
+    let other = SimWorker::start(other).unwrap();
+    let new = json!({"name": "other", "url": other.base_url(), "engine": "vllm", "model": MODEL});
+    let req = Request::post(format!("http://{}/admin/workers", h.admin_addr()))
+        .header("authorization", format!("Bearer {}", common::ADMIN_TOKEN))
+        .body(Full::new(Bytes::from(new.to_string())))
+        .unwrap();
+    assert_eq!(h.client.request(req).await.unwrap().status(), StatusCode::CREATED);
+    let deadline = tokio::time::Instant::now() + common::WAIT;
+    loop {
+        let dbg = h.debug_workers().await;
+        let entry = worker_entry(&dbg, "other");
+        if entry["last_error"].as_str().is_some_and(|e| e.contains("an SGLang engine")) {
+            assert_ne!(entry["phase"], "live", "{dbg}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the engine conflict was never reported: {dbg}");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(h.live_workers(), 1);
+    h.shutdown().await;
+    other.shutdown();
+}
+
 /// A worker whose `/v1/models` lacks its configured model would refuse each of its requests
 /// (vLLM's 404 "The model `m` does not exist."): it stays out of the pool with the reason in
 /// `/debug/workers`, every request goes to the worker that serves the model, and it joins once a

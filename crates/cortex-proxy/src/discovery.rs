@@ -278,6 +278,20 @@ pub fn served_models(v: &Value) -> Vec<String> {
     v["data"].as_array().into_iter().flatten().filter_map(|m| m["id"].as_str().map(str::to_owned)).collect()
 }
 
+/// Why a worker configured as a vLLM engine is not one: its `/v1/models` says its models are
+/// owned by another engine (SGLang's say `sglang`, vLLM's `vllm`; SGLang's router tells the
+/// backends apart the same way). `None` when they say `vllm` or nothing.
+#[must_use]
+pub fn vllm_engine_conflict(v: &Value) -> Option<String> {
+    let owner = v["data"].as_array()?.iter().find_map(|m| m["owned_by"].as_str())?;
+    owner.eq_ignore_ascii_case("sglang").then(|| {
+        format!(
+            "configured as a vLLM engine, but the worker's /v1/models says its models are owned by `{owner}`: \
+             an SGLang engine (its events, hashes and load reports are SGLang's)"
+        )
+    })
+}
+
 /// Why a worker configured to serve `configured` cannot answer its requests: it names the models
 /// it serves (`served`: vLLM's `/v1/models`, SGLang's `served_model_name`) and `configured` is
 /// not one of them. `None` when it serves it or names none (the profile check then says the
@@ -574,6 +588,16 @@ mod tests {
     /// per DP rank with `enable_kv_cache_events`, `publisher`, `endpoint`, `replay_endpoint`,
     /// `buffer_steps`, `hwm`, `max_queue_size`, `topic` (`vllm/config/kv_events.py:14-47`);
     /// endpoints are reported as configured (`tcp://*:port`).
+    #[test]
+    fn an_sglang_engine_configured_as_vllm_is_told_apart() {
+        let models = |owner: &str| json!({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": owner}]});
+        assert_eq!(vllm_engine_conflict(&models("vllm")), None);
+        assert_eq!(vllm_engine_conflict(&json!({"object": "list", "data": [{"id": "m"}]})), None);
+        assert_eq!(vllm_engine_conflict(&json!({"object": "list", "data": []})), None);
+        let why = vllm_engine_conflict(&models("sglang")).expect("an SGLang engine");
+        assert!(why.contains("an SGLang engine"), "{why}");
+    }
+
     #[test]
     fn vllm_kv_event_sources_hand_derived() {
         let v = json!({

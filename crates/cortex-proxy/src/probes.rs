@@ -230,7 +230,12 @@ impl Probes {
                     }
                 };
                 served = match self.get_json(w, "/v1/models").await {
-                    Ok(v) => discovery::served_models(&v),
+                    // Another engine on the configured one's port (restarted as SGLang): it would
+                    // be followed and routed as vLLM.
+                    Ok(v) => match discovery::vllm_engine_conflict(&v) {
+                        Some(conflict) => return Err(conflict),
+                        None => discovery::served_models(&v),
+                    },
                     // A worker that refuses Cortex's requests cannot serve them: not a worker
                     // whose model is merely unconfirmed.
                     Err(e) if e.contains(" 401 ") || e.contains(" 403 ") => return Err(e),
