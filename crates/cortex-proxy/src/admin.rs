@@ -152,7 +152,17 @@ fn route_named(name: &str) -> Result<Route, ProxyError> {
 /// an admin call never silently drops what it was given.
 fn query(uri: &http::Uri, takes: Option<&str>) -> Result<Option<String>, ProxyError> {
     let mut found = None;
-    for pair in uri.query().unwrap_or_default().split('&').filter(|p| !p.is_empty()) {
+    // A bare `?` is no parameter; an empty one beside others (`?&`, `?worker=a&`) is refused: a
+    // query mangled on its way (a name left out) must not become a call on every worker.
+    let q = uri.query().unwrap_or_default();
+    for pair in q.split('&').filter(|_| !q.is_empty()) {
+        if pair.is_empty() {
+            return Err(ProxyError::InvalidRequest(format!(
+                "an empty query parameter (`{q}`): {} takes {}",
+                uri.path(),
+                takes.map_or("no query parameter".to_owned(), |t| format!("only `{t}`"))
+            )));
+        }
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
         let name = percent_decoded(name, "query parameter")?;
         let refuse = |why: String| ProxyError::InvalidRequest(format!("query parameter `{name}` {why}"));
@@ -374,6 +384,9 @@ mod tests {
                 "`verbose` is unknown: /admin/workers takes no query parameter",
             ),
             ("/admin/cache/flush?worker=a%2", Some("worker"), "not a valid percent-encoded query value"),
+            ("/admin/cache/flush?&", Some("worker"), "an empty query parameter (`&`)"),
+            ("/admin/cache/flush?worker=w0&", Some("worker"), "an empty query parameter"),
+            ("/admin/workers?&", None, "an empty query parameter"),
         ] {
             let err = q(uri, takes).unwrap_err();
             assert!(err.contains(says), "{uri}: {err}");

@@ -12,6 +12,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use cortex_hash::Engine;
+use cortex_hash::kv::{DpRank, HolderId};
 use http::{Method, StatusCode};
 use serde_json::{Value, json};
 
@@ -69,9 +70,13 @@ fn flush_note(engine: Engine, status: StatusCode) -> Option<&'static str> {
     }
 }
 
+/// How long a flush's answer waits for the flushed workers' clear events to reach the ledger.
+const FLUSH_SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// `POST /admin/cache/flush[?worker=NAME]`: every worker (or the one named) asked to flush its
-/// prefix cache; what each answered, and the ledger's blocks before and right after (the ledger
-/// empties as the workers' clear events arrive).
+/// prefix cache; what each answered, and the ledger's blocks before and after: once the workers
+/// that flushed hold no block in the ledger (their clear events applied), or [`FLUSH_SETTLE`]
+/// after their answers (`cleared` says which).
 ///
 /// # Errors
 /// [`ProxyError::UnknownWorker`] when `worker` names no worker.
@@ -122,10 +127,23 @@ pub(crate) async fn flush(c: &Control, worker: Option<&str>) -> Result<Value, Pr
             v
         })
         .collect();
+    // The ledger empties as the flushed workers' clear events arrive, a moment after their
+    // answers.
+    let holders: Vec<HolderId> = targets
+        .iter()
+        .zip(&workers)
+        .filter(|(_, v)| v["flushed"] == true)
+        .flat_map(|(w, _)| (0..w.dp_size()).map(|r| HolderId::new(w.id, DpRank(r))))
+        .collect();
+    let emptied = || holders.iter().all(|h| c.ledger().held_blocks(*h).unwrap_or(0) == 0);
+    let deadline = tokio::time::Instant::now() + FLUSH_SETTLE;
+    while !emptied() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
     Ok(json!({
         "flushed": flushed,
         "workers": workers,
-        "ledger": {"blocks_before": before, "blocks_after": c.ledger().stats().blocks},
+        "ledger": {"blocks_before": before, "blocks_after": c.ledger().stats().blocks, "cleared": emptied()},
     }))
 }
 
