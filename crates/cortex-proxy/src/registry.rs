@@ -64,6 +64,9 @@ impl WorkerConfig {
         } else if !self.name.is_ascii() {
             // Headers carry it, and readers of them (the access log, spans) take visible ASCII.
             Some("must be ASCII")
+        } else if self.name.contains(['"', '\\']) {
+            // Quoted in metric labels and logs, where `dd\x` and `dd\\x` came out as one series.
+            Some("must not contain `\"` or `\\`")
         } else {
             None
         };
@@ -654,6 +657,10 @@ mod tests {
         }
         assert!(r.add(cfg("a", "http://Host:8000/")).is_ok());
         assert!(r.add(cfg("é-1", "http://[::1]:8000")).unwrap_err().to_string().contains("must be ASCII"));
+        for name in ["dd\\x", "say\"hi"] {
+            let err = r.add(cfg(name, "http://[::1]:8001")).unwrap_err().to_string();
+            assert!(err.contains("must not contain `\"` or `\\`"), "{name}: {err}");
+        }
         assert!(r.add(cfg("w-1.a_b:c", "http://[::1]:8000")).is_ok(), "any other visible ASCII is a name's");
         for same in ["http://host:8000", "http://HOST:8000/"] {
             assert_eq!(
