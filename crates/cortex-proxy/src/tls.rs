@@ -130,7 +130,15 @@ impl Tls {
 }
 
 fn pem_error(path: &Path, e: &rustls::pki_types::pem::Error) -> TlsError {
-    TlsError::Pem { path: path.to_owned(), what: e.to_string() }
+    use rustls::pki_types::pem::Error as E;
+    // The markers as text: the library's message prints their bytes as numbers.
+    let marker = |m: &[u8]| String::from_utf8_lossy(m).into_owned();
+    let what = match e {
+        E::MissingSectionEnd { end_marker } => format!("missing section end marker `{}`", marker(end_marker)),
+        E::IllegalSectionStart { line } => format!("illegal section start `{}`", marker(line)),
+        other => other.to_string(),
+    };
+    TlsError::Pem { path: path.to_owned(), what }
 }
 
 /// The rustls configuration of the pair in `cert` and `key`.
@@ -196,6 +204,8 @@ mod tests {
             (c.cert.as_str(), b.key.as_str(), "key.pem"),
             (c.cert.as_str(), "", "key.pem"),
             (c.key.as_str(), c.key.as_str(), "no CERTIFICATE"),
+            // Cut short: the marker it lacks named as text.
+            (&c.cert[..c.cert.len() / 2], c.key.as_str(), "missing section end marker `CERTIFICATE`"),
         ] {
             write(cert_pem, key_pem);
             let err = tls.reload().unwrap_err().to_string();
