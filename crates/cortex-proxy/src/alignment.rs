@@ -339,11 +339,13 @@ impl Verifier {
     /// Records a check of `worker`; a changed verdict is logged and announced.
     pub fn record(&self, worker: WorkerId, check: Check) {
         let ok = matches!(check, Check::Ok);
-        // A worker removed since: its verdict is gone with it, and a check is not counted under
-        // no name.
-        let Some(name) = self.registry.name(worker) else { return };
-        metrics::counter!(t::ALIGNMENT_CHECKS, "worker" => name.clone(), "result" => if ok { "ok" } else { "failed" })
-            .increment(1);
+        // A worker removed since is not counted under no name.
+        let name = self.registry.name(worker);
+        if let Some(name) = &name {
+            metrics::counter!(t::ALIGNMENT_CHECKS, "worker" => name.clone(), "result" => if ok { "ok" } else { "failed" })
+                .increment(1);
+        }
+        let name = name.unwrap_or_else(|| worker.to_string());
         if let Some(v) = self.tracker.record(worker, check) {
             match &v {
                 Verdict::Misaligned(why) => {
