@@ -273,7 +273,14 @@ async fn a_worker_serving_hits_the_ledger_does_not_know_stays_ready() {
             let r = h.post("/v1/chat/completions", &body).await;
             assert_eq!(r.status, StatusCode::OK, "{}", r.body);
             assert!(cached_tokens(&r) > 0, "{engine}: the engine serves it from its cache");
-            assert_eq!(h.gw.ledger_state(holder), Some(Readiness::Ready), "{engine}: went STALE");
+            // On failure, the event plane's account of the holder (why it left READY).
+            let state = h.gw.ledger_state(holder);
+            assert_eq!(
+                state,
+                Some(Readiness::Ready),
+                "{engine}: went STALE: {:?}",
+                h.gw.ingest.status(holder)
+            );
         }
         h.shutdown().await;
     }
