@@ -1132,6 +1132,19 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
     )?;
     inert("per_active_ms", s.per_active_ms.is_some(), &[PolicyKind::CacheAware])?;
     inert("recompute_weight", s.recompute_weight.is_some(), &[PolicyKind::CacheAware])?;
+    // The prior of the learned speed (`cache_aware`), the prefill clock's speed (the others'
+    // queue latency).
+    inert(
+        "prefill_tokens_per_sec",
+        s.prefill_tokens_per_sec.is_some(),
+        &[
+            PolicyKind::CacheAware,
+            PolicyKind::CacheAwareV1,
+            PolicyKind::LeastLoad,
+            PolicyKind::PowerOfTwo,
+            PolicyKind::Manual,
+        ],
+    )?;
     if s.transfer_tokens_per_sec.is_some() && pools.decode.kind() != PolicyKind::CacheAware {
         bail!(
             "scheduler.transfer_tokens_per_sec applies only to decode_policy: cache_aware (it prices a decode \
@@ -2015,6 +2028,10 @@ mod tests {
             (
                 "scheduler: {policy: round_robin, prefill_policy: round_robin, decode_policy: random, beta: 1}\n",
                 "scheduler.beta applies only",
+            ),
+            (
+                "scheduler: {policy: round_robin, prefill_policy: random, decode_policy: prefix_hash, prefill_tokens_per_sec: 5000}\n",
+                "scheduler.prefill_tokens_per_sec applies only",
             ),
             (
                 "scheduler: {decode_policy: least_load, transfer_tokens_per_sec: 1000}\n",

@@ -180,8 +180,9 @@ impl Forwarder {
             // One read of the ledger's progress: this and the block check's `events_before`.
             let progress = self.verifier.progress(cand.holder);
             let trusted = progress.is_some_and(|p| p.history_lost == 0);
-            // Owed only once the engine takes the request (its answer's head is a success): an
-            // engine that refuses or fails it stores nothing and publishes nothing.
+            // Owed only once the engine has computed the prompt (its answer's first token): an
+            // engine that refuses or fails the request, or drops it unstarted when its client
+            // leaves after a streaming head, stores nothing and publishes nothing.
             let owes = trusted
                 && computes_new_blocks(plan.prompt_tokens, cand.matched_tokens, plan.model.block_size());
             let owed = (!trusted).then(|| (Arc::clone(booking.worker_state()), cand.holder.rank, now));
@@ -201,7 +202,7 @@ impl Forwarder {
             match answer {
                 Ok(Answer::Stream(resp)) => {
                     if owes {
-                        booking.expect_events(now);
+                        booking.expect_events_after_first_token(now);
                     }
                     let (up, incoming) = resp.into_parts();
                     let mut headers = upstream::end_to_end(&up.headers);

@@ -40,7 +40,7 @@ use cortex_pd::{
     Effect, Input, Leg, LegEvent, LegFailure, Mode as PdMode, NO_REPLAY_HEADER, Outcome, PdError, PdRequest,
     Pools, Protocol, Reached, Transfer, vllm,
 };
-use cortex_sched::{Booking, Candidate, FailureClass, MatchMode, Role, Timestamp};
+use cortex_sched::{Booking, Candidate, FailureClass, MatchMode, Role};
 use http::{HeaderMap, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
 use hyper::body::{Body as HttpBody, Incoming};
@@ -127,10 +127,6 @@ struct Slot {
     holder: HolderId,
     sent: Instant,
     booking: Option<Booking>,
-    /// When the leg was booked, if its engine owes KV events once it takes the request (it
-    /// stores the prompt's blocks it lacks): registered on the leg's success only, since an
-    /// engine that refuses or fails the request stores nothing.
-    owes: Option<Timestamp>,
     fut: Option<LegFuture>,
     /// The leg's client span (a traced request), ended with the slot, or with the relay of the
     /// serving leg's answer.
@@ -140,13 +136,6 @@ struct Slot {
 impl Slot {
     fn running(slot: &Option<Slot>) -> bool {
         slot.as_ref().is_some_and(|s| s.fut.is_some())
-    }
-
-    /// The engine took the leg (a success head): the KV events it owes are expected now.
-    fn accepted(&mut self) {
-        if let (Some(t), Some(b)) = (self.owes.take(), self.booking.as_ref()) {
-            b.expect_events(t);
-        }
     }
 }
 
@@ -382,6 +371,9 @@ struct Driver<'a> {
     /// worker is cooled down for its own, never for another's (a pair's other worker, blamed
     /// with it, gets its class's cooldown). Empty unless a leg failed.
     retry_after_of: Vec<(HolderId, u32)>,
+    /// Each dispatched leg's worker name, taken at its dispatch: the answer's headers and
+    /// counters name the worker even if it is removed while the request runs.
+    names: Vec<(HolderId, String)>,
     buf: Vec<u8>,
 }
 
@@ -400,26 +392,46 @@ impl Driver<'_> {
         self.fw.registry().get(holder.worker)
     }
 
+    /// `holder`'s worker name as it was when a leg was dispatched to it (else as it is now).
+    fn name_of(&self, holder: HolderId) -> String {
+        self.names
+            .iter()
+            .rev()
+            .find(|(h, _)| h.worker == holder.worker)
+            .map(|(_, n)| n.clone())
+            .or_else(|| self.worker(holder).map(|w| w.config.name.clone()))
+            .unwrap_or_default()
+    }
+
     fn candidate(&self, leg: Leg, holder: HolderId) -> Option<&Candidate> {
         self.plan.candidate(role_of(leg), holder)
     }
 
-    /// Books the leg; with it, when the engine will owe KV events once it takes the request.
-    fn book(&self, leg: Leg, holder: HolderId) -> (Option<Booking>, Option<Timestamp>) {
+    fn book(&self, leg: Leg, holder: HolderId) -> Option<Booking> {
         let now = self.fw.clock().now();
         let cand = self.candidate(leg, holder);
-        let booking = match cand {
+        let mut booking = match cand {
             Some(c) => self.plan.snapshot.book(c, now),
             None => self.plan.snapshot.book_holder(holder, self.plan.prompt_tokens, self.plan.kv_blocks, now),
-        };
+        }?;
         // Every leg stores the prompt's blocks it lacks (a decode leg pulls them): owed events, by
         // the ledger's word when it has followed the engine's whole history (a ledger rebuilt
         // cold knows less than the engine: no obligation is inferred from it).
         let cached = cand.map_or(0, |c| c.matched_tokens);
-        let owes = booking.is_some()
+        // An SGLang decode worker without its radix cache keeps no prefix and announces nothing.
+        let announces = leg != Leg::Decode
+            || self
+                .worker(holder)
+                .is_some_and(|w| w.config.engine == Engine::Vllm || w.status().decode_radix_cache);
+        // Owed once the leg's first token (its finished prefill, or its answer's first chunk)
+        // says the engine computed the prompt: a leg refused, failed or cancelled owes nothing.
+        let owes = announces
             && self.fw.verifier().progress(holder).is_some_and(|p| p.history_lost == 0)
             && computes_new_blocks(self.plan.prompt_tokens, cached, self.plan.model.block_size());
-        (booking, owes.then_some(now))
+        if owes {
+            booking.expect_events_after_first_token(now);
+        }
+        Some(booking)
     }
 
     /// The leg request of `body` to `holder`'s worker, its rank pinned the engine's way.
@@ -456,21 +468,26 @@ impl Driver<'_> {
     }
 
     fn slot(
-        &self,
+        &mut self,
         attempt: u32,
         leg: Leg,
         holder: HolderId,
         fut: LegFuture,
         span: Option<SpanGuard>,
     ) -> Slot {
-        let (mut booking, owes) = self.book(leg, holder);
+        if let Some(w) = self.worker(holder)
+            && !self.names.iter().any(|(h, _)| h.worker == holder.worker)
+        {
+            self.names.push((holder, w.config.name.clone()));
+        }
+        let mut booking = self.book(leg, holder);
         // The worker that computes the prompt holds it next: the prefill leg, or a single one.
         if leg != Leg::Decode
             && let Some(b) = booking.as_mut()
         {
             b.track_prefix(&self.plan.pending, &self.plan.seq, self.fw.clock().now());
         }
-        Slot { attempt, leg, holder, sent: Instant::now(), booking, owes, fut: Some(fut), span }
+        Slot { attempt, leg, holder, sent: Instant::now(), booking, fut: Some(fut), span }
     }
 
     /// The client span of a leg to `holder` (when the request is traced).
@@ -667,9 +684,6 @@ impl Driver<'_> {
         }
         let (attempt, leg, holder, sent) = (s.attempt, s.leg, s.holder, s.sent);
         let mut input = |event| inputs.push(Input::Leg { attempt, leg, event });
-        if matches!(end, LegEnd::Output(_) | LegEnd::PrefillDone { .. }) {
-            s.accepted();
-        }
         match end {
             LegEnd::Output(held) => {
                 let whole = held.rest.is_none();
@@ -746,7 +760,7 @@ impl Driver<'_> {
             .then(|| (self.plan.seq[0], self.plan.first_page.clone()));
         Prediction {
             holder,
-            worker: self.worker(holder).map(|w| w.config.name.clone()).unwrap_or_default(),
+            worker: self.name_of(holder),
             predicted_hit: predicted.min(self.plan.model.max_cached_tokens(self.plan.prompt_tokens as usize)),
             exact,
             model: Arc::clone(&self.plan.model),
@@ -802,7 +816,7 @@ impl Driver<'_> {
         holder: HolderId,
         pd: Option<(PdMode, Option<HolderId>)>,
     ) {
-        let name = self.worker(holder).map(|w| w.config.name.clone()).unwrap_or_default();
+        let name = self.name_of(holder);
         upstream::set_header(h, "x-cortex-assigned-worker", &name);
         upstream::set_header(h, "x-cortex-assigned-rank", &holder.rank.0.to_string());
         upstream::set_header(h, "x-request-id", self.out.rid);
@@ -826,7 +840,7 @@ impl Driver<'_> {
         );
         upstream::set_header(h, "x-cortex-match-mode", mode.as_str());
         if let Some(p) = prefill {
-            let pname = self.worker(p).map(|w| w.config.name.clone()).unwrap_or_default();
+            let pname = self.name_of(p);
             upstream::set_header(h, "x-cortex-prefill-worker", &pname);
             upstream::set_header(h, "x-cortex-prefill-rank", &p.rank.0.to_string());
         }
@@ -899,6 +913,7 @@ impl Forwarder {
             last_message: None,
             last_retry_after: None,
             retry_after_of: Vec::new(),
+            names: Vec::new(),
             buf: Vec::with_capacity(out.body.len() + 256),
         };
         let started = Instant::now();

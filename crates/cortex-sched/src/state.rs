@@ -799,6 +799,9 @@ pub struct Booking {
     /// The time to first token the decision estimated for it there, seconds (0: none, as for
     /// policies that do not estimate time).
     est_ttft_s: f32,
+    /// When it was sent, if its engine owes KV events once it has computed the prompt (see
+    /// [`Booking::expect_events_after_first_token`]).
+    owes_events: Option<Timestamp>,
 }
 
 impl Booking {
@@ -848,6 +851,7 @@ impl Booking {
             due_ns: Some(due_ns),
             kv_blocks,
             est_ttft_s: 0.0,
+            owes_events: None,
         })
     }
 
@@ -875,6 +879,18 @@ impl Booking {
     /// [`WorkerState::take_expected_events`]).
     pub fn expect_events(&self, now: Timestamp) {
         self.state.expect_events(self.holder.rank, now);
+    }
+
+    /// [`Booking::expect_events`] for a request sent at `sent`, once its first token comes
+    /// ([`Booking::first_token`], [`Booking::first_output`]): only an engine that computed the
+    /// prompt stored its blocks. One that refused or failed the request, or dropped it unstarted
+    /// when its client left (a streaming head comes before any work), owes nothing.
+    pub fn expect_events_after_first_token(&mut self, sent: Timestamp) {
+        if self.first_token_seen {
+            self.expect_events(sent);
+        } else {
+            self.owes_events = Some(sent);
+        }
     }
 
     /// Records the time to first token the decision estimated for this request on its holder
@@ -941,6 +957,9 @@ impl Booking {
     pub fn first_token(&mut self, now: Timestamp) {
         if !self.first_token_seen {
             self.first_token_seen = true;
+            if let Some(sent) = self.owes_events.take() {
+                self.expect_events(sent);
+            }
             self.answered();
             self.release_prefill(Some(now));
             if let Some((p, key)) = &self.pending {
@@ -1074,6 +1093,31 @@ mod tests {
         let p = e.abs_s.quantile(0.5).expect("one");
         assert!((0.060 / 1.19..=0.060 * 1.19).contains(&p), "{p}");
         assert_eq!(s.estimate_errors(DpRank(1)).expect("rank 1").count(), 0);
+    }
+
+    /// Events are owed from a request's send, but only once its first token says the engine
+    /// computed the prompt: a request refused, failed or dropped before any token owes none.
+    #[test]
+    fn events_are_owed_from_the_send_once_the_first_token_comes() {
+        let s = state(HealthPolicy::default());
+        let mut dropped = Booking::new(s.clone(), holder(0), (500, 0), 0, 10_000, ms(10)).expect("rank");
+        dropped.expect_events_after_first_token(ms(10));
+        drop(dropped);
+        assert_eq!(s.take_expected_events(DpRank(0)), None, "never computed");
+        let mut failed = Booking::new(s.clone(), holder(0), (500, 0), 0, 10_000, ms(20)).expect("rank");
+        failed.expect_events_after_first_token(ms(20));
+        failed.fail(FailureClass::ServerError, ms(30));
+        assert_eq!(s.take_expected_events(DpRank(0)), None, "failed");
+        let mut served = Booking::new(s.clone(), holder(0), (500, 0), 0, 10_000, ms(40)).expect("rank");
+        served.expect_events_after_first_token(ms(40));
+        assert_eq!(s.take_expected_events(DpRank(0)), None, "not before its first token");
+        served.first_output(ms(90));
+        assert_eq!(s.take_expected_events(DpRank(0)), Some((ms(40), ms(40))), "from its send");
+        // Already answering (a PD leg's finished prefill): owed at once.
+        let mut later = Booking::new(s.clone(), holder(1), (500, 0), 0, 10_000, ms(50)).expect("rank");
+        later.first_token(ms(60));
+        later.expect_events_after_first_token(ms(50));
+        assert_eq!(s.take_expected_events(DpRank(1)), Some((ms(50), ms(50))));
     }
 
     #[test]

@@ -36,7 +36,7 @@ pub(crate) fn admin_settings() -> cortex_gateway::config::AdminSettings {
 
 /// `path` is served by the admin listener (the debug views).
 fn on_admin(path: &str) -> bool {
-    path.starts_with("/debug/")
+    path.starts_with("/debug/") || path.starts_with("/admin/")
 }
 
 /// The gateway's YAML sections every test starts from (fast probes, small alignment windows,

@@ -506,6 +506,59 @@ async fn a_rate_limited_pair_passes_the_worker_s_retry_after_on() {
     }
 }
 
+/// An SGLang decode worker without `--disaggregation-decode-enable-radix-cache` keeps no prefix
+/// and announces nothing: the requests it decodes owe no KV event, so its ledger stays READY
+/// past `silence_timeout` (500 ms here). A probe found every such decode worker STALE a
+/// timeout after its first request (out of routing with `unready_holders: excluded`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_decode_worker_without_its_radix_cache_owes_no_event() {
+    let h = harness("sglang", vec![prefill("sglang"), decode("sglang")], &[]).await;
+    for i in 0..3 {
+        let body = json!({"model": MODEL, "prompt": crate::common::long_prompt(&format!("decoded {i}")), "max_tokens": 3});
+        let r = h.post("/v1/completions", &body).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.header("x-cortex-pd"), "disaggregated", "{:?}", r.headers);
+    }
+    let until = tokio::time::Instant::now() + std::time::Duration::from_millis(1_500);
+    while tokio::time::Instant::now() < until {
+        for w in ["w0", "w1"] {
+            let state = h.gw.ledger_state(h.holder(w));
+            assert_eq!(
+                state,
+                Some(cortex_radix::Readiness::Ready),
+                "{w}: {:?}",
+                h.gw.ingest.status(h.holder(w))
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    h.shutdown().await;
+}
+
+/// A disaggregated request whose decode worker is removed while it runs is answered naming
+/// that worker (and its prefill worker), as they were when it was dispatched: not `""` (a
+/// probe's finding; the access log and the hit counters read the same names).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pd_answer_names_its_workers_after_one_is_removed() {
+    let h = harness("vllm", vec![prefill("vllm"), decode("vllm")], &[]).await;
+    h.sims[1].stall();
+    let running = tokio::spawn({
+        let caller = h.caller();
+        let body = json!({"model": MODEL, "prompt": long_prompt("removed while decoding"), "max_tokens": 3});
+        async move { caller.post("/v1/completions", &body).await }
+    });
+    h.wait("the decode leg reached its worker", || h.sims[1].in_flight(0).unwrap_or(0) > 0).await;
+    let r = h.send("DELETE", "/admin/workers/w1", Bytes::new()).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    h.sims[1].resume();
+    let r = running.await.unwrap();
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.header("x-cortex-pd"), "disaggregated", "{:?}", r.headers);
+    assert_eq!(r.header("x-cortex-assigned-worker"), "w1", "{:?}", r.headers);
+    assert_eq!(r.header("x-cortex-prefill-worker"), "w0", "{:?}", r.headers);
+    h.shutdown().await;
+}
+
 /// A vLLM prefill worker that answers without `kv_transfer_params` (here a regular worker,
 /// without a KV connector, registered as a prefill worker) leaves the decode worker to compute
 /// the prompt: the answer names no prefill worker, and its hit is the decode worker's.
