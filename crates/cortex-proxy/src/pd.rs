@@ -1011,9 +1011,14 @@ impl Forwarder {
         let mut headers = upstream::end_to_end(&head.headers);
         d.cortex_headers(&mut headers, leg, holder, Some((mode, pair_prefill)));
         let on_complete = d.serving_check(leg, holder, pair_prefill);
-        let Some(booking) = slot.booking else {
+        let Some(mut booking) = slot.booking else {
             return Err(ProxyError::Internal("the serving leg was never booked".into()));
         };
+        // An SGLang pair's prefill leg may still run: the decode worker's first token shows that
+        // it computed the prompt, and its events are owed from then.
+        if let Some(prefill) = d.prefill.as_mut().and_then(|p| p.booking.as_mut()) {
+            booking.owe_for(prefill);
+        }
         let mut relay =
             RelayBody::resumed(bytes, rest, booking, self.clock(), sse, self.idle_timeout(), on_complete)
                 .holding(permit)

@@ -802,6 +802,9 @@ pub struct Booking {
     /// When it was sent, if its engine owes KV events once it has computed the prompt (see
     /// [`Booking::expect_events_after_first_token`]).
     owes_events: Option<Timestamp>,
+    /// Another holder's events owed once this request's first token comes, as its worker's
+    /// state, its rank and its request's send (see [`Booking::owe_for`]).
+    owes_for: Option<(Arc<WorkerState>, DpRank, Timestamp)>,
 }
 
 impl Booking {
@@ -852,6 +855,7 @@ impl Booking {
             kv_blocks,
             est_ttft_s: 0.0,
             owes_events: None,
+            owes_for: None,
         })
     }
 
@@ -890,6 +894,18 @@ impl Booking {
             self.expect_events(sent);
         } else {
             self.owes_events = Some(sent);
+        }
+    }
+
+    /// Takes over what `other` would owe at its own first token, to be owed at this request's
+    /// instead: an SGLang pair's prefill leg may still be running when the decode worker answers,
+    /// and the decode worker's first token shows that the prefill computed the prompt.
+    pub fn owe_for(&mut self, other: &mut Booking) {
+        let Some(sent) = other.owes_events.take() else { return };
+        if self.first_token_seen {
+            other.expect_events(sent);
+        } else {
+            self.owes_for = Some((Arc::clone(&other.state), other.holder.rank, sent));
         }
     }
 
@@ -959,6 +975,9 @@ impl Booking {
             self.first_token_seen = true;
             if let Some(sent) = self.owes_events.take() {
                 self.expect_events(sent);
+            }
+            if let Some((state, rank, sent)) = self.owes_for.take() {
+                state.expect_events(rank, sent);
             }
             self.answered();
             self.release_prefill(Some(now));
@@ -1113,6 +1132,18 @@ mod tests {
         assert_eq!(s.take_expected_events(DpRank(0)), None, "not before its first token");
         served.first_output(ms(90));
         assert_eq!(s.take_expected_events(DpRank(0)), Some((ms(40), ms(40))), "from its send");
+        // Another leg's debt, owed at this one's first token (an SGLang pair's prefill, still
+        // running when the decode worker answers).
+        let other = state(HealthPolicy::default());
+        let mut prefill = Booking::new(other.clone(), holder(0), (500, 0), 0, 10_000, ms(41)).expect("rank");
+        prefill.expect_events_after_first_token(ms(41));
+        let mut decode = Booking::new(s.clone(), holder(1), (500, 0), 0, 10_000, ms(42)).expect("rank");
+        decode.owe_for(&mut prefill);
+        prefill.succeed(ms(45));
+        assert_eq!(other.take_expected_events(DpRank(0)), None, "not before the decode's first token");
+        decode.first_token(ms(48));
+        assert_eq!(other.take_expected_events(DpRank(0)), Some((ms(41), ms(41))));
+        assert_eq!(s.take_expected_events(DpRank(1)), None, "the decode leg owed nothing itself");
         // Already answering (a PD leg's finished prefill): owed at once.
         let mut later = Booking::new(s.clone(), holder(1), (500, 0), 0, 10_000, ms(50)).expect("rank");
         later.first_token(ms(60));

@@ -535,6 +535,31 @@ async fn an_sglang_decode_worker_without_its_radix_cache_owes_no_event() {
     h.shutdown().await;
 }
 
+/// An SGLang pair's prefill worker whose KV events are all lost is caught: its prefill leg may
+/// still be running when the decode worker answers (the commit does not wait for it), and the
+/// decode worker's first token shows the prompt was computed, so the prefill worker owes its
+/// events from then. A probe found it READY through 20 streaming requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sglang_prefill_worker_whose_events_are_lost_is_caught() {
+    // A prefill worker slower to end its answer than the decode worker is to answer.
+    let h =
+        harness("sglang", vec![slow_sim_role("sglang", cortex_sim::Role::Prefill), decode("sglang")], &[])
+            .await;
+    h.sims[0].drop_next_batches(0, 1_000).unwrap();
+    for i in 0..3 {
+        let body = json!({"model": MODEL, "prompt": long_prompt(&format!("prefilled {i}")), "max_tokens": 1, "stream": true});
+        let r = h.post("/v1/completions", &body).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+        assert_eq!(r.header("x-cortex-prefill-worker"), "w0", "{:?}", r.headers);
+    }
+    let prefill_holder = h.holder("w0");
+    h.wait("the prefill worker turns STALE", || {
+        h.gw.ledger_state(prefill_holder) == Some(cortex_radix::Readiness::Stale)
+    })
+    .await;
+    h.shutdown().await;
+}
+
 /// A disaggregated request whose decode worker is removed while it runs is answered naming
 /// that worker (and its prefill worker), as they were when it was dispatched: not `""` (a
 /// probe's finding; the access log and the hit counters read the same names).
