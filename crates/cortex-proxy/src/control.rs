@@ -303,7 +303,16 @@ impl Control {
                     capacity_blocks: d.capacity_blocks.max(1),
                     content_deterministic,
                 })
-                .collect();
+                .collect::<Vec<_>>();
+            // The event plane's logs name holders by id (`w3/dp0`); this line maps them to the
+            // worker's name.
+            tracing::info!(
+                worker = %w.config.name,
+                id = %w.id,
+                ranks = sources.len(),
+                "following the worker's KV events (the event plane logs it as {}/dp<rank>)",
+                w.id
+            );
             let _ = self.events.send(RegistryEvent::Follow(sources));
         }
         self.sync_worker(w);
