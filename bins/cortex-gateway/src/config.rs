@@ -759,6 +759,47 @@ impl Config {
         serde_yaml_ng::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))
     }
 
+    /// `mode: proxy_only` follows no KV events, reads no ledger and never disaggregates: the
+    /// settings only those do are refused, naming why, rather than accepted with no effect.
+    fn check_proxy_only(&self) -> Result<()> {
+        let why = "mode proxy_only follows no KV events, reads no ledger and never disaggregates: it would have no effect";
+        for (i, w) in self.workers.iter().enumerate() {
+            if let Some(role) = w.role.as_deref().filter(|r| *r != "regular") {
+                bail!("workers[{i}].role: {role}: {why} (the worker would receive no request)");
+            }
+            if w.events.is_some() {
+                bail!("workers[{i}].events: {why}");
+            }
+        }
+        if let Some(k) = &self.discovery.kubernetes
+            && (!k.prefill.is_empty() || !k.decode.is_empty())
+        {
+            bail!("discovery.kubernetes.prefill and decode: {why} (their pods would receive no request)");
+        }
+        let s = &self.scheduler;
+        for (key, set) in [
+            ("scheduler.prefill_policy", s.prefill_policy.is_some()),
+            ("scheduler.decode_policy", s.decode_policy.is_some()),
+            ("scheduler.alpha", s.alpha.is_some()),
+            ("scheduler.transfer_tokens_per_sec", s.transfer_tokens_per_sec.is_some()),
+            ("pd.transfer_failure", self.pd.transfer_failure.is_some()),
+            ("pd.replay", self.pd.replay.is_some()),
+            ("pd.bootstrap_port", self.pd.bootstrap_port.is_some()),
+            ("pd.decode_only_max_uncached", self.pd.decode_only_max_uncached.is_some()),
+            ("ingest.lanes", self.ingest.lanes.is_some()),
+            ("ingest.replay_timeout", self.ingest.replay_timeout.is_some()),
+            ("ingest.silence_timeout", self.ingest.silence_timeout.is_some()),
+            ("ingest.stale_routing", self.ingest.stale_routing.is_some()),
+            ("ledger.byte_budget", self.ledger.byte_budget.is_some()),
+            ("ledger.capacity_slack_percent", self.ledger.capacity_slack_percent.is_some()),
+        ] {
+            if set {
+                bail!("{key}: {why}");
+            }
+        }
+        Ok(())
+    }
+
     /// Validates and converts; loads tokenizers and templates.
     ///
     /// # Errors
@@ -911,6 +952,9 @@ impl Config {
             },
             tracing: tracing_settings(self.tracing.as_ref())?,
         };
+        if self.mode == ModeFile::ProxyOnly {
+            self.check_proxy_only()?;
+        }
         let (sched, health) = scheduler(&self.scheduler)?;
         if proxy.prefill_tokens_per_sec == 0 {
             bail!("scheduler.prefill_tokens_per_sec must be positive");
@@ -1751,6 +1795,42 @@ mod tests {
         format!(
             "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\n{extra}"
         )
+    }
+
+    #[test]
+    fn proxy_only_refuses_what_only_routing_reads() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let w = "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m}\n";
+        let settle = |extra: &str| {
+            Config::parse(&minimal(&format!("mode: proxy_only\n{extra}")))?.into_settings(&base)
+        };
+        // Load, liveness, limits and the regular pool's policy act in proxy_only.
+        let ok = format!("{w}scheduler: {{policy: least_load, beta: 2}}\nprobes: {{load_interval: 1s}}\n");
+        assert!(settle(&ok).is_ok());
+        for (extra, key) in [
+            (
+                "workers:\n  - {name: p, url: 'http://h:1', engine: vllm, model: m, role: prefill}\n".to_owned(),
+                "workers[0].role: prefill",
+            ),
+            (
+                "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m, events: {publish_port_base: 5557}}\n"
+                    .to_owned(),
+                "workers[0].events",
+            ),
+            (format!("{w}scheduler: {{decode_policy: least_load}}\n"), "scheduler.decode_policy"),
+            (format!("{w}scheduler: {{alpha: 2}}\n"), "scheduler.alpha"),
+            (format!("{w}pd: {{replay: never}}\n"), "pd.replay"),
+            (format!("{w}ingest: {{silence_timeout: 1s}}\n"), "ingest.silence_timeout"),
+            (format!("{w}ledger: {{byte_budget: 1GiB}}\n"), "ledger.byte_budget"),
+            (
+                "discovery:\n  kubernetes:\n    decode:\n      - {selector: 'app=d', port: 30000, engine: vllm, model: m}\n"
+                    .to_owned(),
+                "discovery.kubernetes.prefill and decode",
+            ),
+        ] {
+            let err = format!("{:#}", settle(&extra).err().unwrap_or_else(|| panic!("accepted: {extra}")));
+            assert!(err.contains(key) && err.contains("mode proxy_only"), "{extra}: {err}");
+        }
     }
 
     #[test]

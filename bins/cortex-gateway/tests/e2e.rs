@@ -881,7 +881,8 @@ async fn metrics_describe_routing_ledger_and_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_only_mode_routes_by_load_without_tokens_or_ledger() {
-    let h = harness("vllm", vec![sim("vllm"), sim("vllm")], &[("mode", "proxy_only")]).await;
+    let h =
+        harness("vllm", vec![sim("vllm"), sim("vllm")], &[("mode", "proxy_only"), ("ingest", "{}")]).await;
     let body = chat(&long_prompt("proxy"), false);
     // Four sends of one prompt to two workers: some worker serves it twice and has it cached,
     // yet the gateway never claims a hit.
@@ -913,6 +914,19 @@ async fn proxy_only_mode_routes_by_load_without_tokens_or_ledger() {
     let ready = h.send("GET", "/health/ready", Bytes::new()).await;
     assert_eq!(ready.status, StatusCode::OK);
     assert_eq!(ready.json()["routing"], "proxy_only");
+    // A worker that only disaggregation would use is refused by the admin API too.
+    let prefill = json!({"name": "p", "url": "http://127.0.0.1:9", "engine": "vllm", "model": MODEL, "role": "prefill"});
+    let req = Request::builder()
+        .method("POST")
+        .uri(format!("http://{}/admin/workers", h.admin_addr()))
+        .header("authorization", format!("Bearer {}", common::ADMIN_TOKEN))
+        .body(Full::new(Bytes::from(prefill.to_string())))
+        .unwrap();
+    let resp = h.client.request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    assert!(String::from_utf8_lossy(&body).contains("mode proxy_only"), "{body:?}");
+    assert!(h.gw.gateway.control().registry().by_name("p").is_none());
     h.shutdown().await;
 }
 

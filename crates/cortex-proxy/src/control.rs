@@ -36,7 +36,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use cortex_hash::kv::{DpRank, HolderId, HolderSource, Unlabeled, WorkerId};
 use cortex_hash::profile::Alignment;
 use cortex_radix::{Ledger, Readiness};
-use cortex_sched::{Capacity, Cluster, Health, LedgerState, MonotonicClock, WorkerSpec};
+use cortex_sched::{Capacity, Cluster, Health, LedgerState, MonotonicClock, Role, WorkerSpec};
 use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 
@@ -209,6 +209,14 @@ impl Control {
     /// URL, a name taken or another worker's address ([`RegistryError`]).
     pub fn join(self: &Arc<Self>, config: WorkerConfig) -> Result<WorkerId, ProxyError> {
         config.check_model(&self.models).map_err(|e| ProxyError::InvalidRequest(e.to_string()))?;
+        if self.mode == Mode::ProxyOnly && config.role != Role::Regular {
+            return Err(ProxyError::InvalidRequest(format!(
+                "worker {} has role {}, but the gateway runs in mode proxy_only, which never disaggregates: \
+                 it would receive no request",
+                config.name,
+                config.role.as_str()
+            )));
+        }
         let record = {
             let _m = self.lock();
             let key = self.models.worker_api_key(&config.model).cloned();
