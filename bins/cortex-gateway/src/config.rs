@@ -608,9 +608,9 @@ pub struct SchedulerFile {
     pub watermark_inflight_fraction: Option<f64>,
     /// Watermark: expected queue latency.
     pub watermark_queue_latency: Option<Dur>,
-    /// Bounded load ε; `null` disables the bound.
-    #[serde(default = "default_epsilon")]
-    pub bounded_load_epsilon: Option<f64>,
+    /// Bounded load ε; `null` disables the bound. Absent: `None`; `null`: `Some(None)`.
+    #[serde(default, deserialize_with = "present")]
+    pub bounded_load_epsilon: Option<Option<f64>>,
     /// `engine_reports` (default: the engines' reports with this gateway's bookings since) or
     /// `booked` (this gateway's bookings alone).
     pub load_signals: Option<String>,
@@ -638,8 +638,12 @@ pub struct SchedulerFile {
 /// The default `scheduler.load_report_max_age`.
 pub const LOAD_REPORT_MAX_AGE: Duration = Duration::from_secs(5);
 
-fn default_epsilon() -> Option<f64> {
-    SchedConfig::default().bounded_load.map(|b| b.epsilon)
+/// A key that may be `null`: present (`Some`, with `None` for `null`) or absent (`None`, from
+/// `serde(default)`), so that setting it can be told from leaving it out.
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
 }
 
 /// `probes:`
@@ -1175,6 +1179,11 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
         &[PolicyKind::CacheAware, PolicyKind::CacheAwareV1],
     )?;
     inert("per_active_ms", s.per_active_ms.is_some(), &[PolicyKind::CacheAware])?;
+    inert(
+        "bounded_load_epsilon",
+        matches!(s.bounded_load_epsilon, Some(Some(_))),
+        &[PolicyKind::CacheAware, PolicyKind::CacheAwareV1, PolicyKind::LeastLoad],
+    )?;
     inert("recompute_weight", s.recompute_weight.is_some(), &[PolicyKind::CacheAware])?;
     // The prior of the learned speed (`cache_aware`), the prefill clock's speed (the others'
     // queue latency).
@@ -1209,7 +1218,10 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
             inflight_fraction: s.watermark_inflight_fraction.unwrap_or(d.watermark.inflight_fraction),
             queue_latency: s.watermark_queue_latency.map_or(d.watermark.queue_latency, |v| v.0),
         },
-        bounded_load: s.bounded_load_epsilon.map(|epsilon| BoundedLoad { epsilon }),
+        bounded_load: match s.bounded_load_epsilon {
+            None => d.bounded_load,
+            Some(e) => e.map(|epsilon| BoundedLoad { epsilon }),
+        },
         load_signals: match s.load_signals.as_deref() {
             Some("booked") if s.load_report_max_age.is_some() => bail!(
                 "scheduler.load_report_max_age applies only to load_signals: engine_reports; \
@@ -2100,6 +2112,10 @@ mod tests {
             // Settings no pool's policy reads.
             ("scheduler: {alpha: 2}\n", "scheduler.alpha applies only to cache_aware_v1"),
             ("scheduler: {gamma: 2}\n", "scheduler.gamma applies only to cache_aware_v1, least_load"),
+            (
+                "scheduler: {policy: round_robin, prefill_policy: power_of_two, decode_policy: random, bounded_load_epsilon: 2}\n",
+                "scheduler.bounded_load_epsilon applies only to cache_aware, cache_aware_v1, least_load",
+            ),
             ("scheduler: {watermark_queue_latency: 1s}\n", "scheduler.watermark_queue_latency applies only"),
             (
                 "scheduler: {policy: round_robin, prefill_policy: least_load, decode_policy: random, per_active_ms: 1}\n",
