@@ -128,8 +128,10 @@ async fn stale_ledger(engine: &str) {
     // (stalled), then runs, and its batch is lost on the way: the engine took it, owes events
     // since it was sent and none arrives, so its ledger is STALE. (A request of cached blocks
     // only would owe none, nor one it refused or failed; a stalled engine whose batches still
-    // come is no publisher gone quiet.)
+    // come is no publisher gone quiet.) Its replay does not answer either: the silence's probe
+    // would find the lost batch and repair it at once (tested below).
     h.worker(&holder).drop_next_batches(0, 1).unwrap();
+    h.worker(&holder).set_replay(0, false).unwrap();
     h.worker(&holder).stall();
     // The prompt and more: the exact hit on its prefix sends it to the holder. One token: no
     // block filled while decoding, so no batch after the lost one.
@@ -169,8 +171,9 @@ async fn stale_ledger(engine: &str) {
     assert_eq!(r.status, StatusCode::OK);
     assert_ne!(r.header("x-cortex-match-mode"), "exact_kv_events");
     assert_eq!(r.header("x-cortex-cache-hit-tokens"), "0");
-    // Its batches come again (a fresh prompt's, sent to the worker directly): the lost ones are
-    // replayed, READY again, nothing lost.
+    // Its batches come again (a fresh prompt's, sent to the worker directly) and its replay
+    // answers: the lost ones are replayed, READY again, nothing lost.
+    h.worker(&holder).set_replay(0, true).unwrap();
     let url = format!("{}/v1/completions", h.worker(&holder).base_url());
     let fresh = json!({"model": MODEL, "prompt": long_prompt("fresh"), "max_tokens": 2});
     assert_eq!(h.send_to("POST", &url, Bytes::from(fresh.to_string())).await.status, StatusCode::OK);
@@ -285,6 +288,35 @@ async fn a_worker_serving_hits_the_ledger_does_not_know_stays_ready() {
                 h.gw.ingest.status(holder)
             );
         }
+        h.shutdown().await;
+    }
+}
+
+/// A request's last batch lost on the wire: no later batch reveals the gap, but the silence
+/// after the request asks the engine's replay for what follows the last batch applied, and the
+/// holder is READY again with the lost blocks, no other request needed. Without the probe it
+/// stays STALE (out of exact routing) until the worker publishes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_last_batch_is_repaired_after_the_silence() {
+    for engine in ["vllm", "sglang"] {
+        let h = harness(engine, vec![sim(engine)], &[]).await;
+        let warm = chat(&long_prompt("warm"), false);
+        assert_eq!(h.post("/v1/chat/completions", &warm).await.status, StatusCode::OK);
+        h.wait_hit(&warm, |_, hit| hit > 0).await;
+        let holder = h.holder("w0");
+        h.sims[0].drop_next_batches(0, 1).unwrap();
+        let mut lost = chat(&long_prompt("lost on the way"), false);
+        lost["max_tokens"] = json!(1);
+        assert_eq!(h.post("/v1/chat/completions", &lost).await.status, StatusCode::OK);
+        h.wait("the silence is noticed", || {
+            h.gw.ingest.status(holder).is_some_and(|st| st.transitions(cortex_ingest::Reason::Silent) == 1)
+        })
+        .await;
+        h.wait("READY again", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
+        // The lost batch's blocks are known: its prompt is a hit.
+        h.wait_hit_on(&lost, "w0").await;
+        let st = h.gw.ingest.status(holder).unwrap();
+        assert_eq!(st.clears, 0, "{engine}: repaired, not rebuilt: {st:?}");
         h.shutdown().await;
     }
 }

@@ -16,7 +16,8 @@
 //! | no replay socket, replay incomplete (first replayed seq later than asked, or a hole), or timeout | clear, apply the buffered batches from a contiguous point | READY (cold) |
 //! | holder added | ask the replay socket for everything buffered, else start cold from an empty ledger | SYNCING → READY, or READY |
 //! | first batch after start has seq > 0 | replay from 0 if possible, else start cold | SYNCING → READY |
-//! | socket disconnected, or silent for too long after a request that stores new blocks | count | STALE |
+//! | socket disconnected | count | STALE |
+//! | silent for too long after a request that stores new blocks (the engine's last batches lost, or its publisher gone quiet) | count; with a replay socket, ask it for what follows the last batch applied | STALE; READY once the replay returns a batch (lost batches repaired), still STALE if it returns none or does not answer (nothing was published since) |
 //! | socket disconnected while replaying | clear, forget the batches held, replay from 0 | SYNCING |
 //! | a payload that does not decode | clear, continue with the next batch (while replaying: as an incomplete replay) | READY (cold) |
 //!
@@ -226,8 +227,10 @@ pub enum Replay {
 enum Phase {
     /// Applying live batches.
     Live,
-    /// Waiting for a replay from `asked` whose next expected batch is `next`.
-    Replaying { asked: u64, next: u64, first: bool },
+    /// Waiting for a replay from `asked` whose next expected batch is `next`. `probe`: asked
+    /// after a silence, to find batches lost at the tail (no later batch reveals such a gap); a
+    /// probe that finds nothing leaves the holder STALE.
+    Replaying { asked: u64, next: u64, first: bool, probe: bool },
 }
 
 /// One holder's sequence tracking. See the module docs for the table it implements.
@@ -316,11 +319,14 @@ impl<P: Fingerprint> Sequencer<P> {
             Input::Live { seq, payload } => self.live(seq, payload, out),
             Input::Replayed { seq, payload } => self.replayed(seq, payload, out),
             Input::ReplayEnd => self.replay_end(out),
-            Input::ReplayTimeout => {
-                if self.replaying() {
-                    self.fall_back(Reason::ReplayTimeout, out);
+            Input::ReplayTimeout => match self.phase {
+                // No answer to a silence's probe says nothing was lost: it stays STALE.
+                Phase::Replaying { probe: true, asked, next, .. } if next == asked => {
+                    self.probe_found_nothing(out)
                 }
-            }
+                Phase::Replaying { .. } => self.fall_back(Reason::ReplayTimeout, out),
+                Phase::Live => {}
+            },
             Input::Undecodable if self.replaying() => {
                 // A replayed batch's events are lost: the replay cannot fill the gap, and the
                 // holder is not READY before the live batches held meanwhile are applied.
@@ -345,7 +351,19 @@ impl<P: Fingerprint> Sequencer<P> {
                 self.disconnected = true;
                 self.suspect(Reason::Disconnected, out);
             }
-            Input::Silent => self.suspect(Reason::Silent, out),
+            Input::Silent => {
+                self.suspect(Reason::Silent, out);
+                // The engine owes batches and none came: its last ones may have been lost on the
+                // way (a gap only a later batch would reveal). Its ring has them if so.
+                if self.replay == Replay::Available
+                    && !self.replaying()
+                    && let Some(last) = self.last
+                {
+                    let from = last.wrapping_add(1);
+                    self.phase = Phase::Replaying { asked: from, next: from, first: true, probe: true };
+                    out.push(Effect::RequestReplay { from });
+                }
+            }
         }
     }
 
@@ -440,13 +458,13 @@ impl<P: Fingerprint> Sequencer<P> {
     }
 
     fn start_replay(&mut self, from: u64, why: Reason, out: &mut Vec<Effect<P>>) {
-        self.phase = Phase::Replaying { asked: from, next: from, first: true };
+        self.phase = Phase::Replaying { asked: from, next: from, first: true, probe: false };
         out.push(Effect::RequestReplay { from });
         self.set_state(HolderState::Syncing, why, out);
     }
 
     fn replayed(&mut self, seq: u64, payload: P, out: &mut Vec<Effect<P>>) {
-        let Phase::Replaying { asked, next, first } = self.phase else {
+        let Phase::Replaying { asked, next, first, probe } = self.phase else {
             // A late reply of a finished replay: the runtime should have discarded it.
             return;
         };
@@ -460,19 +478,24 @@ impl<P: Fingerprint> Sequencer<P> {
             out.push(Effect::Duplicate { seq });
         } else if seq == next {
             self.apply(seq, payload, out);
-            self.phase = Phase::Replaying { asked, next: seq + 1, first: false };
+            self.phase = Phase::Replaying { asked, next: seq + 1, first: false, probe };
         } else {
             self.buffered.push_front((seq, payload));
             self.fall_back(Reason::ReplayFailed, out);
         }
-        if let Phase::Replaying { asked, next, .. } = self.phase {
-            self.phase = Phase::Replaying { asked, next, first: false };
+        if let Phase::Replaying { asked, next, probe, .. } = self.phase {
+            self.phase = Phase::Replaying { asked, next, first: false, probe };
         }
     }
 
     fn replay_end(&mut self, out: &mut Vec<Effect<P>>) {
-        if !self.replaying() {
-            return;
+        match self.phase {
+            Phase::Live => return,
+            Phase::Replaying { probe: true, asked, next, .. } if next == asked => {
+                self.probe_found_nothing(out);
+                return;
+            }
+            Phase::Replaying { .. } => {}
         }
         self.phase = Phase::Live;
         // The engine had nothing buffered (an idle engine just started): its next batch is its
@@ -523,6 +546,17 @@ impl<P: Fingerprint> Sequencer<P> {
             self.apply(seq, payload, out);
         }
         self.set_state(HolderState::Ready, why, out);
+    }
+
+    /// A silence's probe found no batch after the last applied: nothing was lost on the way, the
+    /// engine published nothing since (its publisher is quiet). The holder stays STALE; the live
+    /// batches held meanwhile are taken as they would have been (the next one in order makes it
+    /// READY).
+    fn probe_found_nothing(&mut self, out: &mut Vec<Effect<P>>) {
+        self.phase = Phase::Live;
+        for (seq, payload) in std::mem::take(&mut self.buffered) {
+            self.live(seq, payload, out);
+        }
     }
 
     fn suspect(&mut self, why: Reason, out: &mut Vec<Effect<P>>) {
@@ -978,7 +1012,7 @@ mod tests {
 
     #[test]
     fn suspicion_and_resumption() {
-        let mut m = ready_at(Replay::Available, 3);
+        let mut m = ready_at(Replay::Unavailable, 3);
         assert_eq!(run(&mut m, Input::Silent), vec![Effect::State(HolderState::Stale, Reason::Silent)]);
         assert!(run(&mut m, Input::Disconnected).is_empty(), "already stale");
         let e = live(&mut m, 4);
@@ -986,6 +1020,50 @@ mod tests {
             e,
             vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::Resumed)]
         );
+    }
+
+    /// Silence asks the replay for what follows the last batch: batches lost at the tail (which
+    /// no later batch reveals as a gap) are repaired; a replay with nothing, or none at all,
+    /// leaves the holder STALE without losing what it holds.
+    #[test]
+    fn a_silence_probes_the_replay_for_lost_batches() {
+        let silent =
+            vec![Effect::State(HolderState::Stale, Reason::Silent), Effect::RequestReplay { from: 4 }];
+        // Batches 4 and 5 were lost: the replay has them, READY again with nothing cleared.
+        let mut m = ready_at(Replay::Available, 3);
+        assert_eq!(run(&mut m, Input::Silent), silent);
+        assert_eq!(m.state(), HolderState::Stale);
+        let mut e = run(&mut m, Input::Replayed { seq: 4, payload: 4 });
+        e.extend(run(&mut m, Input::Replayed { seq: 5, payload: 5 }));
+        e.extend(run(&mut m, Input::ReplayEnd));
+        assert_eq!(applied(&e), vec![4, 5]);
+        assert!(!e.iter().any(|e| matches!(e, Effect::Clear(_))), "{e:?}");
+        assert_eq!(e.last(), Some(&Effect::State(HolderState::Ready, Reason::ReplayOk)));
+        // Nothing published since: still STALE, nothing cleared; the next batch in order resumes.
+        let mut m = ready_at(Replay::Available, 3);
+        run(&mut m, Input::Silent);
+        assert!(run(&mut m, Input::ReplayEnd).is_empty());
+        assert_eq!((m.state(), m.replaying(), m.last()), (HolderState::Stale, false, Some(3)));
+        assert_eq!(
+            live(&mut m, 4),
+            vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::Resumed)]
+        );
+        // No answer: the same, and a batch that came live meanwhile is taken in order.
+        let mut m = ready_at(Replay::Available, 3);
+        run(&mut m, Input::Silent);
+        assert!(live(&mut m, 4).is_empty(), "held while the probe runs");
+        let e = run(&mut m, Input::ReplayTimeout);
+        assert_eq!(
+            e,
+            vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::Resumed)]
+        );
+        // The ring no longer has the batch after the last: lost for good, rebuilt.
+        let mut m = ready_at(Replay::Available, 3);
+        run(&mut m, Input::Silent);
+        let e = run(&mut m, Input::Replayed { seq: 9, payload: 9 });
+        assert_eq!(e[0], Effect::Clear(Reason::ReplayFailed));
+        assert_eq!(applied(&e), vec![9]);
+        assert_eq!(m.state(), HolderState::Ready);
     }
 
     #[test]

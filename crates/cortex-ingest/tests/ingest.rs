@@ -517,6 +517,45 @@ fn silence_while_busy_is_stale_until_events_resume() {
     assert_eq!(synthetic_overlap(&s.ledger, h, 2), 2);
 }
 
+/// The last batches lost on the wire, which no later batch reveals as a gap: the silence after
+/// the request that owed them asks the replay for what follows the last batch, and the holder is
+/// READY again with every block, no request needed; a probe that finds nothing leaves it STALE
+/// with what it holds. Fails without the probe (the holder stays STALE until the engine's next
+/// batch).
+#[test]
+fn a_silence_repairs_lost_last_batches_through_the_replay() {
+    let cfg = IngestConfig { silence_timeout: Duration::from_millis(100), ..IngestConfig::default() };
+    let s = setup(cfg);
+    let mut engine = FakeEngine::new("kv", Some(ReplayFraming::WithTopic));
+    let h = holder(21, 0);
+    follow(&s, &engine, h);
+    assert_eq!(engine.serve_replay(), 0);
+    publish_vllm(&mut engine, 0..2);
+    wait_seq(&s, h, 1);
+    engine.record_only(2, &vllm_block_batch(2));
+    engine.record_only(3, &vllm_block_batch(3));
+    s.ingest.report_running(h, 1, Some((Instant::now(), Instant::now())));
+    assert_eq!(engine.serve_replay(), 2, "asked from the batch after the last applied");
+    wait_seq(&s, h, 3);
+    assert!(s.ingest.wait_for(h, WAIT, |st| st.state == HolderState::Ready), "{:?}", s.ingest.status(h));
+    assert_eq!(synthetic_overlap(&s.ledger, h, 4), 4, "the lost batches' blocks are there");
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!((st.transitions(Reason::Silent), st.clears), (1, 0), "{st:?}");
+    // Silent again, and this time the engine published nothing: STALE, nothing cleared.
+    s.ingest.report_running(h, 1, Some((Instant::now(), Instant::now())));
+    assert_eq!(engine.serve_replay(), 4);
+    wait_stale(&s, h, Reason::Silent, 2, Readiness::Stale);
+    std::thread::sleep(Duration::from_millis(50));
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!((st.state, st.clears), (HolderState::Stale, 0), "{st:?}");
+    // Its next batch in order resumes it, every block kept.
+    engine.publish(4, &vllm_block_batch(4));
+    wait_seq(&s, h, 4);
+    assert!(s.ingest.wait_for(h, WAIT, |st| st.state == HolderState::Ready), "{:?}", s.ingest.status(h));
+    assert_eq!(synthetic_overlap(&s.ledger, h, 5), 5);
+    s.ingest.shutdown();
+}
+
 /// Silence counts only after a request that stores new blocks: an engine idle for longer than
 /// `silence_timeout` (found against the demo, where a worker's first request after 30 idle
 /// seconds made it STALE) or busy serving cache hits only (found by a probe: a hot worker lost

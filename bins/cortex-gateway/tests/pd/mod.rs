@@ -545,7 +545,9 @@ async fn an_sglang_prefill_worker_whose_events_are_lost_is_caught() {
     let h =
         harness("sglang", vec![slow_sim_role("sglang", cortex_sim::Role::Prefill), decode("sglang")], &[])
             .await;
+    // Lost on the wire, and its replay does not answer (else the silence's probe repairs them).
     h.sims[0].drop_next_batches(0, 1_000).unwrap();
+    h.sims[0].set_replay(0, false).unwrap();
     for i in 0..3 {
         let body = json!({"model": MODEL, "prompt": long_prompt(&format!("prefilled {i}")), "max_tokens": 1, "stream": true});
         let r = h.post("/v1/completions", &body).await;
