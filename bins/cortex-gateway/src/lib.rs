@@ -222,6 +222,11 @@ fn event_metrics(ingest: Arc<Ingest>) -> cortex_proxy::ScrapeHook {
             let labels = [("worker", name.clone()), ("rank", rank.clone())];
             advance("batches", st.batches, metrics::counter!(t::EVENT_BATCHES, &labels));
             advance("duplicates", st.duplicates, metrics::counter!(t::EVENT_DUPLICATES, &labels));
+            advance(
+                "rank_mismatches",
+                st.rank_mismatches,
+                metrics::counter!(t::EVENT_RANK_MISMATCHES, &labels),
+            );
             advance("replays", st.replays_requested, metrics::counter!(t::EVENT_REPLAYS, &labels));
             for reason in Reason::ALL {
                 let c = metrics::counter!(t::EVENT_TRANSITIONS, "worker" => name.clone(), "rank" => rank.clone(), "reason" => reason.as_str());

@@ -903,6 +903,7 @@ async fn metrics_describe_routing_ledger_and_workers() {
         "cortex_event_apply_lag_seconds",
         "cortex_event_transitions_total",
         "cortex_event_duplicates_total",
+        "cortex_event_rank_mismatches_total",
         "cortex_inflight_requests",
         "cortex_ledger_evictions_total",
     ] {

@@ -1314,8 +1314,16 @@ impl LaneHolder {
                 return Ok(false);
             }
         };
-        if batch.dp_rank.is_some_and(|r| r != holder.rank) {
-            HolderStats::add(&self.stats.rank_mismatches, 1);
+        if let Some(rank) = batch.dp_rank.filter(|&r| r != holder.rank) {
+            // Relaxed: a counter; the first mismatch is logged once per holder.
+            if self.stats.rank_mismatches.fetch_add(1, Ordering::Relaxed) == 0 {
+                tracing::warn!(
+                    %holder,
+                    batch_rank = rank.0,
+                    "ingest: a batch names another DP rank than its socket's; applied to the socket's rank \
+                     (check the worker's events.publish_port_base and dp_size)"
+                );
+            }
         }
         let outcome = self.writer.apply_batch(&batch)?;
         #[cfg(test)]

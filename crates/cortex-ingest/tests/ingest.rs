@@ -556,6 +556,24 @@ fn a_silence_repairs_lost_last_batches_through_the_replay() {
     s.ingest.shutdown();
 }
 
+/// A batch naming another DP rank than its socket's is applied to the socket's holder (the
+/// socket is where the engine's rank publishes) and counted, so that a misconfigured port base
+/// shows.
+#[test]
+fn a_batch_of_another_rank_is_applied_and_counted() {
+    let s = setup(IngestConfig::default());
+    let mut engine = FakeEngine::new("", None);
+    let h = holder(22, 0);
+    follow(&s, &engine, h);
+    engine.publish(0, &vllm_block_batch(0));
+    engine.publish(1, &support::vllm_block_batch_of_rank(1, 3));
+    wait_seq(&s, h, 1);
+    assert_eq!(synthetic_overlap(&s.ledger, h, 2), 2);
+    let st = s.ingest.status(h).unwrap();
+    assert_eq!((st.batches, st.rank_mismatches), (2, 1), "{st:?}");
+    s.ingest.shutdown();
+}
+
 /// Silence counts only after a request that stores new blocks: an engine idle for longer than
 /// `silence_timeout` (found against the demo, where a worker's first request after 30 idle
 /// seconds made it STALE) or busy serving cache hits only (found by a probe: a hot worker lost

@@ -87,6 +87,9 @@ pub const INFLIGHT: &str = "cortex_inflight_requests";
 pub const EVENT_BATCHES: &str = "cortex_event_batches_total";
 /// Counter: duplicate KV-event batches dropped, by `worker` and `rank`.
 pub const EVENT_DUPLICATES: &str = "cortex_event_duplicates_total";
+/// Counter: KV-event batches whose DP rank is not the rank of the socket they came on (applied
+/// to the socket's holder), by `worker` and `rank`.
+pub const EVENT_RANK_MISMATCHES: &str = "cortex_event_rank_mismatches_total";
 /// Counter: event-plane transitions and repairs (gaps, restarts, replays, silence...), by
 /// `worker`, `rank` and `reason`.
 pub const EVENT_TRANSITIONS: &str = "cortex_event_transitions_total";
@@ -404,6 +407,13 @@ pub const METRICS: &[Metric] = &[
         unit: "batches",
         labels: &["worker", "rank"],
         help: "Duplicate KV-event batches dropped",
+    },
+    Metric {
+        name: EVENT_RANK_MISMATCHES,
+        kind: Kind::Counter,
+        unit: "batches",
+        labels: &["worker", "rank"],
+        help: "KV-event batches whose DP rank is not their socket's (applied to the socket's rank)",
     },
     Metric {
         name: EVENT_TRANSITIONS,

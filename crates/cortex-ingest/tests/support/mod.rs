@@ -146,6 +146,11 @@ impl FakeEngine {
 /// A synthetic vLLM stream: batch `i` stores block `i` of the token sequence `0..`, chained on
 /// block `i - 1`; engine hash of block `i` is `1000 + i`.
 pub fn vllm_block_batch(i: u64) -> Vec<u8> {
+    vllm_block_batch_of_rank(i, 0)
+}
+
+/// [`vllm_block_batch`] naming DP rank `rank`.
+pub fn vllm_block_batch_of_rank(i: u64, rank: u16) -> Vec<u8> {
     use cortex_events_vllm::{Version, WireBatch, WireBlockStored, WireEvent, WireHash};
     let tokens: Vec<u32> = (i as u32 * 16..i as u32 * 16 + 16).collect();
     let stored = WireBlockStored {
@@ -157,6 +162,6 @@ pub fn vllm_block_batch(i: u64) -> Vec<u8> {
         ..WireBlockStored::default()
     };
     let batch =
-        WireBatch { ts: 1.0, events: vec![WireEvent::BlockStored(stored)], data_parallel_rank: Some(0) };
+        WireBatch { ts: 1.0, events: vec![WireEvent::BlockStored(stored)], data_parallel_rank: Some(rank) };
     cortex_events_vllm::encode(&batch, Version::LATEST).unwrap()
 }
