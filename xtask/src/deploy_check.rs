@@ -307,12 +307,14 @@ fn check_objects(root: &Path, dir: &str, objects: &[Value], gateway: &Gateway<'_
         gateway.base.set(Some((grace, listen_port)));
     }
     ensure!(listen_port == port, "cortex.yaml listens on {listen_port}, the container port is {port}");
-    // Termination: the kubelet's grace covers the preStop sleep and the gateway's own grace.
+    // Termination: the kubelet's grace covers the preStop sleep, the gateway's own grace and the
+    // last spans' flush after it (up to 5 s, `Gateway::flush_traces`).
     let termination = pod["terminationGracePeriodSeconds"].as_u64().unwrap_or(30);
     let sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"].as_u64().unwrap_or(0);
+    let flush = Duration::from_secs(5);
     ensure!(
-        Duration::from_secs(termination) > Duration::from_secs(sleep) + grace,
-        "terminationGracePeriodSeconds {termination}s must exceed the preStop sleep {sleep}s plus shutdown_delay and shutdown_grace ({grace:?})"
+        Duration::from_secs(termination) > Duration::from_secs(sleep) + grace + flush,
+        "terminationGracePeriodSeconds {termination}s must exceed the preStop sleep {sleep}s plus shutdown_delay and shutdown_grace ({grace:?}) plus the trace flush ({flush:?})"
     );
     // The Service reaches the container port; the ServiceMonitor scrapes a Service port.
     let service = one(objects, "Service")?;
@@ -339,7 +341,7 @@ fn check_objects(root: &Path, dir: &str, objects: &[Value], gateway: &Gateway<'_
         let have = &service["metadata"]["labels"];
         ensure!(want.iter().all(|(k, v)| &have[k] == v), "ServiceMonitor: its selector misses the Service");
     }
-    // Discovery reads pods: the service account may get, list and watch them, nothing more.
+    // Discovery reads pods: the service account may list and watch them, nothing more.
     let sa = pod["serviceAccountName"].as_str().context("Deployment: no serviceAccountName")?;
     let binding = of_kind(objects, "RoleBinding")
         .into_iter()
@@ -354,8 +356,8 @@ fn check_objects(root: &Path, dir: &str, objects: &[Value], gateway: &Gateway<'_
     let verbs: BTreeSet<&str> =
         pods["verbs"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
     ensure!(
-        verbs == BTreeSet::from(["get", "list", "watch"]),
-        "Role: pods need get, list, watch (found {verbs:?})"
+        verbs == BTreeSet::from(["list", "watch"]),
+        "Role: pods need list and watch, which discovery calls, and nothing else (found {verbs:?})"
     );
     ensure!(!of_kind(objects, "PodDisruptionBudget").is_empty(), "no PodDisruptionBudget");
     Ok(Facts { container_port: port, config_path })

@@ -108,8 +108,8 @@ pub const CLIENT_WRITE_TIMEOUTS: &str = "cortex_client_write_timeouts_total";
 /// Counter: connections closed at accept because `limits.max_connections` were open.
 pub const CONNECTIONS_REFUSED: &str = "cortex_connections_refused_total";
 
-/// Counter: disaggregated requests by `outcome` (`served`, `failed`, `client_gone`) and `pd`
-/// (`disaggregated`, `fallback_single`; `none` when nothing was served).
+/// Counter: disaggregated requests by `outcome` (`served`, `failed`, `rejected`) and `pd`
+/// (`disaggregated`, `decode_only`, `fallback_single`; `none` when nothing was served).
 pub const PD_REQUESTS: &str = "cortex_pd_requests_total";
 /// Histogram: seconds from a disaggregated request's first dispatch to the first byte the
 /// client gets (the decode leg's first output).

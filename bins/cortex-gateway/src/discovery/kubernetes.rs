@@ -25,8 +25,8 @@ use kube_client::api::{Api, ListParams, WatchEvent, WatchParams};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-use super::pods::{PodReading, PodState, Reconciler, pod_state};
-use super::{Applied, Change, DISCOVERY_RELISTS, Membership, WorkerTemplate};
+use super::pods::{NotServing, PodReading, PodState, Reconciler, pod_state};
+use super::{Applied, Change, DISCOVERY_ERRORS, DISCOVERY_RELISTS, Membership, WorkerTemplate};
 
 /// The metric label of this source.
 const SOURCE: &str = "kubernetes";
@@ -36,6 +36,11 @@ const WATCH_TIMEOUT: Duration = Duration::from_secs(290);
 
 /// A watch silent for this long is presumed dead (the server would have ended it).
 const WATCH_IDLE: Duration = Duration::from_secs(290 + 30);
+
+/// The longest a list, or the request that opens a watch, may take: a connection that stops
+/// answering without being reset (a node lost, a conntrack entry dropped) fails then, is counted
+/// and retried, instead of freezing the selector's discovery with no sign.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// First and longest wait after a failed request.
 const BACKOFF: (Duration, Duration) = (Duration::from_millis(200), Duration::from_secs(30));
@@ -157,11 +162,18 @@ async fn follow(api: Api<Pod>, group: PodGroup, resync: Duration, mut membership
     let mut reconciler = Reconciler::new();
     let mut backoff = Backoff::new();
     let mut reason = "start";
+    let mut warned = NotServingLog::default();
     loop {
-        let list = match api.list(&ListParams::default().labels(&group.selector)).await {
-            Ok(list) => list,
-            Err(e) => {
-                tracing::error!(key = %group.key, selector = %group.selector, error = %e, "cannot list pods; retrying");
+        let params = ListParams::default().labels(&group.selector);
+        let list = match tokio::time::timeout(REQUEST_TIMEOUT, api.list(&params)).await {
+            Ok(Ok(list)) => list,
+            failed => {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("no answer in {REQUEST_TIMEOUT:?}"),
+                };
+                metrics::counter!(DISCOVERY_ERRORS, "source" => SOURCE, "op" => "list").increment(1);
+                tracing::error!(key = %group.key, selector = %group.selector, %error, "cannot list pods; retrying");
                 backoff.wait().await;
                 reason = "error";
                 continue;
@@ -169,21 +181,36 @@ async fn follow(api: Api<Pod>, group: PodGroup, resync: Duration, mut membership
         };
         backoff.reset();
         metrics::counter!(DISCOVERY_RELISTS, "source" => SOURCE, "reason" => reason).increment(1);
+        // Workers removed through the admin API since: the relist adds them again.
+        for name in membership.removed_elsewhere() {
+            reconciler.forget(&name);
+        }
         let pods: Vec<PodState> = list.items.iter().filter_map(|p| pod_state(p, &group.reading)).collect();
-        log_not_serving(&group, &pods);
+        warned.log(&group, &pods);
         apply(reconciler.relist(pods), &mut reconciler, &mut membership);
         let version = list.metadata.resource_version.unwrap_or_default();
         let until = tokio::time::Instant::now() + resync;
-        reason =
-            match watch(&api, &group, version, until, &mut reconciler, &mut membership, &mut backoff).await {
-                Relist::Gone => "gone",
-                Relist::Resync => "resync",
-            };
+        reason = match watch(
+            &api,
+            &group,
+            version,
+            until,
+            &mut reconciler,
+            &mut membership,
+            &mut backoff,
+            &mut warned,
+        )
+        .await
+        {
+            Relist::Gone => "gone",
+            Relist::Resync => "resync",
+        };
     }
 }
 
 /// Watches from `version` until `until` or a `410 Gone`, resuming every watch that ends from
 /// the last version seen.
+#[allow(clippy::too_many_arguments)] // one caller; the pieces of one selector's loop
 async fn watch(
     api: &Api<Pod>,
     group: &PodGroup,
@@ -192,20 +219,26 @@ async fn watch(
     reconciler: &mut Reconciler,
     membership: &mut Membership,
     backoff: &mut Backoff,
+    warned: &mut NotServingLog,
 ) -> Relist {
     let params = WatchParams::default()
         .labels(&group.selector)
         .timeout(u32::try_from(WATCH_TIMEOUT.as_secs()).unwrap_or(290));
     loop {
         let stream = tokio::select! {
-            s = api.watch(&params, &version) => s,
+            s = tokio::time::timeout(REQUEST_TIMEOUT, api.watch(&params, &version)) => s,
             () = tokio::time::sleep_until(until) => return Relist::Resync,
         };
         let stream = match stream {
-            Ok(s) => s,
-            Err(kube_client::Error::Api(status)) if status.code == 410 => return Relist::Gone,
-            Err(e) => {
-                tracing::warn!(key = %group.key, error = %e, "cannot watch pods; retrying");
+            Ok(Ok(s)) => s,
+            Ok(Err(kube_client::Error::Api(status))) if status.code == 410 => return Relist::Gone,
+            failed => {
+                let error = match failed {
+                    Ok(Err(e)) => e.to_string(),
+                    _ => format!("no answer in {REQUEST_TIMEOUT:?}"),
+                };
+                metrics::counter!(DISCOVERY_ERRORS, "source" => SOURCE, "op" => "watch").increment(1);
+                tracing::warn!(key = %group.key, %error, "cannot watch pods; retrying");
                 backoff.wait().await;
                 continue;
             }
@@ -222,6 +255,7 @@ async fn watch(
                 Ok(Some(Ok(event))) => event,
                 Ok(Some(Err(kube_client::Error::Api(status)))) if status.code == 410 => return Relist::Gone,
                 Ok(Some(Err(e))) => {
+                    metrics::counter!(DISCOVERY_ERRORS, "source" => SOURCE, "op" => "watch").increment(1);
                     tracing::warn!(key = %group.key, error = %e, "pod watch failed; resuming");
                     break;
                 }
@@ -233,7 +267,7 @@ async fn watch(
                 WatchEvent::Added(pod) | WatchEvent::Modified(pod) => {
                     version = pod.metadata.resource_version.clone().unwrap_or(version);
                     let Some(state) = pod_state(&pod, &group.reading) else { continue };
-                    log_not_serving(group, std::slice::from_ref(&state));
+                    warned.log(group, std::slice::from_ref(&state));
                     reconciler.applied(state)
                 }
                 WatchEvent::Deleted(pod) => {
@@ -265,10 +299,37 @@ async fn watch(
     }
 }
 
-fn log_not_serving(group: &PodGroup, pods: &[PodState]) {
-    for p in pods {
-        if let Err(why) = &p.serving {
-            tracing::debug!(key = %group.key, pod = %p.name, %why, "pod does not serve (yet)");
+/// Logs why pods do not serve: a passing state (not Ready yet, no IP, terminating) at debug; a
+/// configuration that keeps a Ready pod out for good (no container port of the configured name,
+/// a bad bootstrap-port annotation) as a warning, once per pod (by uid), with a count.
+#[derive(Default)]
+struct NotServingLog {
+    warned: std::collections::HashSet<String>,
+}
+
+impl NotServingLog {
+    fn log(&mut self, group: &PodGroup, pods: &[PodState]) {
+        for p in pods {
+            match &p.serving {
+                Err(why @ (NotServing::NoSuchPort(_) | NotServing::BadBootstrapPort(_))) => {
+                    if self.warned.len() > 4096 {
+                        self.warned.clear();
+                    }
+                    if self.warned.insert(p.uid.clone()) {
+                        let reason = match why {
+                            NotServing::NoSuchPort(_) => "no_port",
+                            _ => "bad_annotation",
+                        };
+                        metrics::counter!(super::DISCOVERY_REFUSED, "source" => SOURCE, "reason" => reason)
+                            .increment(1);
+                        tracing::warn!(key = %group.key, pod = %p.name, %why, "a Ready pod of the selector cannot be used; it stays out");
+                    }
+                }
+                Err(why) => {
+                    tracing::debug!(key = %group.key, pod = %p.name, %why, "pod does not serve (yet)")
+                }
+                Ok(_) => {}
+            }
         }
     }
 }

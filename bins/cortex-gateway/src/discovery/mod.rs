@@ -26,6 +26,9 @@ pub const DISCOVERY_CHANGES: &str = "cortex_discovery_changes_total";
 pub const DISCOVERY_REFUSED: &str = "cortex_discovery_refused_total";
 /// Counter: full relists of a discovery source (`source`, `reason` = `start`/`gone`/`resync`/`error`).
 pub const DISCOVERY_RELISTS: &str = "cortex_discovery_relists_total";
+/// Counter: failed requests of a discovery source to its API (`source`, `op` = `list`/`watch`),
+/// timeouts included.
+pub const DISCOVERY_ERRORS: &str = "cortex_discovery_errors_total";
 
 /// Describes the discovery metrics to the installed recorder.
 pub fn describe() {
@@ -35,6 +38,10 @@ pub fn describe() {
         "Discovered workers refused (a name already taken, a bad URL)."
     );
     metrics::describe_counter!(DISCOVERY_RELISTS, "Full relists of a discovery source.");
+    metrics::describe_counter!(
+        DISCOVERY_ERRORS,
+        "Failed requests of a discovery source to its API (list, watch), timeouts included."
+    );
 }
 
 /// A discovered worker, as a source sees it.
@@ -150,6 +157,24 @@ impl Membership {
                 Applied::Refused(e.to_string())
             }
         }
+    }
+
+    /// Forgets the workers this source added that were removed since by someone else (the
+    /// admin API), and returns their names: the next relist adds them again while their pods
+    /// serve (discovery's view of the cluster wins, at the next `resync` at the latest).
+    pub fn removed_elsewhere(&mut self) -> Vec<String> {
+        let registry = self.gateway.control().registry();
+        let gone: Vec<String> = self
+            .joined
+            .iter()
+            .filter(|(_, id)| registry.get(**id).is_none())
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in &gone {
+            self.joined.remove(name);
+            tracing::info!(source = self.source, worker = %name, "discovered worker was removed elsewhere; the relist adds it again while its pod serves");
+        }
+        gone
     }
 
     /// The one call of `Control::leave`, for a worker this source added; false for any other.

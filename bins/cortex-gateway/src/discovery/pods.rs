@@ -172,6 +172,9 @@ impl Reconciler {
         for pod in listed.into_values() {
             changes.extend(self.applied(pod));
         }
+        // Every leave before any join: a pod that took the address of one no longer serving in
+        // the same list would be refused (the address taken) and wait for the next relist.
+        changes.sort_by_key(|c| matches!(c, Change::Join(_)));
         changes
     }
 
@@ -369,6 +372,23 @@ mod tests {
         assert_eq!(r.members().collect::<Vec<_>>(), vec!["c", "d"]);
         // An empty relist empties it.
         assert_eq!(r.relist([]), vec![leave("c"), leave("d")]);
+    }
+
+    /// A pod given the address of another that no longer serves, seen in one relist: the other
+    /// leaves first, so the join is not refused as an address taken (it would wait for the next
+    /// relist, 5 min by default). Pod names sort the joiner first.
+    #[test]
+    fn a_relist_leaves_before_it_joins() {
+        let mut r = Reconciler::new();
+        r.relist([state(&pod("b-y", "2", true, Some("10.0.0.7")))]);
+        let changes = r.relist([
+            state(&pod("a-x", "1", true, Some("10.0.0.7"))),
+            state(&pod("b-y", "2", false, Some("10.0.0.7"))),
+        ]);
+        assert_eq!(changes, vec![leave("b-y"), join("a-x", "http://10.0.0.7:30000")]);
+        // A rejoin (a new address) keeps its leave before its join.
+        let changes = r.relist([state(&pod("a-x", "1", true, Some("10.0.0.8")))]);
+        assert_eq!(changes, vec![leave("a-x"), join("a-x", "http://10.0.0.8:30000")]);
     }
 
     #[test]

@@ -382,6 +382,27 @@ async fn a_pod_named_like_a_static_worker_is_refused_not_overwritten() {
     h.shutdown().await;
 }
 
+/// A discovered worker removed through the admin API while its pod serves is added again by the
+/// next relist: discovery's view wins (it was out until the pod changed or the gateway
+/// restarted). A review's finding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discovered_worker_removed_by_the_admin_api_comes_back_at_the_relist() {
+    let engine = SimWorker::start(sim("sglang")).unwrap();
+    let api = FakeApi::start().await;
+    api.put_silently(pod("p1", "uid-p1", &engine, true));
+    let h = gateway(&api, vec![]).await;
+    h.wait("p1 joins", || live(&h, "p1")).await;
+    h.wait("the watch is open", || api.watching()).await;
+    let r = h.send("DELETE", "/admin/workers/p1", Bytes::new()).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(member(&h, "p1"), None);
+    let lists = api.lists();
+    api.send("ERROR", &status_410());
+    h.wait("a relist", || api.lists() > lists).await;
+    h.wait("p1 is back", || live(&h, "p1")).await;
+    h.shutdown().await;
+}
+
 /// The refusals counted so far in this test binary (the recorder is global).
 fn refused(metrics_text: &str) -> f64 {
     metric(
