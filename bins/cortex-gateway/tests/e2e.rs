@@ -292,6 +292,78 @@ async fn a_worker_serving_hits_the_ledger_does_not_know_stays_ready() {
     }
 }
 
+/// Hits the ledger cannot judge owe no events, whatever the answer reports: a prompt it does not
+/// hash (a cache salt routed by load only), a ledger rebuilt cold (no replay) or trimmed by its
+/// byte budget (both know less than the engine), served as streams without `include_usage` (no
+/// `cached_tokens` to settle it) and as answers that report their cached tokens. A probe found
+/// each of the three making a healthy worker STALE: the ledger's miss was taken for new work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_the_ledger_cannot_judge_owe_no_events() {
+    for (engine, case) in
+        [("vllm", "salt"), ("sglang", "salt"), ("vllm", "cold"), ("sglang", "cold"), ("sglang", "budget")]
+    {
+        let mut cfg = slow_sim(engine);
+        cfg.events.replay = case != "cold";
+        let worker = SimWorker::start(cfg).unwrap();
+        let salted = |mut b: Value| {
+            if case == "salt" {
+                b["cache_salt"] = json!("tenant-a");
+            }
+            b
+        };
+        let prompts: Vec<String> = (0..3).map(|i| long_prompt(&format!("judged {i}"))).collect();
+        let direct = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+            .build::<_, Full<Bytes>>(hyper_util::client::legacy::connect::HttpConnector::new());
+        if case == "cold" {
+            // Cached before the gateway follows the engine, whose replay is off: a cold ledger.
+            for p in &prompts {
+                let req = Request::post(format!("{}/v1/chat/completions", worker.base_url()))
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(chat(p, false).to_string())))
+                    .unwrap();
+                assert_eq!(direct.request(req).await.unwrap().status(), StatusCode::OK);
+            }
+        }
+        let sections: &[(&str, &str)] = match case {
+            "salt" => &[("model", "{cache_salt: load_only}")],
+            // The smallest budget: it evicts blocks the engine keeps.
+            "budget" => &[("ledger", "{byte_budget: 64KiB}")],
+            _ => &[],
+        };
+        let workers = vec![(worker.base_url(), cortex_sim::Role::Unified)];
+        let h = common::gateway_in_front(engine, vec![worker], &workers, sections, |_| {}, None).await;
+        let holder = h.holder("w0");
+        if case != "cold" {
+            for p in &prompts {
+                assert_eq!(
+                    h.post("/v1/chat/completions", &salted(chat(p, false))).await.status,
+                    StatusCode::OK
+                );
+            }
+        }
+        // Past three silence timeouts (500 ms), the same prompts, all hits on the engine.
+        let until = tokio::time::Instant::now() + std::time::Duration::from_millis(1_600);
+        let mut i = 0;
+        while tokio::time::Instant::now() < until {
+            let stream = i % 2 == 0;
+            let r = h.post("/v1/chat/completions", &salted(chat(&prompts[i % prompts.len()], stream))).await;
+            assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+            if !stream {
+                assert!(cached_tokens(&r) > 0, "{engine} {case}: the engine serves it from its cache");
+            }
+            i += 1;
+            let state = h.gw.ledger_state(holder);
+            assert_eq!(
+                state,
+                Some(Readiness::Ready),
+                "{engine} {case}: went STALE: {:?}",
+                h.gw.ingest.status(holder)
+            );
+        }
+        h.shutdown().await;
+    }
+}
+
 /// A request's last batch lost on the wire: no later batch reveals the gap, but the silence
 /// after the request asks the engine's replay for what follows the last batch applied, and the
 /// holder is READY again with the lost blocks, no other request needed. Without the probe it

@@ -174,12 +174,14 @@ impl Forwarder {
             let Some(mut booking) = plan.snapshot.book(cand, now) else { continue };
             booking.track_prefix(&plan.pending, &plan.seq, now);
             // Whether it stores new blocks, so that its engine owes KV events: the ledger says so
-            // at once when it has followed the engine's whole history; after a rebuild it knows
-            // less than the engine, and the engine's own `cached_tokens` settles it when the
-            // answer ends (see `owed_events`).
+            // at once when it has followed the engine's whole history (nothing lost, nothing
+            // evicted for its limits) and hashed the prompt; else it knows less than the engine,
+            // and the engine's own `cached_tokens` settles it when the answer ends (see
+            // `owed_events`). A prompt the ledger did not hash (a cache salt or adapter routed by
+            // load only, an untokenizable prompt) matches nothing there, cached or not.
             // One read of the ledger's progress: this and the block check's `events_before`.
             let progress = self.verifier.progress(cand.holder);
-            let trusted = progress.is_some_and(|p| p.history_lost == 0);
+            let trusted = progress.is_some_and(|p| p.history_lost == 0) && !plan.seq.is_empty();
             // Owed only once the engine has computed the prompt (its answer's first token): an
             // engine that refuses or fails the request, or drops it unstarted when its client
             // leaves after a streaming head, stores nothing and publishes nothing.
@@ -222,11 +224,10 @@ impl Forwarder {
                         &self.verifier,
                         events_before,
                     ));
-                    let (bs, prompt, ledger_cached) =
-                        (plan.model.block_size(), plan.prompt_tokens, cand.matched_tokens);
+                    let (bs, prompt) = (plan.model.block_size(), plan.prompt_tokens);
                     let on_complete: upstream::OnComplete = Box::new(move |c: upstream::Completion| {
                         if let Some(owed) = &owed {
-                            owed_events(owed, &c, (prompt, ledger_cached, bs));
+                            owed_events(owed, &c, (prompt, bs));
                         }
                         check(c);
                     });
@@ -377,18 +378,21 @@ pub(crate) fn key_refused(answer: Result<Answer, Failure>, worker: &WorkerRecord
 }
 
 /// Notes on the worker, when a request's answer ends, that its engine owes KV events for it if
-/// it computed a new full block: judged by the engine's own `cached_tokens` when the answer
-/// reports them (after a ledger rebuilt cold, the ledger knows less than the engine, and a
-/// request it took for new work may be all cache hits, which store nothing), else by the
-/// ledger's match. `owed`: the worker, the rank and when the request was sent.
+/// it computed a new full block, judged by the engine's own `cached_tokens`. Only for a request
+/// the ledger could not judge (it has not followed the engine's whole history, or did not hash
+/// the prompt): the ledger then knows less than the engine, and a request it takes for new work
+/// may be all cache hits, which store nothing. An answer that reports no `cached_tokens` (a
+/// stream without `include_usage`, an engine without its cache report) obliges nothing: its
+/// silence could not be told from a healthy engine's. `owed`: the worker, the rank and when the
+/// request was sent.
 fn owed_events(
     owed: &(Arc<cortex_sched::WorkerState>, cortex_hash::kv::DpRank, cortex_sched::Timestamp),
     c: &upstream::Completion,
-    (prompt, ledger_cached, bs): (u32, u32, u32),
+    (prompt, bs): (u32, u32),
 ) {
     let (state, rank, sent) = owed;
-    let prompt = c.prompt_tokens.unwrap_or(prompt);
-    if computes_new_blocks(prompt, c.cached_tokens.unwrap_or(ledger_cached), bs) {
+    let Some(cached) = c.cached_tokens else { return };
+    if computes_new_blocks(c.prompt_tokens.unwrap_or(prompt), cached, bs) {
         state.expect_events(*rank, *sent);
     }
 }

@@ -426,6 +426,7 @@ impl Driver<'_> {
         // Owed once the leg's first token (its finished prefill, or its answer's first chunk)
         // says the engine computed the prompt: a leg refused, failed or cancelled owes nothing.
         let owes = announces
+            && !self.plan.seq.is_empty()
             && self.fw.verifier().progress(holder).is_some_and(|p| p.history_lost == 0)
             && computes_new_blocks(self.plan.prompt_tokens, cached, self.plan.model.block_size());
         if owes {

@@ -138,21 +138,21 @@ pub(crate) async fn gateway_in_front<W>(
         ));
     }
     let mut all: Vec<(&str, &str)> = SECTIONS.to_vec();
-    for &(key, value) in sections {
+    // `("model", "{…}")`: more keys of the model's entry (`{cache_salt: load_only}`).
+    let model_keys = sections.iter().find(|(k, _)| *k == "model").map_or("{}", |s| s.1);
+    for &(key, value) in sections.iter().filter(|(k, _)| *k != "model") {
         match all.iter_mut().find(|(k, _)| *k == key) {
             Some(s) => s.1 = value,
             None => all.push((key, value)),
         }
     }
     let qwen = demo::repo_root().join("golden/models/qwen3");
+    let model_keys = model_keys.trim().trim_start_matches('{').trim_end_matches('}');
+    let model_keys = if model_keys.trim().is_empty() { String::new() } else { format!(", {model_keys}") };
     let mut yaml = format!(
         "listen: '127.0.0.1:0'
 models:
-  - name: {MODEL}
-    engine: {engine}
-    tokenizer: '{}'
-    tokenizer_config: '{}'
-    block_size: 16
+  - {{name: {MODEL}, engine: {engine}, tokenizer: '{}', tokenizer_config: '{}', block_size: 16{model_keys}}}
 workers:{list}",
         qwen.join("tokenizer.json").display(),
         qwen.join("tokenizer_config.json").display(),

@@ -127,7 +127,8 @@ impl HolderWriter {
 
     /// Records that the ledger lost part of the engine's history for this holder: it was
     /// cleared or started without the engine's earlier events (a gap without replay, a replay
-    /// that failed or timed out, a restart, an undecodable batch, a cold start). An engine's own
+    /// that failed or timed out, a restart, an undecodable batch, a cold start), or evicted for
+    /// its capacity or the byte budget blocks the engine may still hold. An engine's own
     /// `AllBlocksCleared` is not such a loss: the engine forgot too. Read by
     /// [`Ledger::history_lost`](crate::Ledger::history_lost).
     pub fn mark_history_lost(&self) {
@@ -929,6 +930,9 @@ impl Apply<'_> {
             let n = self.evict(p, self.me.cfg.capacity_blocks as usize);
             // Relaxed: a statistics counter; nothing is published through it.
             self.shared.counters.evictions_capacity.fetch_add(n, StdOrdering::Relaxed);
+            // Blocks the engine may still hold are no longer known: the ledger is a lower bound
+            // of its cache from now on, as after a lost history.
+            self.me.history_lost.fetch_add(1, StdOrdering::Relaxed);
         }
         let budget = self.shared.budget_blocks(self.me.cfg.capacity_blocks);
         if p.entries.len() > budget {
@@ -938,6 +942,8 @@ impl Apply<'_> {
             let n = self.evict(p, budget * 100 / (100 + slack));
             // Relaxed: a statistics counter; nothing is published through it.
             self.shared.counters.evictions_budget.fetch_add(n, StdOrdering::Relaxed);
+            // As for the capacity: the engine keeps what the budget evicted.
+            self.me.history_lost.fetch_add(1, StdOrdering::Relaxed);
             // Give the memory back: the map was sized for the capacity, not the budget; from now
             // on it is sized for the share and an eighth, so that the store that goes past the
             // share is evicted for before the map would grow for it.
