@@ -152,9 +152,16 @@ fn route_named(name: &str) -> Result<Route, ProxyError> {
 /// an admin call never silently drops what it was given.
 fn query(uri: &http::Uri, takes: Option<&str>) -> Result<Option<String>, ProxyError> {
     let mut found = None;
-    // A bare `?` is no parameter; an empty one beside others (`?&`, `?worker=a&`) is refused: a
-    // query mangled on its way (a name left out) must not become a call on every worker.
+    // An empty parameter (`?&`, `?worker=a&`), or a bare `?` on a route that takes one, is
+    // refused: a query mangled on its way (a name left out, a script's `?${PARAMS}` with nothing
+    // in it) must not become a call on every worker. A bare `?` elsewhere is no parameter.
     let q = uri.query().unwrap_or_default();
+    if let (Some(""), Some(t)) = (uri.query(), takes) {
+        return Err(ProxyError::InvalidRequest(format!(
+            "an empty query (`?`): {} takes `{t}`; without the `?` it means every one",
+            uri.path()
+        )));
+    }
     for pair in q.split('&').filter(|_| !q.is_empty()) {
         if pair.is_empty() {
             return Err(ProxyError::InvalidRequest(format!(
@@ -366,7 +373,9 @@ mod tests {
     fn a_query_parameter_a_path_does_not_take_is_refused_by_name() {
         let q = |uri: &str, takes| query(&uri.parse().unwrap(), takes).map_err(|e| e.to_string());
         assert_eq!(q("/admin/cache/flush", Some("worker")), Ok(None));
-        assert_eq!(q("/admin/cache/flush?", Some("worker")), Ok(None));
+        // A bare `?` is no parameter where none is taken, and refused where one is (the flush
+        // of every worker must not be what an emptied query turns into).
+        assert_eq!(q("/debug/workers?", None), Ok(None));
         assert_eq!(q("/admin/cache/flush?worker=gpu%201", Some("worker")), Ok(Some("gpu 1".into())));
         for (uri, takes, says) in [
             (
@@ -387,6 +396,7 @@ mod tests {
             ("/admin/cache/flush?&", Some("worker"), "an empty query parameter (`&`)"),
             ("/admin/cache/flush?worker=w0&", Some("worker"), "an empty query parameter"),
             ("/admin/workers?&", None, "an empty query parameter"),
+            ("/admin/cache/flush?", Some("worker"), "an empty query (`?`): /admin/cache/flush takes `worker`"),
         ] {
             let err = q(uri, takes).unwrap_err();
             assert!(err.contains(says), "{uri}: {err}");
