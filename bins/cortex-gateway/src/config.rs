@@ -796,6 +796,10 @@ impl Config {
             ("ingest.stale_routing", self.ingest.stale_routing.is_some()),
             ("ledger.byte_budget", self.ledger.byte_budget.is_some()),
             ("ledger.capacity_slack_percent", self.ledger.capacity_slack_percent.is_some()),
+            ("alignment.window", self.alignment.window.is_some()),
+            ("alignment.tolerance", self.alignment.tolerance.is_some()),
+            ("alignment.min_samples", self.alignment.min_samples.is_some()),
+            ("alignment.settle", self.alignment.settle.is_some()),
         ] {
             if set {
                 bail!("{key}: {why}");
@@ -852,6 +856,12 @@ impl Config {
             bail!("limits.http2_keep_alive_interval and limits.http2_keep_alive_timeout must be positive");
         }
         // `queue_timeout: 0s` is kept: a request that finds no free slot is refused at once.
+        if limits.max_queue == 0 && l.queue_timeout.is_some() {
+            bail!(
+                "limits.queue_timeout applies to requests waiting in the queue, and limits.max_queue: 0 lets none wait \
+                 (every request that finds the slots taken gets 429): it would have no effect"
+            );
+        }
         for (key, d, why) in [
             ("body_read_timeout", limits.body_read_timeout, "no request body could arrive in time"),
             (
@@ -1807,6 +1817,43 @@ mod tests {
         format!(
             "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: vllm\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\n{extra}"
         )
+    }
+
+    #[test]
+    fn settings_that_cannot_act_are_refused() {
+        let base = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let w = "workers:\n  - {name: w, url: 'http://h:1', engine: vllm, model: m";
+        for (extra, says) in [
+            (
+                "limits: {max_queue: 0, queue_timeout: 5s}\n".to_owned(),
+                "limits.queue_timeout applies to requests waiting",
+            ),
+            (
+                format!("{w}, events: {{publish_port_base: 5557, replay_port_base: 5558, dp_size: 2}}}}\n"),
+                "replay_port_base 5558 overlaps the publish ports (5557..=5558)",
+            ),
+            (
+                format!("{w}, events: {{publish_port_base: 5557, replay_port_base: 5557}}}}\n"),
+                "replay_port_base 5557 overlaps",
+            ),
+            ("mode: proxy_only\nalignment: {settle: 1s}\n".to_owned(), "alignment.settle: mode proxy_only"),
+        ] {
+            let err = format!(
+                "{:#}",
+                Config::parse(&minimal(&extra))
+                    .and_then(|c| c.into_settings(&base))
+                    .err()
+                    .unwrap_or_else(|| panic!("accepted: {extra}"))
+            );
+            assert!(err.contains(says), "{extra}: {err}");
+        }
+        // Beside them, the same settings are taken.
+        for extra in [
+            "limits: {max_queue: 0}\n".to_owned(),
+            format!("{w}, events: {{publish_port_base: 5557, replay_port_base: 5559, dp_size: 2}}}}\n"),
+        ] {
+            assert!(Config::parse(&minimal(&extra)).unwrap().into_settings(&base).is_ok(), "{extra}");
+        }
     }
 
     #[test]

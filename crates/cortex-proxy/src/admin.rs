@@ -396,7 +396,11 @@ mod tests {
             ("/admin/cache/flush?&", Some("worker"), "an empty query parameter (`&`)"),
             ("/admin/cache/flush?worker=w0&", Some("worker"), "an empty query parameter"),
             ("/admin/workers?&", None, "an empty query parameter"),
-            ("/admin/cache/flush?", Some("worker"), "an empty query (`?`): /admin/cache/flush takes `worker`"),
+            (
+                "/admin/cache/flush?",
+                Some("worker"),
+                "an empty query (`?`): /admin/cache/flush takes `worker`",
+            ),
         ] {
             let err = q(uri, takes).unwrap_err();
             assert!(err.contains(says), "{uri}: {err}");

@@ -270,6 +270,21 @@ impl EventsOverride {
                 ));
             }
         }
+        // Each rank's PUB and replay ROUTER are two sockets: their ranges must not share a port.
+        if let Some(replay) = self.replay_port_base {
+            let (p, r) = (u32::from(self.publish_port_base), u32::from(replay));
+            let n = u32::from(self.dp_size);
+            if p < r + n && r < p + n {
+                return Err((
+                    "replay_port_base",
+                    format!(
+                        "{replay} overlaps the publish ports ({p}..={}): rank r publishes on publish_port_base + r \
+                         and replays on replay_port_base + r, two sockets that cannot share a port",
+                        p + n - 1
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 }
