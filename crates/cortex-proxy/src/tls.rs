@@ -43,14 +43,14 @@ pub enum TlsError {
         what: String,
     },
     /// rustls refused the pair (the key does not match the certificate, or is unsupported).
-    #[error("certificate {cert} and key {key}: {source}")]
+    #[error("certificate {cert} and key {key}: {why}")]
     Pair {
         /// The certificate file.
         cert: PathBuf,
         /// The key file.
         key: PathBuf,
-        /// rustls's reason.
-        source: rustls::Error,
+        /// rustls's reason, in words (not a `source`: a chain printer would say it twice).
+        why: String,
     },
 }
 
@@ -151,8 +151,32 @@ fn server_config(cert: &Path, key: &Path) -> Result<Served, TlsError> {
         return Err(TlsError::Pem { path: cert.to_owned(), what: "no CERTIFICATE in the file".into() });
     }
     let leaf = chain[0].clone();
-    let private = PrivateKeyDer::from_pem_file(key).map_err(|e| pem_error(key, &e))?;
-    let pair = |source| TlsError::Pair { cert: cert.to_owned(), key: key.to_owned(), source };
+    let private = PrivateKeyDer::from_pem_file(key).map_err(|e| match e {
+        rustls::pki_types::pem::Error::NoItemsFound => {
+            let text = std::fs::read(key).unwrap_or_default();
+            let has = |m: &str| text.windows(m.len()).any(|w| w == m.as_bytes());
+            let what = if has("ENCRYPTED PRIVATE KEY") {
+                "the private key is encrypted, which is not supported: decrypt it (`openssl pkey -in <file>`)"
+            } else if has("CERTIFICATE") {
+                "no private key, only a certificate: `key` must be the private key's file"
+            } else {
+                "no private key (`PRIVATE KEY`, `RSA PRIVATE KEY` or `EC PRIVATE KEY`) in the file"
+            };
+            TlsError::Pem { path: key.to_owned(), what: what.to_owned() }
+        }
+        e => pem_error(key, &e),
+    })?;
+    let pair = |e: rustls::Error| TlsError::Pair {
+        cert: cert.to_owned(),
+        key: key.to_owned(),
+        why: match e {
+            rustls::Error::InconsistentKeys(rustls::InconsistentKeys::KeyMismatch) => {
+                "the private key does not belong to the certificate (the chain's first certificate)"
+                    .to_owned()
+            }
+            e => e.to_string(),
+        },
+    };
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut cfg = ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
@@ -201,8 +225,14 @@ mod tests {
         // Caught between writing the two files (c's certificate, b's key), an empty key, a key
         // in the certificate's place, a missing file: refused, b stays in service.
         for (cert_pem, key_pem, says) in [
-            (c.cert.as_str(), b.key.as_str(), "key.pem"),
-            (c.cert.as_str(), "", "key.pem"),
+            (c.cert.as_str(), b.key.as_str(), "the private key does not belong to the certificate"),
+            (c.cert.as_str(), "", "no private key (`PRIVATE KEY`"),
+            (c.cert.as_str(), c.cert.as_str(), "no private key, only a certificate"),
+            (
+                c.cert.as_str(),
+                "-----BEGIN ENCRYPTED PRIVATE KEY-----\nMIIB\n-----END ENCRYPTED PRIVATE KEY-----\n",
+                "the private key is encrypted",
+            ),
             (c.key.as_str(), c.key.as_str(), "no CERTIFICATE"),
             // Cut short: the marker it lacks named as text.
             (&c.cert[..c.cert.len() / 2], c.key.as_str(), "missing section end marker `CERTIFICATE`"),
