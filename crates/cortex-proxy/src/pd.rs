@@ -1039,10 +1039,14 @@ impl Forwarder {
             // as long as the client's answer runs.
             let clock = self.clock();
             if let Some(fut) = p.fut {
-                let booking = p.booking;
+                let (booking, sent) = (p.booking, p.sent);
                 let task = tokio::spawn(async move {
-                    if let (Some(b), LegEnd::PrefillDone { .. }) = (booking, fut.await) {
-                        b.succeed(clock.now());
+                    if let LegEnd::PrefillDone { .. } = fut.await {
+                        // Its duration, as for a prefill that ended before the commit.
+                        metrics::histogram!(t::PD_PREFILL_SECONDS).record(sent.elapsed().as_secs_f64());
+                        if let Some(b) = booking {
+                            b.succeed(clock.now());
+                        }
                     }
                 });
                 guards.push(Box::new(AbortOnDrop(task.abort_handle())));
