@@ -986,8 +986,12 @@ async fn metrics_describe_routing_ledger_and_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxy_only_mode_routes_by_load_without_tokens_or_ledger() {
-    let h =
-        harness("vllm", vec![sim("vllm"), sim("vllm")], &[("mode", "proxy_only"), ("ingest", "{}")]).await;
+    let h = harness(
+        "vllm",
+        vec![sim("vllm"), sim("vllm")],
+        &[("mode", "proxy_only"), ("ingest", "{}"), ("alignment", "{}")],
+    )
+    .await;
     let body = chat(&long_prompt("proxy"), false);
     // Four sends of one prompt to two workers: some worker serves it twice and has it cached,
     // yet the gateway never claims a hit.
