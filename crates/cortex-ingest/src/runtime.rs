@@ -1558,6 +1558,16 @@ mod tests {
         contained_and_rebuilt(false, 911);
     }
 
+    /// Waits until lane 0 has nothing queued and is not draining: the inline path needs it so.
+    fn wait_lane_idle(ingest: &Ingest) {
+        let lane = &ingest.shared.lanes[0];
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while lane.queued.load(std::sync::atomic::Ordering::Acquire) != 0 || lane.state.try_lock().is_err() {
+            assert!(std::time::Instant::now() < deadline, "the lane never went idle");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// The holders' groups all applied inline by the socket thread, or all queued to the lane.
     fn contained_and_rebuilt(inline: bool, first: u32) {
         let ledger = Ledger::new(LedgerConfig::default());
@@ -1574,6 +1584,11 @@ mod tests {
             wait(&ingest, h, "the start", |s| s.state == HolderState::Ready);
         }
         for i in 0..3 {
+            if inline {
+                // On a loaded machine the lane may still be busy with the start: it must be idle
+                // for a group to take the inline path at all.
+                wait_lane_idle(&ingest);
+            }
             ea.publish(i, &vllm_block_batch(i));
             eb.publish(i, &vllm_block_batch(i));
         }
@@ -1627,14 +1642,7 @@ mod tests {
                 if h == e {
                     // The inline path needs an idle lane: on a loaded machine the lane thread may
                     // still be finishing d's repairs when e's batches come.
-                    let lane = &ingest.shared.lanes[0];
-                    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-                    while lane.queued.load(std::sync::atomic::Ordering::Acquire) != 0
-                        || lane.state.try_lock().is_err()
-                    {
-                        assert!(std::time::Instant::now() < deadline, "the lane never went idle");
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
+                    wait_lane_idle(&ingest);
                 }
                 engine.publish(i, &vllm_block_batch(i));
             }
