@@ -1427,6 +1427,9 @@ pub struct PodSelectorFile {
     /// `plain` (default) or `unknown` (see `workers[].unlabeled_stores`).
     #[serde(default)]
     pub unlabeled_stores: Option<String>,
+    /// As `workers[].max_running_requests`, for every pod of the selector.
+    #[serde(default)]
+    pub max_running_requests: Option<u32>,
 }
 
 /// A port number or a container port's name.
@@ -1493,6 +1496,9 @@ fn kubernetes(k: KubernetesFile, models: &ModelTable) -> Result<KubernetesSettin
             let unlabeled_stores_unknown = parse_unlabeled_stores(e.unlabeled_stores.as_deref())
                 .map_err(anyhow::Error::msg)
                 .with_context(|| format!("{key}.unlabeled_stores"))?;
+            if e.max_running_requests == Some(0) {
+                bail!("{key}.max_running_requests must be at least 1");
+            }
             groups.push(PodGroup {
                 key,
                 selector: e.selector,
@@ -1502,6 +1508,7 @@ fn kubernetes(k: KubernetesFile, models: &ModelTable) -> Result<KubernetesSettin
                     model: e.model,
                     role,
                     unlabeled_stores_unknown,
+                    max_running_requests: e.max_running_requests,
                 },
             });
         }
@@ -1644,7 +1651,7 @@ mod tests {
                 "listen: 127.0.0.1:8080\nmodels:\n  - name: m\n    engine: sglang\n    tokenizer: golden/models/qwen3/tokenizer.json\n    tokenizer_config: golden/models/qwen3/tokenizer_config.json\n    block_size: 16\ndiscovery:\n  kubernetes:\n{discovery}"
             )
         };
-        let ok = "    namespace: llm\n    resync: 30s\n    workers:\n      - {selector: 'app=sglang', port: http, engine: sglang, model: m}\n      - {selector: 'app=other', port: 30000, engine: sglang, model: m, unlabeled_stores: unknown}\n";
+        let ok = "    namespace: llm\n    resync: 30s\n    workers:\n      - {selector: 'app=sglang', port: http, engine: sglang, model: m}\n      - {selector: 'app=other', port: 30000, engine: sglang, model: m, unlabeled_stores: unknown, max_running_requests: 1024}\n";
         let k = Config::parse(&yaml(ok)).unwrap().into_settings(&base).unwrap().kubernetes.unwrap();
         assert_eq!(k.api, ApiAccess::Infer);
         assert_eq!(k.namespace.as_deref(), Some("llm"));
@@ -1660,6 +1667,16 @@ mod tests {
         assert_eq!(k.groups[0].template.role, Role::Regular);
         assert!(
             !k.groups[0].template.unlabeled_stores_unknown && k.groups[1].template.unlabeled_stores_unknown
+        );
+        assert_eq!(
+            (k.groups[0].template.max_running_requests, k.groups[1].template.max_running_requests),
+            (None, Some(1024))
+        );
+        let zero = ok.replace("max_running_requests: 1024", "max_running_requests: 0");
+        let err = format!("{:#}", Config::parse(&yaml(&zero)).unwrap().into_settings(&base).unwrap_err());
+        assert!(
+            err.contains("discovery.kubernetes.workers[1].max_running_requests must be at least 1"),
+            "{err}"
         );
         // Without the section there is no discovery; a misspelt key is refused by name.
         let none = Config::parse(&yaml("").replace("discovery:\n  kubernetes:\n", "")).unwrap();

@@ -76,6 +76,8 @@ pub struct WorkerTemplate {
     pub role: Role,
     /// See [`WorkerConfig::unlabeled_stores_unknown`].
     pub unlabeled_stores_unknown: bool,
+    /// See [`WorkerConfig::max_running_requests`].
+    pub max_running_requests: Option<u32>,
 }
 
 /// What applying a change did.
@@ -135,7 +137,7 @@ impl Membership {
             engine: self.template.engine,
             model: self.template.model.clone(),
             role: self.template.role,
-            max_running_requests: None,
+            max_running_requests: self.template.max_running_requests,
             events: None,
             unlabeled_stores_unknown: self.template.unlabeled_stores_unknown,
             bootstrap_port: d.bootstrap_port,
