@@ -195,6 +195,10 @@ impl Forwarder {
             let attempt = Attempt { worker: &worker, cand, max_hit: plan.max_hit() };
             let mode = effective_mode(plan.mode, cand);
             let mut span = out.watch.span("attempt", &worker.config.name, u32::from(cand.holder.rank.0));
+            // Named in the access log when this attempt is left (after the send: nothing is
+            // allocated before it), whether it failed or the client went away during it.
+            let _dispatched =
+                Dispatched { watch: out.watch, worker: &worker.config.name, rank: cand.holder.rank.0 };
             // For the block check: the worker's events the ledger had applied before this request.
             let events_before = progress.map(|p| p.events_applied);
             let answer = key_refused(attempt.send(self, &out, span.as_ref()).await, worker.as_ref());
@@ -394,6 +398,20 @@ fn owed_events(
     let Some(cached) = c.cached_tokens else { return };
     if computes_new_blocks(c.prompt_tokens.unwrap_or(prompt), cached, bs) {
         state.expect_events(*rank, *sent);
+    }
+}
+
+/// Names an attempt's worker in the access log when the attempt is left, however: a request
+/// whose every attempt failed, or whose client left during one, has no answer head to name it.
+struct Dispatched<'a> {
+    watch: &'a crate::observe::Watch,
+    worker: &'a str,
+    rank: u16,
+}
+
+impl Drop for Dispatched<'_> {
+    fn drop(&mut self) {
+        self.watch.dispatched("attempt", self.worker, u32::from(self.rank));
     }
 }
 

@@ -289,6 +289,23 @@ impl Watch {
         self.shared().map(|s| Tap(Arc::clone(s)))
     }
 
+    /// Names `worker` and its `rank` (the prefill worker for the PD leg `prefill`) in the access
+    /// log, for a request that ends before an answer's head names them (every attempt failed, or
+    /// the client left during one); a head read later names what was served.
+    pub(crate) fn dispatched(&self, leg: &'static str, worker: &str, rank: u32) {
+        let Some(s) = self.shared() else { return };
+        let mut st = s.state();
+        if st.status.is_some() {
+            return;
+        }
+        if leg == "prefill" {
+            st.prefill_worker = Some(worker.to_owned());
+        } else {
+            st.worker = Some(worker.to_owned());
+            st.rank = Some(rank);
+        }
+    }
+
     /// A client span for one attempt (or PD `leg`) on `worker`'s `rank`; `None` when the request
     /// is not traced.
     pub(crate) fn span(&self, leg: &'static str, worker: &str, rank: u32) -> Option<SpanGuard> {

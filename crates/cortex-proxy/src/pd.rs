@@ -494,6 +494,7 @@ impl Driver<'_> {
     /// The client span of a leg to `holder` (when the request is traced).
     fn span(&self, leg: Leg, holder: HolderId) -> Option<SpanGuard> {
         let name = self.worker(holder).map(|w| w.config.name.clone()).unwrap_or_default();
+        self.out.watch.dispatched(leg.as_str(), &name, u32::from(holder.rank.0));
         self.out.watch.span(leg.as_str(), &name, u32::from(holder.rank.0))
     }
 

@@ -285,6 +285,26 @@ async fn the_json_access_log_has_a_line_per_request() {
     h.wait("the error's access line", || find2().is_some()).await;
     let line = find2().unwrap();
     assert_eq!((line["outcome"].as_str(), line["worker"].is_null()), (Some("error"), true), "{line}");
+    // Every attempt failed: no answer head names a worker, but the line names the last one tried
+    // (it had none, `attempts` 2, a probe's finding).
+    for s in &h.sims {
+        s.fail_next(500, 1);
+    }
+    let r = post_with(&h, "/v1/chat/completions", &body, &[("x-request-id", "access-log-3")]).await;
+    assert!(r.status.is_server_error(), "{}", r.body);
+    let find3 = || {
+        access_lines()
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["request_id"] == "access-log-3")
+    };
+    h.wait("the failed request's access line", || find3().is_some()).await;
+    let line = find3().unwrap();
+    assert_eq!(line["attempts"], 2, "{line}");
+    assert!(line["worker"] == "w0" || line["worker"] == "w1", "{line}");
+    assert_eq!(line["rank"], 0, "{line}");
     h.shutdown().await;
 }
 
