@@ -391,6 +391,21 @@ async fn a_lost_last_batch_is_repaired_after_the_silence() {
         assert_eq!(st.clears, 0, "{engine}: repaired, not rebuilt: {st:?}");
         h.shutdown().await;
     }
+    // A vLLM engine whose very first batch is lost (nothing applied yet): asked from 0. It stayed
+    // STALE (a probe's finding); SGLang's first batch is its start's AllBlocksCleared.
+    let h = harness("vllm", vec![sim("vllm")], &[]).await;
+    let holder = h.holder("w0");
+    h.sims[0].drop_next_batches(0, 1).unwrap();
+    let mut first = chat(&long_prompt("the first batch lost"), false);
+    first["max_tokens"] = json!(1);
+    assert_eq!(h.post("/v1/chat/completions", &first).await.status, StatusCode::OK);
+    h.wait("the silence is noticed", || {
+        h.gw.ingest.status(holder).is_some_and(|st| st.transitions(cortex_ingest::Reason::Silent) == 1)
+    })
+    .await;
+    h.wait("READY again", || h.gw.ledger_state(holder) == Some(Readiness::Ready)).await;
+    h.wait_hit_on(&first, "w0").await;
+    h.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -354,12 +354,11 @@ impl<P: Fingerprint> Sequencer<P> {
             Input::Silent => {
                 self.suspect(Reason::Silent, out);
                 // The engine owes batches and none came: its last ones may have been lost on the
-                // way (a gap only a later batch would reveal). Its ring has them if so.
-                if self.replay == Replay::Available
-                    && !self.replaying()
-                    && let Some(last) = self.last
-                {
-                    let from = last.wrapping_add(1);
+                // way (a gap only a later batch would reveal), or its first ones (nothing applied
+                // yet: an engine just started or restarted whose seq 0 was lost). Its ring has
+                // them if so.
+                if self.replay == Replay::Available && !self.replaying() {
+                    let from = self.last.map_or(0, |last| last.wrapping_add(1));
                     self.phase = Phase::Replaying { asked: from, next: from, first: true, probe: true };
                     out.push(Effect::RequestReplay { from });
                 }
@@ -1057,6 +1056,17 @@ mod tests {
             e,
             vec![Effect::Apply { seq: 4, payload: 4 }, Effect::State(HolderState::Ready, Reason::Resumed)]
         );
+        // Nothing applied yet (an engine whose seq 0 was lost): asked from 0, and repaired.
+        let mut m = Sequencer::<u64>::new(Replay::Available, 64);
+        m.start_cold(&mut Vec::new());
+        assert_eq!(
+            run(&mut m, Input::Silent),
+            vec![Effect::State(HolderState::Stale, Reason::Silent), Effect::RequestReplay { from: 0 }]
+        );
+        let mut e = run(&mut m, Input::Replayed { seq: 0, payload: 0 });
+        e.extend(run(&mut m, Input::ReplayEnd));
+        assert_eq!(applied(&e), vec![0]);
+        assert_eq!(m.state(), HolderState::Ready);
         // The ring no longer has the batch after the last: lost for good, rebuilt.
         let mut m = ready_at(Replay::Available, 3);
         run(&mut m, Input::Silent);
