@@ -969,7 +969,7 @@ impl Config {
         if self.mode == ModeFile::ProxyOnly {
             self.check_proxy_only()?;
         }
-        let (sched, health) = scheduler(&self.scheduler)?;
+        let (sched, health) = scheduler(&self.scheduler, self.mode == ModeFile::ProxyOnly)?;
         if proxy.prefill_tokens_per_sec == 0 {
             bail!("scheduler.prefill_tokens_per_sec must be positive");
         }
@@ -1155,7 +1155,8 @@ fn policy(s: Option<&str>, default: PolicyConfig, key: &str) -> Result<PolicyCon
     }
 }
 
-fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
+/// `proxy_only`: no prefill or decode pool can exist, so only the regular pool's policy reads.
+fn scheduler(s: &SchedulerFile, proxy_only: bool) -> Result<(SchedConfig, HealthPolicy)> {
     let d = SchedConfig::default();
     let pools = PoolPolicies {
         regular: policy(s.policy.as_deref(), d.pools.regular, "policy")?,
@@ -1164,15 +1165,23 @@ fn scheduler(s: &SchedulerFile) -> Result<(SchedConfig, HealthPolicy)> {
     };
     // A setting only some policies read is refused when no pool's policy does: it would have
     // no effect.
-    let kinds = [pools.regular.kind(), pools.prefill.kind(), pools.decode.kind()];
+    let kinds: &[PolicyKind] = if proxy_only {
+        &[pools.regular.kind()]
+    } else {
+        &[pools.regular.kind(), pools.prefill.kind(), pools.decode.kind()]
+    };
     let inert = |key: &str, set: bool, readers: &[PolicyKind]| -> Result<()> {
         if set && !kinds.iter().any(|k| readers.contains(k)) {
             let names: Vec<&str> = readers.iter().map(|k| k.as_str()).collect();
             bail!(
-                "scheduler.{key} applies only to {}, which no pool uses (policy, prefill_policy, decode_policy: {}): \
-                 it would have no effect",
+                "scheduler.{key} applies only to {}, which no pool uses ({}: {}): it would have no effect",
                 names.join(", "),
-                kinds.map(PolicyKind::as_str).join(", ")
+                if proxy_only {
+                    "policy, the only pool under mode proxy_only"
+                } else {
+                    "policy, prefill_policy, decode_policy"
+                },
+                kinds.iter().map(|k| k.as_str()).collect::<Vec<_>>().join(", ")
             );
         }
         Ok(())
@@ -1854,6 +1863,10 @@ mod tests {
                 "replay_port_base 5557 overlaps",
             ),
             ("mode: proxy_only\nalignment: {settle: 1s}\n".to_owned(), "alignment.settle: mode proxy_only"),
+            (
+                "mode: proxy_only\nscheduler: {policy: round_robin, bounded_load_epsilon: 0.5}\n".to_owned(),
+                "scheduler.bounded_load_epsilon applies only to cache_aware, cache_aware_v1, least_load, which no pool uses (policy, the only pool under mode proxy_only: round_robin)",
+            ),
         ] {
             let err = format!(
                 "{:#}",

@@ -1038,19 +1038,24 @@ async fn proxy_only_mode_routes_by_load_without_tokens_or_ledger() {
     let ready = h.send("GET", "/health/ready", Bytes::new()).await;
     assert_eq!(ready.status, StatusCode::OK);
     assert_eq!(ready.json()["routing"], "proxy_only");
-    // A worker that only disaggregation would use is refused by the admin API too.
-    let prefill = json!({"name": "p", "url": "http://127.0.0.1:9", "engine": "vllm", "model": MODEL, "role": "prefill"});
-    let req = Request::builder()
-        .method("POST")
-        .uri(format!("http://{}/admin/workers", h.admin_addr()))
-        .header("authorization", format!("Bearer {}", common::ADMIN_TOKEN))
-        .body(Full::new(Bytes::from(prefill.to_string())))
-        .unwrap();
-    let resp = h.client.request(req).await.unwrap();
-    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
-    let body = resp.into_body().collect().await.unwrap().to_bytes();
-    assert!(String::from_utf8_lossy(&body).contains("mode proxy_only"), "{body:?}");
-    assert!(h.gw.gateway.control().registry().by_name("p").is_none());
+    // A worker that only disaggregation would use, or whose events would be followed, is refused
+    // by the admin API too.
+    for worker in [
+        json!({"name": "p", "url": "http://127.0.0.1:9", "engine": "vllm", "model": MODEL, "role": "prefill"}),
+        json!({"name": "p", "url": "http://127.0.0.1:9", "engine": "vllm", "model": MODEL, "events": {"publish_port_base": 5557}}),
+    ] {
+        let req = Request::builder()
+            .method("POST")
+            .uri(format!("http://{}/admin/workers", h.admin_addr()))
+            .header("authorization", format!("Bearer {}", common::ADMIN_TOKEN))
+            .body(Full::new(Bytes::from(worker.to_string())))
+            .unwrap();
+        let resp = h.client.request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert!(String::from_utf8_lossy(&body).contains("mode proxy_only"), "{body:?}");
+        assert!(h.gw.gateway.control().registry().by_name("p").is_none());
+    }
     h.shutdown().await;
 }
 

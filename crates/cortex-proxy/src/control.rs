@@ -209,6 +209,13 @@ impl Control {
     /// URL, a name taken or another worker's address ([`RegistryError`]).
     pub fn join(self: &Arc<Self>, config: WorkerConfig) -> Result<WorkerId, ProxyError> {
         config.check_model(&self.models).map_err(|e| ProxyError::InvalidRequest(e.to_string()))?;
+        if self.mode == Mode::ProxyOnly && config.events.is_some() {
+            return Err(ProxyError::InvalidRequest(format!(
+                "worker {} has `events`, but the gateway runs in mode proxy_only, which follows no KV events: \
+                 it would have no effect",
+                config.name
+            )));
+        }
         if self.mode == Mode::ProxyOnly && config.role != Role::Regular {
             return Err(ProxyError::InvalidRequest(format!(
                 "worker {} has role {}, but the gateway runs in mode proxy_only, which never disaggregates: \
