@@ -254,6 +254,18 @@ impl Probes {
             return Err(conflict);
         }
         if let Some(o) = &w.config.events {
+            // An override of fewer (or more) ranks than the engine reports follows the wrong
+            // sockets: the ranks left out are never followed, and a port may be another rank's.
+            let reported = d.dp_size;
+            if (reported > 1 || !d.sources.is_empty()) && reported != o.dp_size.max(1) {
+                tracing::warn!(
+                    worker = %w.config.name,
+                    configured = o.dp_size,
+                    reported,
+                    "events override: its dp_size is not the number of data-parallel ranks the engine reports; \
+                     the ranks it leaves out are not followed (check events.dp_size and publish_port_base)"
+                );
+            }
             discovery::apply_events_override(&mut d, o, &w.host);
         }
         d.facts.tokens_agree = match model {
