@@ -358,9 +358,7 @@ impl<P: Fingerprint> Sequencer<P> {
                 // yet: an engine just started or restarted whose seq 0 was lost). Its ring has
                 // them if so.
                 if self.replay == Replay::Available && !self.replaying() {
-                    let from = self.last.map_or(0, |last| last.wrapping_add(1));
-                    self.phase = Phase::Replaying { asked: from, next: from, first: true, probe: true };
-                    out.push(Effect::RequestReplay { from });
+                    self.ask_replay(self.last.map_or(0, |last| last.wrapping_add(1)), true, out);
                 }
             }
         }
@@ -457,9 +455,14 @@ impl<P: Fingerprint> Sequencer<P> {
     }
 
     fn start_replay(&mut self, from: u64, why: Reason, out: &mut Vec<Effect<P>>) {
-        self.phase = Phase::Replaying { asked: from, next: from, first: true, probe: false };
-        out.push(Effect::RequestReplay { from });
+        self.ask_replay(from, false, out);
         self.set_state(HolderState::Syncing, why, out);
+    }
+
+    /// Asks the engine's replay socket for its batches from `from` (`probe`: after a silence).
+    fn ask_replay(&mut self, from: u64, probe: bool, out: &mut Vec<Effect<P>>) {
+        self.phase = Phase::Replaying { asked: from, next: from, first: true, probe };
+        out.push(Effect::RequestReplay { from });
     }
 
     fn replayed(&mut self, seq: u64, payload: P, out: &mut Vec<Effect<P>>) {

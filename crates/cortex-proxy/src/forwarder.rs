@@ -195,15 +195,19 @@ impl Forwarder {
             let attempt = Attempt { worker: &worker, cand, max_hit: plan.max_hit() };
             let mode = effective_mode(plan.mode, cand);
             let mut span = out.watch.span("attempt", &worker.config.name, u32::from(cand.holder.rank.0));
-            // Named in the access log when this attempt is left (after the send: nothing is
-            // allocated before it), whether it failed or the client went away during it.
-            let _dispatched =
+            // Named in the access log when this attempt is left unanswered (after the send:
+            // nothing is allocated before it), whether it failed or the client went away during
+            // it; an answer's own headers name it otherwise.
+            let dispatched =
                 Dispatched { watch: out.watch, worker: &worker.config.name, rank: cand.holder.rank.0 };
             // For the block check: the worker's events the ledger had applied before this request.
             let events_before = progress.map(|p| p.events_applied);
             let answer = key_refused(attempt.send(self, &out, span.as_ref()).await, worker.as_ref());
             if let (Some(s), Ok(a)) = (span.as_mut(), &answer) {
                 s.answered(a.status().as_u16());
+            }
+            if answer.is_ok() {
+                dispatched.answered();
             }
             match answer {
                 Ok(Answer::Stream(resp)) => {
@@ -401,12 +405,20 @@ fn owed_events(
     }
 }
 
-/// Names an attempt's worker in the access log when the attempt is left, however: a request
-/// whose every attempt failed, or whose client left during one, has no answer head to name it.
+/// Names an attempt's worker in the access log when the attempt is left without an answer: a
+/// request whose every attempt failed, or whose client left during one, has no answer head to
+/// name it.
 struct Dispatched<'a> {
     watch: &'a crate::observe::Watch,
     worker: &'a str,
     rank: u16,
+}
+
+impl Dispatched<'_> {
+    /// The attempt was answered: the answer's headers name its worker, nothing to do here.
+    fn answered(self) {
+        std::mem::forget(self);
+    }
 }
 
 impl Drop for Dispatched<'_> {

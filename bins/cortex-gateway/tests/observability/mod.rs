@@ -231,6 +231,16 @@ fn access_lines() -> &'static Mutex<Vec<String>> {
     })
 }
 
+/// The JSON access line of the request `id`, once written.
+fn access_line(id: &str) -> Option<Value> {
+    access_lines()
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["request_id"] == id)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_json_access_log_has_a_line_per_request() {
     access_lines();
@@ -245,14 +255,7 @@ async fn the_json_access_log_has_a_line_per_request() {
     let body = chat(&long_prompt("access"), false);
     let r = post_with(&h, "/v1/chat/completions", &body, &[("x-request-id", "access-log-1")]).await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
-    let find = || {
-        access_lines()
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|v| v["request_id"] == "access-log-1")
-    };
+    let find = || access_line("access-log-1");
     h.wait("the access line", || find().is_some()).await;
     let line = find().unwrap();
     assert_eq!(line["model"], MODEL, "{line}");
@@ -274,14 +277,7 @@ async fn the_json_access_log_has_a_line_per_request() {
     )
     .await;
     assert!(r.status.is_client_error());
-    let find2 = || {
-        access_lines()
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|v| v["request_id"] == "access-log-2")
-    };
+    let find2 = || access_line("access-log-2");
     h.wait("the error's access line", || find2().is_some()).await;
     let line = find2().unwrap();
     assert_eq!((line["outcome"].as_str(), line["worker"].is_null()), (Some("error"), true), "{line}");
@@ -292,14 +288,7 @@ async fn the_json_access_log_has_a_line_per_request() {
     }
     let r = post_with(&h, "/v1/chat/completions", &body, &[("x-request-id", "access-log-3")]).await;
     assert!(r.status.is_server_error(), "{}", r.body);
-    let find3 = || {
-        access_lines()
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .find(|v| v["request_id"] == "access-log-3")
-    };
+    let find3 = || access_line("access-log-3");
     h.wait("the failed request's access line", || find3().is_some()).await;
     let line = find3().unwrap();
     assert_eq!(line["attempts"], 2, "{line}");
